@@ -1,0 +1,414 @@
+#include "fgm_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <sstream>
+
+namespace sg {
+
+namespace {
+
+constexpr char kMagic[8] = {'F', 'A', 'S', 'T', 'G', 'E', 'M', '1'};
+constexpr int64_t kMaxDim = int64_t(1) << 40;  // far beyond any real tensor; keeps products exact
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream o;
+  o << '[';
+  for (size_t i = 0; i < s.size(); ++i) o << (i ? ", " : "") << s[i];
+  o << ']';
+  return o.str();
+}
+
+bool parse_dtype(const std::string& s, DType* out) {
+  static const std::pair<const char*, DType> table[] = {{"f32", DType::F32}, {"f16", DType::F16},
+                                                        {"q4g", DType::Q4G}, {"q8c", DType::Q8C},
+                                                        {"q4r", DType::Q4R}, {"q8r", DType::Q8R}};
+  for (const auto& e : table)
+    if (s == e.first) { *out = e.second; return true; }
+  return false;
+}
+
+}  // namespace
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "f32";
+    case DType::F16: return "f16";
+    case DType::Q4G: return "q4g";
+    case DType::Q8C: return "q8c";
+    case DType::Q4R: return "q4r";
+    case DType::Q8R: return "q8r";
+  }
+  return "?";
+}
+
+FgmFile::FgmFile(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd_ < 0) fail(std::string("cannot open: ") + std::strerror(errno));
+  struct stat st;
+  if (fstat(fd_, &st) != 0) {
+    int e = errno;
+    ::close(fd_);
+    fd_ = -1;
+    fail(std::string("cannot stat: ") + std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("not a regular file");
+  }
+  size_ = static_cast<uint64_t>(st.st_size);
+  if (size_ < 12) {
+    ::close(fd_);
+    fd_ = -1;
+    fail("file is " + std::to_string(size_) + " bytes, too short for the 12-byte FASTGEM1 preamble (truncated?)");
+  }
+  void* p = mmap(nullptr, size_, PROT_READ, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    ::close(fd_);
+    fd_ = -1;
+    fail(std::string("mmap failed: ") + std::strerror(e));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  try {
+    parse_header();
+    check_inventory();
+    compute_signature();
+  } catch (...) {
+    munmap(base_, size_);
+    ::close(fd_);
+    base_ = nullptr;
+    fd_ = -1;
+    throw;
+  }
+}
+
+FgmFile::~FgmFile() {
+  if (base_) munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FgmFile::fail(const std::string& what) const { throw FgmError(path_ + ": " + what); }
+
+const TensorInfo* FgmFile::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const TensorInfo& FgmFile::require(const std::string& name) const {
+  const TensorInfo* t = find(name);
+  if (!t) fail("required tensor '" + name + "' is missing");
+  return *t;
+}
+
+void FgmFile::parse_header() {
+  if (std::memcmp(base_, kMagic, 8) != 0) {
+    bool zeros = std::all_of(base_, base_ + 8, [](uint8_t b) { return b == 0; });
+    fail(zeros ? "no FASTGEM1 magic (the first 8 bytes are zero: an interrupted or failed conversion)"
+               : "bad magic: not a FASTGEM1 .fgm file");
+  }
+  uint32_t hlen;
+  std::memcpy(&hlen, base_ + 8, 4);
+  if (hlen == 0) fail("header length is 0");
+  if (uint64_t(hlen) > size_ - 12)
+    fail("header length " + std::to_string(hlen) + " runs past the end of the file (" + std::to_string(size_) +
+         " bytes): truncated or corrupt");
+  header_json_.assign(reinterpret_cast<const char*>(base_ + 12), hlen);
+  JsonValue root;
+  try {
+    root = parse_json(header_json_.data(), header_json_.size());
+  } catch (const JsonError& e) {
+    fail(e.what());
+  }
+  if (root.kind != JsonValue::Kind::Object) fail("header JSON is not an object");
+  const JsonValue* cfg = root.get("config");
+  const JsonValue* tens = root.get("tensors");
+  if (!cfg || cfg->kind != JsonValue::Kind::Object) fail("header has no 'config' object");
+  if (!tens || tens->kind != JsonValue::Kind::Object) fail("header has no 'tensors' object");
+  parse_config(*cfg);
+  parse_tensors(*tens);
+}
+
+void FgmFile::parse_tensors(const JsonValue& tens) {
+  const uint64_t body_min = 12 + uint64_t(header_json_.size());
+  tensors_.reserve(tens.obj.size());
+  for (const auto& kv : tens.obj) {
+    const std::string& name = kv.first;
+    const JsonValue& e = kv.second;
+    auto bad = [&](const std::string& what) { fail("tensor '" + name + "': " + what); };
+    if (e.kind != JsonValue::Kind::Object) bad("entry is not an object");
+    TensorInfo t;
+    t.name = name;
+    const JsonValue* dt = e.get("dtype");
+    if (!dt || dt->kind != JsonValue::Kind::String) bad("missing 'dtype'");
+    if (!parse_dtype(dt->str, &t.dtype)) bad("unknown dtype '" + dt->str + "'");
+    const JsonValue* sh = e.get("shape");
+    if (!sh || sh->kind != JsonValue::Kind::Array || sh->arr.empty() || sh->arr.size() > 4)
+      bad("'shape' must be an array of 1 to 4 integers");
+    int64_t numel = 1;
+    for (const auto& d : sh->arr) {
+      if (d.kind != JsonValue::Kind::Int || d.i <= 0 || d.i > kMaxDim) bad("bad dimension in shape");
+      t.shape.push_back(d.i);
+      if (numel > kMaxDim / d.i) bad("shape " + shape_str(t.shape) + " is implausibly large");
+      numel *= d.i;
+    }
+    const JsonValue* off = e.get("offset");
+    const JsonValue* nb = e.get("nbytes");
+    if (!off || off->kind != JsonValue::Kind::Int || off->i < 0) bad("missing or negative 'offset'");
+    if (!nb || nb->kind != JsonValue::Kind::Int || nb->i < 0) bad("missing or negative 'nbytes'");
+    t.offset = uint64_t(off->i);
+    t.nbytes = uint64_t(nb->i);
+    uint64_t want = 0;
+    switch (t.dtype) {
+      case DType::F32: want = uint64_t(numel) * 4; break;
+      case DType::F16: want = uint64_t(numel) * 2; break;
+      case DType::Q8C: case DType::Q8R: want = uint64_t(numel); break;
+      case DType::Q4G: case DType::Q4R: want = uint64_t(numel) / 2; break;
+    }
+    if (t.nbytes != want)
+      bad("nbytes " + std::to_string(t.nbytes) + " does not match dtype " + dtype_name(t.dtype) + " x shape " +
+          shape_str(t.shape) + " (" + std::to_string(want) + ")");
+    if (t.offset < body_min) bad("offset " + std::to_string(t.offset) + " lies inside the header");
+    if (t.offset % 64 != 0) bad("offset " + std::to_string(t.offset) + " is not 64-byte aligned");
+    if (t.offset > size_ || t.nbytes > size_ - t.offset)
+      bad("blob [" + std::to_string(t.offset) + ", " + std::to_string(t.offset + t.nbytes) +
+          ") runs past the end of the file (" + std::to_string(size_) + " bytes): truncated?");
+    const bool blocked = t.dtype == DType::Q4G || t.dtype == DType::Q8C;
+    const bool table = t.dtype == DType::Q4R || t.dtype == DType::Q8R;
+    if ((blocked || table) && t.shape.size() != 2) bad("quantised tensors must be 2-D, got " + shape_str(t.shape));
+    if (blocked && (t.rows() % 16 != 0 || t.cols() % 64 != 0))
+      bad("tile-ordered weight " + shape_str(t.shape) + " needs N % 16 == 0 and K % 64 == 0");
+    if (t.dtype == DType::Q4R && t.cols() % 64 != 0) bad("int4 table " + shape_str(t.shape) + " needs K % 64 == 0");
+    const JsonValue* meta = e.get("meta");
+    if (meta && meta->kind != JsonValue::Kind::Object) bad("'meta' is not an object");
+    if (blocked) {
+      const JsonValue* h = meta ? meta->get("hadamard") : nullptr;
+      if (h && (h->kind != JsonValue::Kind::Int || (h->i != 0 && h->i != 128))) bad("meta.hadamard must be 0 or 128");
+      t.hadamard = h ? int(h->i) : 0;
+      if (t.hadamard && t.cols() % t.hadamard != 0) bad("meta.hadamard 128 needs K % 128 == 0");
+      if (t.dtype == DType::Q4G) {
+        // Files from the oldest converter carry no group: it was always 64 then.
+        const JsonValue* g = meta ? meta->get("group") : nullptr;
+        if (g && (g->kind != JsonValue::Kind::Int || g->i <= 0)) bad("meta.group must be a positive integer");
+        t.group = g ? int(g->i) : 64;
+        if (t.group % 64 != 0 || t.cols() % t.group != 0)
+          bad("int4 group " + std::to_string(t.group) + " must be a multiple of 64 dividing K = " +
+              std::to_string(t.cols()));
+      }
+    }
+    t.data = base_ + t.offset;
+    if (!index_.emplace(name, tensors_.size()).second) bad("appears twice");
+    tensors_.push_back(std::move(t));
+  }
+  // Blobs must not overlap: two tensors sharing bytes is corruption (or an attack).
+  std::vector<const TensorInfo*> order;
+  for (const auto& t : tensors_) order.push_back(&t);
+  std::sort(order.begin(), order.end(), [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
+  for (size_t i = 1; i < order.size(); ++i)
+    if (order[i - 1]->offset + order[i - 1]->nbytes > order[i]->offset)
+      fail("tensors '" + order[i - 1]->name + "' and '" + order[i]->name + "' overlap");
+}
+
+namespace {
+
+int get_int(const FgmFile* f, const JsonValue& cfg, const char* key, bool required, int fallback,
+            void (*failer)(const FgmFile*, const std::string&)) {
+  const JsonValue* v = cfg.get(key);
+  if (!v || v->kind == JsonValue::Kind::Null) {
+    if (required) failer(f, std::string("config.") + key + " is missing");
+    return fallback;
+  }
+  if (v->kind != JsonValue::Kind::Int || v->i < 0 || v->i > (int64_t(1) << 30))
+    failer(f, std::string("config.") + key + " must be a non-negative integer");
+  return int(v->i);
+}
+
+double get_num(const FgmFile* f, const JsonValue& cfg, const char* key, double fallback,
+               void (*failer)(const FgmFile*, const std::string&)) {
+  const JsonValue* v = cfg.get(key);
+  if (!v || v->kind == JsonValue::Kind::Null) return fallback;
+  if (!v->is_number() || !std::isfinite(v->as_double())) failer(f, std::string("config.") + key + " must be a number");
+  return v->as_double();
+}
+
+}  // namespace
+
+void FgmFile::parse_config(const JsonValue& cfg) {
+  auto failer = [](const FgmFile* f, const std::string& m) { f->fail(m); };
+  ModelConfig& c = config_;
+  c.hidden_size = get_int(this, cfg, "hidden_size", true, 0, failer);
+  c.num_layers = get_int(this, cfg, "num_hidden_layers", true, 0, failer);
+  c.intermediate_size = get_int(this, cfg, "intermediate_size", true, 0, failer);
+  c.num_heads = get_int(this, cfg, "num_attention_heads", true, 0, failer);
+  c.num_kv_heads = get_int(this, cfg, "num_key_value_heads", true, 0, failer);
+  c.head_dim = get_int(this, cfg, "head_dim", true, 0, failer);
+  c.global_head_dim = get_int(this, cfg, "global_head_dim", false, c.head_dim, failer);
+  c.first_shared_layer = get_int(this, cfg, "first_shared_layer", false, c.num_layers, failer);
+  c.ple_dim = get_int(this, cfg, "hidden_size_per_layer_input", false, 0, failer);
+  c.vocab_size = get_int(this, cfg, "vocab_size", true, 0, failer);
+  c.ple_vocab_size = get_int(this, cfg, "vocab_size_per_layer_input", false, c.vocab_size, failer);
+  c.sliding_window = get_int(this, cfg, "sliding_window", false, 0, failer);
+  c.rms_norm_eps = get_num(this, cfg, "rms_norm_eps", 1e-6, failer);
+  c.final_softcap = get_num(this, cfg, "final_logit_softcapping", 0.0, failer);
+  c.embed_scale = get_num(this, cfg, "embed_scale", std::sqrt(double(c.hidden_size)), failer);
+  c.ple_embed_scale = get_num(this, cfg, "ple_embed_scale", std::sqrt(double(c.ple_dim)), failer);
+  c.ple_model_projection_scale =
+      get_num(this, cfg, "ple_model_projection_scale", c.hidden_size ? 1.0 / std::sqrt(double(c.hidden_size)) : 1.0, failer);
+  c.ple_input_scale = get_num(this, cfg, "ple_input_scale", 1.0 / std::sqrt(2.0), failer);
+  const JsonValue* dw = cfg.get("use_double_wide_mlp");
+  if (dw && dw->kind != JsonValue::Kind::Bool && dw->kind != JsonValue::Kind::Null)
+    fail("config.use_double_wide_mlp must be a boolean");
+  c.double_wide_mlp = dw && dw->kind == JsonValue::Kind::Bool && dw->b;
+
+  if (c.hidden_size <= 0 || c.num_layers <= 0 || c.intermediate_size <= 0 || c.num_heads <= 0 ||
+      c.num_kv_heads <= 0 || c.head_dim <= 0 || c.global_head_dim <= 0 || c.vocab_size <= 0)
+    fail("config has a zero dimension (hidden_size, num_hidden_layers, intermediate_size, heads, head_dim, vocab_size)");
+  if (c.num_heads % c.num_kv_heads != 0) fail("config.num_attention_heads must be a multiple of num_key_value_heads");
+  if (c.head_dim % 2 || c.global_head_dim % 2) fail("config head dims must be even (RoPE pairs)");
+  if (c.first_shared_layer < 1 || c.first_shared_layer > c.num_layers)
+    fail("config.first_shared_layer must lie in [1, num_hidden_layers]");
+  if (c.final_softcap < 0) fail("config.final_logit_softcapping must be positive or null");
+  if (!(c.rms_norm_eps > 0)) fail("config.rms_norm_eps must be positive");
+
+  const JsonValue* lt = cfg.get("layer_types");
+  if (!lt || lt->kind != JsonValue::Kind::Array || int(lt->arr.size()) != c.num_layers)
+    fail("config.layer_types must list one type per layer");
+  bool any_sliding = false;
+  for (int i = 0; i < c.num_layers; ++i) {
+    const JsonValue& v = lt->arr[i];
+    LayerSpec L;
+    if (v.kind == JsonValue::Kind::String && v.str == "sliding_attention") L.sliding = true;
+    else if (v.kind == JsonValue::Kind::String && v.str == "full_attention") L.sliding = false;
+    else fail("config.layer_types[" + std::to_string(i) + "] must be 'sliding_attention' or 'full_attention'");
+    any_sliding |= L.sliding;
+    L.head_dim = L.sliding ? c.head_dim : c.global_head_dim;
+    L.owns_kv = i < c.first_shared_layer;
+    L.intermediate = c.intermediate_size * ((c.double_wide_mlp && !L.owns_kv) ? 2 : 1);
+    c.layers.push_back(L);
+  }
+  if (any_sliding && c.sliding_window <= 0) fail("config.sliding_window must be positive when sliding layers exist");
+  // A shared layer reads the cache of the last non-shared layer of its own type.
+  for (int i = 0; i < c.num_layers; ++i) {
+    LayerSpec& L = c.layers[i];
+    if (L.owns_kv) { L.kv_source = i; continue; }
+    int src = -1;
+    for (int j = c.first_shared_layer - 1; j >= 0; --j)
+      if (c.layers[j].sliding == L.sliding) { src = j; break; }
+    if (src < 0) fail("layer " + std::to_string(i) + " shares K/V but no earlier layer of its type produces any");
+    L.kv_source = src;
+  }
+  const JsonValue* sf = cfg.get("store_full_length_kv");
+  if (sf && sf->kind == JsonValue::Kind::Array) {
+    for (const auto& v : sf->arr) {
+      if (v.kind != JsonValue::Kind::Int || v.i < 0 || v.i >= c.first_shared_layer)
+        fail("config.store_full_length_kv lists a layer outside [0, first_shared_layer)");
+      c.store_full_length_kv.push_back(int(v.i));
+    }
+  }
+}
+
+void FgmFile::check_plain(const std::string& name, DType dt, const std::vector<int64_t>& shape) const {
+  const TensorInfo& t = require(name);
+  if (t.dtype != dt || t.shape != shape)
+    fail("tensor '" + name + "' is " + dtype_name(t.dtype) + " " + shape_str(t.shape) + ", expected " +
+         dtype_name(dt) + " " + shape_str(shape));
+}
+
+void FgmFile::check_linear(const std::string& name, int64_t n, int64_t k) const {
+  const TensorInfo& t = require(name);
+  if (t.dtype != DType::Q4G && t.dtype != DType::Q8C)
+    fail("linear weight '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4g or q8c");
+  if (t.shape != std::vector<int64_t>{n, k})
+    fail("linear weight '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({n, k}));
+  if (t.dtype == DType::Q8C) check_plain(name + ".scale", DType::F32, {n});
+  else check_plain(name + ".scale", DType::F16, {k / t.group, n});
+}
+
+void FgmFile::check_table(const std::string& name, int64_t r, int64_t k) const {
+  const TensorInfo& t = require(name);
+  if (t.dtype != DType::Q4R && t.dtype != DType::Q8R)
+    fail("gather table '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4r or q8r");
+  if (t.shape != std::vector<int64_t>{r, k})
+    fail("gather table '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({r, k}));
+  if (t.dtype == DType::Q8R) check_plain(name + ".scale", DType::F32, {r});
+  else check_plain(name + ".scale", DType::F16, {r, k / 64});
+}
+
+void FgmFile::check_inventory() {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, V = c.vocab_size, P = c.ple_dim, L = c.num_layers;
+  check_table("embed_tokens", V, H);
+  check_linear("lm_head", V, H);
+  check_plain("norm", DType::F32, {H});
+  if (P > 0) {
+    check_table("embed_tokens_per_layer", c.ple_vocab_size, L * P);
+    check_linear("per_layer_model_projection", L * P, H);
+    check_plain("per_layer_projection_norm", DType::F32, {P});
+  }
+  bool seen_sliding = false, seen_full = false;
+  for (int i = 0; i < c.num_layers; ++i) {
+    const LayerSpec& ly = c.layers[i];
+    const std::string p = "l" + std::to_string(i) + ".";
+    const int64_t hd = ly.head_dim, I = ly.intermediate;
+    (ly.sliding ? seen_sliding : seen_full) = true;
+    for (const char* nm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm"})
+      check_plain(p + nm, DType::F32, {H});
+    check_plain(p + "layer_scalar", DType::F32, {1});
+    check_plain(p + "q_norm", DType::F32, {hd});
+    check_linear(p + "q_proj", c.num_heads * hd, H);
+    check_linear(p + "o_proj", H, c.num_heads * hd);
+    if (ly.owns_kv) {
+      check_plain(p + "k_norm", DType::F32, {hd});
+      check_linear(p + "k_proj", c.num_kv_heads * hd, H);
+      check_linear(p + "v_proj", c.num_kv_heads * hd, H);
+    }
+    check_linear(p + "gate_proj", I, H);
+    check_linear(p + "up_proj", I, H);
+    check_linear(p + "down_proj", H, I);
+    for (const char* nm : {"q_proj", "o_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}) {
+      const std::string twin = p + nm + ".i8";
+      if (const TensorInfo* t = find(twin)) {
+        const TensorInfo& primary = require(p + nm);
+        if (t->dtype != DType::Q8C || t->shape != primary.shape)
+          fail("int8 twin '" + twin + "' must be q8c " + shape_str(primary.shape));
+        check_plain(twin + ".scale", DType::F32, {primary.rows()});
+      }
+    }
+    if (P > 0) {
+      check_plain(p + "post_per_layer_input_norm", DType::F32, {H});
+      check_linear(p + "per_layer_input_gate", P, H);
+      check_linear(p + "per_layer_projection", H, P);
+    }
+  }
+  if (seen_sliding) check_plain("rope.sliding_attention.inv_freq", DType::F32, {c.head_dim / 2});
+  if (seen_full) check_plain("rope.full_attention.inv_freq", DType::F32, {c.global_head_dim / 2});
+}
+
+void FgmFile::compute_signature() {
+  // FNV-1a over a canonical text of the layout. Conversion stats (header 'meta') are left out
+  // on purpose: two conversions of one checkpoint differ there and nowhere else.
+  std::ostringstream o;
+  const ModelConfig& c = config_;
+  o << c.hidden_size << ',' << c.num_layers << ',' << c.num_heads << ',' << c.num_kv_heads << ',' << c.head_dim << ','
+    << c.global_head_dim << ',' << c.first_shared_layer << ',' << c.sliding_window << ',' << c.vocab_size << ';';
+  for (const auto& l : c.layers) o << l.sliding << l.head_dim << '/' << l.kv_source << ';';
+  for (const auto& t : tensors_) o << t.name << ':' << dtype_name(t.dtype) << shape_str(t.shape) << '@' << t.offset << ';';
+  const std::string s = o.str();
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 1099511628211ull;
+  }
+  signature_ = h;
+}
+
+}  // namespace sg

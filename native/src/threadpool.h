@@ -1,0 +1,62 @@
+// A persistent worker pool for the hot path: no thread creation, no allocation per call.
+//
+// run(n_tasks, fn) executes fn(task, worker) for task in [0, n_tasks) on the pool's workers
+// (the calling thread is worker 0) and returns when all are done. Tasks are handed out by an
+// atomic counter, so a caller that wants a deterministic result must make each task write a
+// disjoint part of the output (the GEMMs split N; nothing reduces across threads).
+// Worker threads call the per-thread initialiser once at start (AMX tile permission is
+// per thread).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace sg {
+
+class ThreadPool {
+ public:
+  using TaskFn = void (*)(void* ctx, int task, int worker);
+
+  // n_threads includes the calling thread. thread_init runs once on every worker thread
+  // (not on the caller, which must initialise itself).
+  explicit ThreadPool(int n_threads, std::function<void()> thread_init = {});
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return n_threads_; }
+
+  void run(int n_tasks, TaskFn fn, void* ctx);
+
+  // Convenience for lambdas: the lambda lives on the caller's stack, nothing is allocated.
+  template <class F>
+  void parallel_for(int n_tasks, F&& f) {
+    auto tramp = [](void* c, int task, int worker) { (*static_cast<F*>(c))(task, worker); };
+    run(n_tasks, tramp, static_cast<void*>(&f));
+  }
+
+ private:
+  void worker_loop(int worker, std::function<void()> init);
+  void drain(int worker);
+
+  int n_threads_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_start_;
+  std::condition_variable cv_done_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  int active_ = 0;
+  // Current job.
+  TaskFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int n_tasks_ = 0;
+  std::atomic<int> next_{0};
+};
+
+}  // namespace sg
