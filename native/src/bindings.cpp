@@ -9,6 +9,9 @@
 
 namespace py = pybind11;
 
+void bind_kernels(py::module_& m);  // kernels/bind_kernels.cpp
+void bind_engine(py::module_& m);   // engine/bind_engine.cpp
+
 namespace {
 
 py::dict tensor_dict(const sg::TensorInfo& t) {
@@ -61,6 +64,9 @@ PYBIND11_MODULE(_native, m) {
             return a;
           },
           py::arg("name"), "Zero-copy read-only bytes of one tensor blob.");
+
+  bind_kernels(m);
+  bind_engine(m);
 
   // Make FgmError carry the precise message.
   py::register_exception_translator([](std::exception_ptr p) {

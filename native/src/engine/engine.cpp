@@ -1,0 +1,1 @@
+// The Gemma 4 forward pass (to be written).
