@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 
 namespace sg {
@@ -32,6 +33,37 @@ class Parser {
  private:
   [[noreturn]] void fail(const std::string& what) const {
     throw JsonError("invalid header JSON at byte " + std::to_string(pos_) + ": " + what);
+  }
+
+  // A byte as printable ASCII or hex, so error messages stay valid UTF-8 whatever the input.
+  static std::string describe(char c) {
+    unsigned char u = static_cast<unsigned char>(c);
+    if (u >= 0x20 && u < 0x7F) return std::string("'") + c + "'";
+    char buf[8];
+    std::snprintf(buf, sizeof buf, "0x%02X", u);
+    return buf;
+  }
+
+  // Copies one UTF-8 encoded character starting with lead byte c (already consumed), rejecting
+  // malformed, overlong and surrogate encodings.
+  void take_utf8(unsigned char c, std::string& out) {
+    int extra;
+    uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) { extra = 1; cp = c & 0x1F; }
+    else if (c >= 0xE0 && c <= 0xEF) { extra = 2; cp = c & 0x0F; }
+    else if (c >= 0xF0 && c <= 0xF4) { extra = 3; cp = c & 0x07; }
+    else fail("invalid UTF-8 in a string");
+    if (n_ - pos_ < size_t(extra)) fail("truncated UTF-8 in a string");
+    out += static_cast<char>(c);
+    for (int k = 0; k < extra; ++k) {
+      unsigned char cc = static_cast<unsigned char>(s_[pos_++]);
+      if ((cc & 0xC0) != 0x80) fail("invalid UTF-8 in a string");
+      cp = (cp << 6) | (cc & 0x3F);
+      out += static_cast<char>(cc);
+    }
+    if ((extra == 2 && cp < 0x800) || (extra == 3 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+        (cp >= 0xD800 && cp < 0xE000))
+      fail("invalid UTF-8 in a string");
   }
 
   void skip_ws() {
@@ -95,7 +127,7 @@ class Parser {
     if (c == 'f') { expect_literal("false"); v.kind = JsonValue::Kind::Bool; v.b = false; return v; }
     if (c == 'n') { expect_literal("null"); return v; }
     if (c == '-' || (c >= '0' && c <= '9')) return parse_number();
-    fail(std::string("unexpected character '") + c + "'");
+    fail("unexpected character " + describe(c));
   }
 
   JsonValue parse_number() {
@@ -179,6 +211,7 @@ class Parser {
       unsigned char c = static_cast<unsigned char>(s_[pos_++]);
       if (c == '"') return out;
       if (c < 0x20) fail("control character inside a string");
+      if (c >= 0x80) { take_utf8(c, out); continue; }
       if (c != '\\') { out += static_cast<char>(c); continue; }
       if (pos_ >= n_) fail("unterminated escape");
       char e = s_[pos_++];
@@ -205,7 +238,7 @@ class Parser {
           put_utf8(out, cp);
           break;
         }
-        default: fail(std::string("unknown escape '\\") + e + "'");
+        default: fail("unknown escape \\" + describe(e));
       }
     }
   }
