@@ -2,6 +2,8 @@
 #   make run    start splitgemma on the default model
 #   make test   run the test suite
 # Each creates its own virtual environment (.venv) and installs what it needs from the registries.
+# Tests run through .venv/bin/pytest (not python -m pytest) so that they import the installed
+# package with its compiled core, never the source folder beside it.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,7 +23,7 @@ $(STAMP): $(SOURCES)
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/pytest -q tests
 
 run: install
 	$(PY) -m splitgemma.demo
