@@ -1,1 +1,187 @@
+// Backend choice (CPUID, FGM_BACKEND, the AMX permission grant), argument checks and the
+// threaded dispatch of gemm(). Compiled without ISA flags: it must run on any x86-64.
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
 #include "gemm.h"
+#include "kernels_impl.h"
+
+namespace sg {
+namespace {
+
+struct CpuFeatures {
+  bool avx2 = false;    // AVX2 + FMA + F16C, with the OS saving ymm state
+  bool avx512 = false;  // F + BW + VL, with the OS saving zmm/opmask state
+  bool vnni = false;    // AVX512_VNNI
+  bool amx = false;     // AMX-TILE + AMX-INT8 (permission still to be requested)
+};
+
+uint64_t xgetbv0() {
+  uint32_t lo, hi;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
+  if (!osxsave) return f;
+  const uint64_t xcr0 = xgetbv0();
+  const bool os_ymm = (xcr0 & 0x6) == 0x6, os_zmm = (xcr0 & 0xE6) == 0xE6;
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  f.avx2 = os_ymm && fma && f16c && (b & (1u << 5));
+  f.avx512 = f.avx2 && os_zmm && (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));
+  f.vnni = f.avx512 && (c & (1u << 11));
+  f.amx = f.avx512 && (d & (1u << 24)) && (d & (1u << 25));
+  return f;
+}
+
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+// Linux: ask for the AMX tile-data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_request_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// The first grant decides for the process: a hypervisor that advertises AMX but refuses the
+// permission makes AMX unusable everywhere.
+bool amx_usable() {
+  static const bool ok = features().amx && amx_request_permission();
+  return ok;
+}
+
+Backend decide_backend() {
+  if (!cpu_supports(Backend::Avx2))
+    throw std::runtime_error("this CPU lacks AVX2+FMA+F16C (or the OS does not enable them): splitgemma needs at "
+                             "least the AVX2 backend");
+  const char* env = std::getenv("FGM_BACKEND");
+  if (env && *env) {
+    Backend b;
+    try {
+      b = backend_from_name(env);
+    } catch (const std::invalid_argument& e) {
+      throw std::runtime_error(std::string("FGM_BACKEND: ") + e.what());
+    }
+    if (!cpu_supports(b))
+      throw std::runtime_error(std::string("FGM_BACKEND=") + env + " but this CPU cannot run the " + env + " backend");
+    return b;
+  }
+  if (cpu_supports(Backend::Amx)) return Backend::Amx;
+  if (cpu_supports(Backend::Vnni)) return Backend::Vnni;
+  return Backend::Avx2;
+}
+
+void check_gemm_args(const QAct& a, const QLinear& w, const float* y, int ldy) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument("gemm: " + m); };
+  if (w.dtype != DType::Q8C && w.dtype != DType::Q4G) bad("weight dtype must be q8c or q4g");
+  if (w.n <= 0 || w.n % 16 != 0 || w.k <= 0 || w.k % 64 != 0)
+    bad("weight shape [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "] needs N % 16 == 0 and K % 64 == 0");
+  if (w.dtype == DType::Q4G && (w.group <= 0 || w.group % 64 != 0 || w.k % w.group != 0))
+    bad("int4 group " + std::to_string(w.group) + " must be a multiple of 64 dividing K = " + std::to_string(w.k));
+  if (a.k != w.k) bad("activation K " + std::to_string(a.k) + " != weight K " + std::to_string(w.k));
+  if (a.hadamard != w.hadamard)
+    bad("activation hadamard " + std::to_string(a.hadamard) + " != weight hadamard " + std::to_string(w.hadamard));
+  if (a.m < 0) bad("negative row count");
+  if (a.m > 0 && (!a.packed || !a.scale || !a.rowsum || !y)) bad("null buffer");
+  if (!w.codes || !w.scales) bad("weight without codes or scales");
+  if (ldy < w.n) bad("ldy " + std::to_string(ldy) + " < N " + std::to_string(w.n));
+}
+
+}  // namespace
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::Amx: return "amx";
+    case Backend::Vnni: return "vnni";
+    case Backend::Avx2: return "avx2";
+  }
+  return "?";
+}
+
+Backend backend_from_name(const char* name) {
+  const std::string s = name ? name : "";
+  if (s == "amx") return Backend::Amx;
+  if (s == "vnni") return Backend::Vnni;
+  if (s == "avx2") return Backend::Avx2;
+  throw std::invalid_argument("unknown backend '" + s + "' (expected amx, vnni or avx2)");
+}
+
+bool cpu_supports(Backend b) {
+  switch (b) {
+    case Backend::Avx2: return features().avx2;
+    // The VNNI and AMX kernels are not written yet: no CPU runs them.
+    case Backend::Vnni: return false;
+    case Backend::Amx: return false;
+  }
+  return false;
+}
+
+Backend active_backend() {
+  static const Backend b = [] {
+    const Backend chosen = decide_backend();
+    std::fprintf(stderr, "splitgemma: GEMM backend %s\n", backend_name(chosen));
+    return chosen;
+  }();
+  return b;
+}
+
+void backend_thread_init() {
+  if (amx_usable()) amx_request_permission();
+}
+
+QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
+  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G)
+    throw FgmError(f.path() + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
+                   ", not a linear weight (q8c or q4g)");
+  if (t.shape.size() != 2) throw FgmError(f.path() + ": linear weight '" + t.name + "' is not 2-D");
+  const TensorInfo& s = f.require(t.name + ".scale");
+  const int64_t n = t.rows(), k = t.cols();
+  const bool q8 = t.dtype == DType::Q8C;
+  const bool scale_ok = q8 ? s.dtype == DType::F32 && s.shape == std::vector<int64_t>{n}
+                           : s.dtype == DType::F16 && t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n};
+  if (!scale_ok) throw FgmError(f.path() + ": '" + t.name + ".scale' does not match its weight");
+  QLinear w;
+  w.dtype = t.dtype;
+  w.n = int(n);
+  w.k = int(k);
+  w.group = q8 ? 0 : t.group;
+  w.hadamard = t.hadamard;
+  w.codes = t.data;
+  w.scales = s.data;
+  return w;
+}
+
+void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool) {
+  gemm(a, w, y, ldy, pool, active_backend());
+}
+
+void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b) {
+  check_gemm_args(a, w, y, ldy);
+  if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm: this CPU cannot run the ") + backend_name(b) + " backend");
+  if (a.m == 0) return;
+  using Kernel = void (*)(const QAct&, const QLinear&, float*, int, int, int);
+  Kernel kernel = detail::gemm_avx2;
+  const int NB = w.n / 16;
+  const int n_tasks = (NB + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
+  auto task = [&](int t, int) {
+    const int nb0 = t * detail::kTaskBlocks;
+    const int nb1 = nb0 + detail::kTaskBlocks < NB ? nb0 + detail::kTaskBlocks : NB;
+    kernel(a, w, y, ldy, nb0, nb1);
+  };
+  detail::run_tasks(pool, n_tasks, task);
+}
+
+}  // namespace sg

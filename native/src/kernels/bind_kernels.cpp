@@ -1,6 +1,176 @@
 // Python access to the kernels, for their unit tests and benchmarks (splitgemma._native.kernels).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "fgm_file.h"
+#include "gemm.h"
 
 namespace py = pybind11;
 
-void bind_kernels(py::module_& m) { (void)m; }
+namespace {
+
+using F32Array = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+template <class T>
+using AlignedPtr = std::unique_ptr<T[], FreeDeleter>;
+
+template <class T>
+AlignedPtr<T> aligned_array(size_t count) {
+  const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, bytes ? bytes : 64);
+  if (!p) throw std::bad_alloc();
+  return AlignedPtr<T>(static_cast<T*>(p));
+}
+
+// Caller-owned QAct storage for m × k activations.
+struct QActStore {
+  AlignedPtr<int8_t> packed;
+  AlignedPtr<float> scale;
+  AlignedPtr<int32_t> rowsum;
+  sg::QAct q;
+  QActStore(int m, int k)
+      : packed(aligned_array<int8_t>(sg::qact_packed_bytes(m, k))),
+        scale(aligned_array<float>(sg::qact_padded_rows(m))),
+        rowsum(aligned_array<int32_t>(sg::qact_rowsum_count(m, k))) {
+    q.packed = packed.get();
+    q.scale = scale.get();
+    q.rowsum = rowsum.get();
+  }
+};
+
+sg::Backend pick_backend(const std::optional<std::string>& name) {
+  return name ? sg::backend_from_name(name->c_str()) : sg::active_backend();
+}
+
+const F32Array& check_rows(const F32Array& x, int k, const char* what) {
+  if (x.ndim() != 2) throw std::invalid_argument(std::string(what) + ": x must be 2-D [M, K]");
+  if (x.shape(1) != k)
+    throw std::invalid_argument(std::string(what) + ": x has " + std::to_string(x.shape(1)) + " columns, the weight K is " +
+                                std::to_string(k));
+  return x;
+}
+
+// Quantise x and run one GEMM on a pool of `threads` workers.
+py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backend b, int threads) {
+  check_rows(x, w.k, "linear");
+  if (threads < 1) throw std::invalid_argument("linear: threads must be >= 1");
+  const int m = int(x.shape(0));
+  py::array_t<float> y({py::ssize_t(m), py::ssize_t(w.n)});
+  const float* xp = x.data();
+  float* yp = y.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    QActStore qa(m, w.k);
+    sg::backend_thread_init();
+    sg::ThreadPool pool(threads, sg::backend_thread_init);
+    sg::quantize_activations(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
+    sg::gemm(qa.q, w, yp, w.n, &pool, b);
+  }
+  return y;
+}
+
+sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
+                                int group, int hadamard) {
+  auto bad = [](const std::string& m) { throw std::invalid_argument("linear_packed: " + m); };
+  sg::QLinear w;
+  if (dtype == "q8c") w.dtype = sg::DType::Q8C;
+  else if (dtype == "q4g") w.dtype = sg::DType::Q4G;
+  else bad("dtype must be 'q8c' or 'q4g'");
+  if (n <= 0 || n % 16 || k <= 0 || k % 64) bad("needs N % 16 == 0 and K % 64 == 0");
+  const bool q8 = w.dtype == sg::DType::Q8C;
+  if (!q8 && (group <= 0 || group % 64 || k % group)) bad("group must be a multiple of 64 dividing K");
+  if (hadamard != 0 && (hadamard != 128 || k % 128)) bad("hadamard must be 0, or 128 with K % 128 == 0");
+  const size_t code_bytes = q8 ? size_t(n) * k : size_t(n) * k / 2;
+  if (codes.itemsize() != 1 || !(codes.flags() & py::array::c_style) || size_t(codes.nbytes()) != code_bytes)
+    bad("codes must be a contiguous byte array of " + std::to_string(code_bytes) + " bytes");
+  const size_t n_scales = q8 ? size_t(n) : size_t(k / group) * n;
+  const char kind = scales.dtype().kind();
+  const bool dt_ok = q8 ? (kind == 'f' && scales.itemsize() == 4) : (kind == 'f' && scales.itemsize() == 2);
+  if (!dt_ok || !(scales.flags() & py::array::c_style) || size_t(scales.size()) != n_scales)
+    bad(std::string("scales must be a contiguous ") + (q8 ? "float32 [N]" : "float16 [K/group, N]") + " array");
+  w.n = n;
+  w.k = k;
+  w.group = q8 ? 0 : group;
+  w.hadamard = hadamard;
+  w.codes = static_cast<const uint8_t*>(codes.data());
+  w.scales = scales.data();
+  return w;
+}
+
+}  // namespace
+
+void bind_kernels(py::module_& parent) {
+  py::module_ m = parent.def_submodule("kernels", "Quantised GEMM kernels, activation quantisation, Hadamard transform");
+
+  m.def(
+      "cpu_supports", [](const std::string& name) { return sg::cpu_supports(sg::backend_from_name(name.c_str())); },
+      py::arg("name"), "Whether this CPU can run the backend 'amx', 'vnni' or 'avx2'.");
+  m.def(
+      "active_backend", [] { return std::string(sg::backend_name(sg::active_backend())); },
+      "The backend gemm() uses by default (FGM_BACKEND or the best the CPU has).");
+
+  m.def(
+      "fwht128",
+      [](const F32Array& x) {
+        py::array_t<float> out(x.request().shape);
+        std::memcpy(out.mutable_data(), x.data(), sizeof(float) * x.size());
+        sg::fwht128(out.mutable_data(), int(x.size()));
+        return out;
+      },
+      py::arg("x"), "Normalised Walsh–Hadamard transform of every contiguous 128-block (returns a new array).");
+
+  m.def(
+      "quantize_rows",
+      [](const F32Array& x, int hadamard) {
+        if (x.ndim() != 2) throw std::invalid_argument("quantize_rows: x must be 2-D [M, K]");
+        const int mr = int(x.shape(0)), k = int(x.shape(1));
+        if (k % 64 != 0) throw std::invalid_argument("quantize_rows: K must be a multiple of 64");
+        QActStore qa(mr, k);
+        sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, nullptr);
+        // Unpack the tile layout into plain rows (the layout itself is what gemm() reads).
+        py::array_t<int8_t> codes({py::ssize_t(mr), py::ssize_t(k)});
+        py::array_t<float> scale(py::ssize_t{mr});
+        const int KB = k / 64;
+        for (int r = 0; r < mr; ++r) {
+          for (int kb = 0; kb < KB; ++kb)
+            std::memcpy(codes.mutable_data() + size_t(r) * k + kb * 64,
+                        qa.q.packed + ((size_t(r / 16) * KB + kb) * 16 + r % 16) * 64, 64);
+          scale.mutable_data()[r] = qa.q.scale[r];
+        }
+        return py::make_tuple(codes, scale);
+      },
+      py::arg("x"), py::arg("hadamard") = 0,
+      "Per-row int8 quantisation exactly as gemm() sees it: (codes int8[M,K], scale f32[M]).");
+
+  m.def(
+      "linear",
+      [](const F32Array& x, std::shared_ptr<sg::FgmFile> f, const std::string& tensor,
+         const std::optional<std::string>& backend, int threads) {
+        const sg::QLinear w = sg::qlinear_from(*f, f->require(tensor));
+        return run_linear(x, w, pick_backend(backend), threads);
+      },
+      py::arg("x"), py::arg("fgm"), py::arg("tensor"), py::arg("backend") = py::none(), py::arg("threads") = 1,
+      "y = x · Wᵀ for a q8c/q4g linear of an .fgm file (quantise + GEMM).");
+
+  m.def(
+      "linear_packed",
+      [](const F32Array& x, const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
+         int group, int hadamard, const std::optional<std::string>& backend, int threads) {
+        const sg::QLinear w = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard);
+        return run_linear(x, w, pick_backend(backend), threads);
+      },
+      py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"),
+      py::arg("group") = 0, py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1,
+      "y = x · Wᵀ for a weight given as tile-ordered codes + scales in the .fgm byte layout.");
+}

@@ -1,10 +1,24 @@
 // Quantised GEMM on the .fgm's tile-ordered weights, on three backends that read the same
 // bytes: AMX (Intel AMX-INT8 tiles), VNNI (AVX-512 VNNI) and AVX2 (any x86-64 with AVX2,
-// e.g. AMD EPYC; the portable floor).
+// FMA and F16C, e.g. AMD EPYC; the portable floor).
 //
 // Contract: y[m, n] = sum_k x[m, k] * W[n, k] (f32 out), where x is given as f32 rows and is
 // Hadamard-rotated (when the weight is) and quantised to int8 per row once by
 // quantize_activations(); every GEMM sharing that input reuses the QAct.
+//
+// Arithmetic (identical on every backend, so their outputs are BIT-IDENTICAL):
+//   Activations (backend-independent code): x' = fwht128(x) when hadamard = 128, else x;
+//     amax = max_k |x'[m,k]|; a_scale[m] = amax / 127.0f (f32 division), or 1 when amax = 0;
+//     code = clamp(round_half_even(x' / a_scale), -127, 127) (f32 division).
+//   q8c:  acc[m,n] = the exact int32 sum over all K of code·q;
+//         y[m,n] = ((float)acc * a_scale[m]) * w_scale[n]             (two f32 multiplies).
+//   q4g:  acc_g[m,n] = the exact int32 sum over k-group g of code·q;
+//         s = 0; for g = 0, 1, …, K/G−1 in order: s = fmaf((float)acc_g, (float)scale[g][n], s);
+//         y[m,n] = s * a_scale[m].
+//   int32 → f32 is round-to-nearest-even; fmaf is one fused multiply-add (one rounding).
+// How each backend reaches the exact int32 sums (sign tricks, +bias with a −bias·Σcode
+// correction from QAct.rowsum, AMX tiles) is its own business: any exact method gives the
+// same integers, and the float steps above are then performed in exactly this order.
 #pragma once
 
 #include <cstddef>
@@ -19,11 +33,17 @@ enum class Backend : int { Avx2 = 0, Vnni = 1, Amx = 2 };
 
 // Decided once per process from FGM_BACKEND (amx|vnni|avx2) or CPUID (+ the AMX tile
 // permission grant); printed once to stderr. Throws std::runtime_error when FGM_BACKEND asks
-// for an instruction set this CPU lacks.
+// for an instruction set this CPU lacks (or names no backend), or when the CPU lacks even AVX2.
 Backend active_backend();
 const char* backend_name(Backend b);
+// "amx" | "vnni" | "avx2" → Backend; throws std::invalid_argument on anything else.
+Backend backend_from_name(const char* name);
+// Whether this CPU (and OS) can run the backend. For AMX this includes a successful
+// ARCH_REQ_XCOMP_PERM grant on the calling thread.
 bool cpu_supports(Backend b);
-// Per-thread set-up the backend needs (AMX: ARCH_REQ_XCOMP_PERM). Safe to call repeatedly.
+// Per-thread set-up the backend needs (AMX: ARCH_REQ_XCOMP_PERM). Safe to call repeatedly;
+// pass it as the ThreadPool's thread_init. The AMX kernels also call it themselves on first
+// use in a thread, so forgetting it costs nothing but a syscall.
 void backend_thread_init();
 
 // A linear weight as stored in the file (q8c or q4g, tile order).
@@ -35,28 +55,40 @@ struct QLinear {
   const uint8_t* codes = nullptr;
   const void* scales = nullptr;  // f32[n] (q8c) or f16[k/group][n] (q4g)
 };
+// Throws FgmError when t is not a q8c/q4g linear or its companion .scale is missing.
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);
 
 // Activations quantised per row to int8 (after the Hadamard transform when hadamard > 0),
-// packed in the layout the backend's kernels read. Buffers are caller-owned and sized by
-// qact_bytes(); nothing is allocated per call.
+// packed ONCE in the one layout every backend reads: the AMX A-tile order
+//   packed[((m/16)·(k/64) + k/64-block)·1024 + (m%16)·64 + k%64],
+// rows padded with zeros up to qact_padded_rows(m) (a multiple of 16). VNNI/AVX2 broadcast
+// 4-byte groups from the same bytes. Buffers are caller-owned and sized by the functions
+// below; nothing is allocated per call.
 struct QAct {
   int m = 0, k = 0;
   int hadamard = 0;
-  int8_t* packed = nullptr;  // backend layout
-  float* scale = nullptr;    // [m_padded] per-row dequantisation scale
-  int32_t* rowsum = nullptr; // [m_padded][k/64] per-row, per-64-block code sums (VNNI/AVX2 bias correction)
+  int8_t* packed = nullptr;  // [qact_packed_bytes]; 64-byte alignment recommended (AMX loads)
+  float* scale = nullptr;    // [m_padded] per-row dequantisation scale (padding rows: 0)
+  int32_t* rowsum = nullptr; // [m_padded][k/64] per-row, per-64-block code sums (bias corrections)
 };
 size_t qact_packed_bytes(int m, int k);
 size_t qact_rowsum_count(int m, int k);
 int qact_padded_rows(int m);
 
+// x: m rows of k floats, row stride ldx. k % 64 == 0 (and % 128 when hadamard = 128).
+// out->packed/scale/rowsum must be set by the caller; m, k, hadamard are filled in.
 void quantize_activations(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool);
 
 // y[m, n] (row stride ldy) = dequantised x · Wᵀ. a.hadamard must equal w.hadamard.
+// Work is split over the pool in tasks of whole 16-column blocks (each task owns disjoint
+// output columns), so the result does not depend on the thread count. pool may be null.
 void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool);
+// The same on an explicit backend (tests, benchmarks). Throws std::runtime_error when the CPU
+// cannot run it.
+void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
 
-// In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n).
+// In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n)
+// (n % 128 == 0): x·H with H = H₁₂₈/√128 in Sylvester order.
 void fwht128(float* x, int n);
 
 }  // namespace sg

@@ -1,0 +1,34 @@
+// Internal interface between the dispatcher (backend.cpp) and the per-ISA translation units.
+// Each kernel function lives in a TU compiled with that ISA's flags and must only be called
+// after cpu_supports() said yes.
+#pragma once
+
+#include <cstdint>
+
+#include "gemm.h"
+
+namespace sg::detail {
+
+// Output columns of the 16-column blocks [nb0, nb1), all a.m rows. Arguments already validated.
+void gemm_avx2(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
+
+// Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
+// (independent accumulators, register operands) for `iters` iterations; return the number of
+// int8 operations done (2 per multiply-add), for peak_tops().
+uint64_t peak_loop_avx2(uint64_t iters);
+
+// Runs f(task, worker) for task in [0, n) on the pool, or inline when pool is null.
+// (Calls ThreadPool::run directly: parallel_for cannot take an lvalue lambda.)
+template <class F>
+void run_tasks(ThreadPool* pool, int n, F& f) {
+  if (!pool) {
+    for (int t = 0; t < n; ++t) f(t, 0);
+    return;
+  }
+  pool->run(n, [](void* c, int t, int w) { (*static_cast<F*>(c))(t, w); }, &f);
+}
+
+// Block-sizing shared by the backends: a task is this many 16-column blocks.
+constexpr int kTaskBlocks = 4;
+
+}  // namespace sg::detail
