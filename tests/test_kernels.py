@@ -1,0 +1,449 @@
+"""The quantised GEMM kernels against a numpy reference built from the .fgm format spec.
+
+The reference decodes the weight bytes itself (fgm-format.md §3.2 tile address, §3.3 nibble
+halves, two's-complement int4, f16 scales [K/G, N]) -- never with the kernel's or the converter's
+packing code -- and does the integer part of the GEMM exactly, then the float epilogue that
+gemm.h specifies. So every backend must match it bit for bit, which also makes the backends
+bit-identical to one another. The decoder itself is checked against an oracle we did not write:
+the float weights of the HF checkpoint that fastgemma's converter turned into mini-e2b.fgm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitgemma import _native
+
+K = _native.kernels
+FIXTURE = Path(__file__).parent / "fixtures" / "fastgemma" / "mini-e2b"
+FGM_PATH = FIXTURE / "mini-e2b.fgm"
+BACKENDS = ["avx2", "vnni", "amx"]
+
+
+def backend_param(name):
+    return pytest.param(
+        name,
+        marks=pytest.mark.skipif(not K.cpu_supports(name), reason=f"this CPU cannot run the {name} backend"),
+        id=name,
+    )
+
+
+ALL_BACKENDS = [backend_param(b) for b in BACKENDS]
+
+
+# ---------------------------------------------------------------- the format, from the spec
+
+
+def tile_addr(n: int, k: int) -> np.ndarray:
+    """§3.2: byte address of q[n, k] in the int8 tile stream, as an [n, k] array."""
+    nn, kk = np.meshgrid(np.arange(n), np.arange(k), indexing="ij")
+    tile = (nn // 16) * (k // 64) + kk // 64
+    return tile * 1024 + ((kk % 64) // 4) * 64 + (nn % 16) * 4 + kk % 4
+
+
+def decode_codes(raw: np.ndarray, dtype: str, n: int, k: int) -> np.ndarray:
+    """Integer codes q[n, k] of a q8c or q4g blob."""
+    a = tile_addr(n, k)
+    if dtype == "q8c":
+        return raw.view(np.int8)[a].astype(np.int64)
+    byte = raw[(a // 64) * 32 + a % 32]
+    nib = np.where(a % 64 < 32, byte & 0x0F, byte >> 4).astype(np.int64)
+    return (nib ^ 8) - 8  # 4-bit two's complement
+
+
+def encode_codes(q: np.ndarray, dtype: str) -> np.ndarray:
+    """The inverse, for synthetic weights: codes [n, k] → blob bytes in tile order."""
+    n, k = q.shape
+    a = tile_addr(n, k).ravel()
+    stream = np.zeros(n * k, np.uint8)
+    stream[a] = (q.ravel() & 0xFF).astype(np.uint8)
+    if dtype == "q8c":
+        return stream
+    blocks = stream.reshape(-1, 64) & 0x0F
+    return (blocks[:, :32] | (blocks[:, 32:] << 4)).astype(np.uint8).ravel()
+
+
+def hadamard128() -> np.ndarray:
+    h = np.array([[1.0]])
+    while h.shape[0] < 128:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(128.0)
+
+
+def rotate(x: np.ndarray) -> np.ndarray:
+    """x · Hb (blockwise over the last axis), float64."""
+    xs = x.reshape(*x.shape[:-1], -1, 128)
+    return (xs @ hadamard128()).reshape(x.shape)
+
+
+# ---------------------------------------------------------------- the arithmetic contract
+
+
+def quantize_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row symmetric int8 (gemm.h): scale = amax/127 in f32 (1 if 0), codes = rint(x/scale)."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(axis=1)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    codes = np.clip(np.rint(x / scale[:, None]), -127, 127).astype(np.int8)
+    return codes, scale
+
+
+def fmaf(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Correctly rounded f32 fused multiply-add, elementwise (a·b is exact in f64)."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = p + c64
+    bv = s - p
+    err = (p - (s - bv)) + (c64 - bv)  # s + err == p + c exactly
+    r = s.astype(np.float32)
+    diff = s - r.astype(np.float64)
+    toward = np.where(diff > 0, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+    nxt = np.nextafter(r, toward)
+    mid = (r.astype(np.float64) + nxt.astype(np.float64)) / 2
+    # Only an exact f32 midpoint in f64 can round the wrong way; the error term breaks the tie.
+    fix = (diff != 0) & (s == mid) & (err != 0) & (np.sign(err) == np.sign(diff))
+    return np.where(fix, nxt, r).astype(np.float32)
+
+
+def int_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact a · bᵀ of small integers (float64 BLAS is exact below 2^53)."""
+    return np.rint(a.astype(np.float64) @ b.astype(np.float64).T).astype(np.int64)
+
+
+def gemm_ref(codes, a_scale, q, dtype, w_scale, group):
+    if dtype == "q8c":
+        acc = int_matmul(codes, q).astype(np.float32)
+        return (acc * a_scale[:, None]) * w_scale[None, :]
+    n, k = q.shape
+    s = np.zeros((codes.shape[0], n), np.float32)
+    for g in range(k // group):
+        sl = slice(g * group, (g + 1) * group)
+        acc = int_matmul(codes[:, sl], q[:, sl]).astype(np.float32)
+        s = fmaf(acc, np.broadcast_to(w_scale[g].astype(np.float32), acc.shape), s)
+    return s * a_scale[:, None]
+
+
+def check_exact(y, ref):
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    rel = np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30)
+    assert rel <= 1e-6, f"relative error {rel}"
+    mism = np.argwhere(y != ref)
+    assert mism.size == 0, f"{len(mism)} outputs differ bitwise, first at {mism[0]}: {y[tuple(mism[0])]} vs {ref[tuple(mism[0])]}"
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def fgm():
+    assert FGM_PATH.exists(), f"missing fixture {FGM_PATH}"
+    return _native.FgmFile(str(FGM_PATH))
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    """The bf16 HF weights the .fgm was converted from, as float64 (safetensors read by hand)."""
+    blob = (FIXTURE / "model.safetensors").read_bytes()
+    (hlen,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + hlen])
+    base = 8 + hlen
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        assert meta["dtype"] == "BF16"
+        lo, hi = meta["data_offsets"]
+        u16 = np.frombuffer(blob[base + lo : base + hi], np.uint16)
+        out[name] = (u16.astype(np.uint32) << 16).view(np.float32).reshape(meta["shape"]).astype(np.float64)
+    return out
+
+
+HF_NAME = {
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+    "per_layer_input_gate": "per_layer_input_gate",
+    "per_layer_projection": "per_layer_projection",
+}
+
+
+def hf_weight(checkpoint, tensor: str) -> np.ndarray:
+    if tensor == "lm_head":
+        return checkpoint["model.language_model.embed_tokens.weight"]
+    if tensor == "per_layer_model_projection":
+        return checkpoint["model.language_model.per_layer_model_projection.weight"]
+    layer, rest = tensor.split(".", 1)
+    base = rest.removesuffix(".i8")
+    return checkpoint[f"model.language_model.layers.{layer[1:]}.{HF_NAME[base]}.weight"]
+
+
+def file_weight(fgm, tensor):
+    info = fgm.tensor_info(tensor)
+    n, k = info["shape"]
+    q = decode_codes(np.asarray(fgm.raw(tensor)), info["dtype"], n, k)
+    raw_scale = np.asarray(fgm.raw(tensor + ".scale"))
+    if info["dtype"] == "q8c":
+        scale = raw_scale.view(np.float32).copy()
+    else:
+        scale = raw_scale.view(np.float16).reshape(k // info["group"], n).copy()
+    return info, q, scale
+
+
+# Real linears of mini-e2b: q8c and q4g, several shapes (N 64..1024, K 128..1024).
+REAL_TENSORS = [
+    "l0.q_proj",  # q8c [256, 256]
+    "l0.k_proj",  # q8c [64, 256]
+    "l2.o_proj",  # q8c [256, 512] (full-attention layer)
+    "l0.per_layer_projection",  # q8c [256, 128]
+    "per_layer_model_projection",  # q8c [768, 256]
+    "l0.gate_proj",  # q4g [512, 256] g256
+    "l0.gate_proj.i8",  # its int8 twin
+    "l5.down_proj",  # q4g [256, 1024] (double-wide layer)
+    "lm_head",  # q4g [1024, 256]
+]
+
+
+# ---------------------------------------------------------------- the spec decoder vs the checkpoint
+
+
+@pytest.mark.parametrize("tensor", REAL_TENSORS)
+def test_spec_decoder_matches_checkpoint(fgm, checkpoint, tensor):
+    """Our own decode of the file's bytes reproduces the original float weight (so the
+    reference below is right about the layout, independently of the kernels)."""
+    info, q, scale = file_weight(fgm, tensor)
+    n, k = info["shape"]
+    if info["dtype"] == "q8c":
+        deq = q * scale.astype(np.float64)[:, None]
+        bound = 0.012
+    else:
+        deq = q * np.repeat(scale.astype(np.float64).T, info["group"], axis=1)
+        bound = 0.12
+    if info["hadamard"]:
+        deq = rotate(deq)  # H is an involution: W ≈ deq(W')·Hb
+    w = hf_weight(checkpoint, tensor)
+    assert w.shape == (n, k)
+    rel = np.linalg.norm(deq - w) / np.linalg.norm(w)
+    assert rel < bound, f"{tensor}: decoded weight is off the checkpoint by {rel:.4f}"
+    assert rel > 1e-4  # it is a quantisation, not a copy
+
+
+# ---------------------------------------------------------------- Hadamard and activation quantisation
+
+
+def test_fwht128_is_x_times_h():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((5, 384)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    y = K.fwht128(x)
+    ref = rotate(x.astype(np.float64))
+    assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+    # an involution: applying it twice gives the input back
+    assert np.abs(K.fwht128(y) - x).max() <= 4e-6 * np.abs(x).max()
+
+
+def test_fwht128_rejects_partial_block():
+    with pytest.raises(ValueError, match="multiple of 128"):
+        K.fwht128(np.zeros(200, np.float32))
+
+
+@pytest.mark.parametrize("hadamard", [0, 128])
+def test_quantize_rows(hadamard):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((19, 512)).astype(np.float32) * rng.uniform(1e-3, 1e3, (19, 1)).astype(np.float32)
+    x[3] = 0.0  # all-zero row: scale 1, codes 0
+    x[5, 7] = 1e4  # one outlier dominates its row
+    codes, scale = K.quantize_rows(x, hadamard)
+    assert codes.dtype == np.int8 and codes.shape == x.shape and scale.dtype == np.float32
+    xr = K.fwht128(x) if hadamard else x
+    ref_codes, ref_scale = quantize_ref(xr)
+    np.testing.assert_array_equal(scale, ref_scale)
+    np.testing.assert_array_equal(codes, ref_codes)
+    assert scale[3] == 1.0 and not codes[3].any()
+    assert np.abs(codes.astype(int)).max() == 127 and codes.min() >= -127
+    if hadamard:
+        # Against the float64 rotation x·H: at most a rounding tie away.
+        c64, _ = quantize_ref(rotate(x.astype(np.float64)).astype(np.float32))
+        d = np.abs(codes.astype(int) - c64.astype(int))
+        assert d.max() <= 1 and (d > 0).mean() < 1e-3
+
+
+def test_quantize_rows_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        K.quantize_rows(np.zeros((2, 100), np.float32), 0)
+    with pytest.raises(ValueError, match="hadamard"):
+        K.quantize_rows(np.zeros((2, 192), np.float32), 128)
+
+
+# ---------------------------------------------------------------- GEMM on the real file
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("tensor", REAL_TENSORS)
+def test_linear_real_file_bit_exact(fgm, backend, tensor):
+    info, q, scale = file_weight(fgm, tensor)
+    n, k = info["shape"]
+    rng = np.random.default_rng(abs(hash(tensor)) % 2**32)
+    for m in (1, 7, 33):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = K.linear(x, fgm, tensor, backend=backend, threads=2)
+        codes, a_scale = K.quantize_rows(x, info["hadamard"])
+        check_exact(y, gemm_ref(codes, a_scale, q, info["dtype"], scale, info["group"]))
+
+
+@pytest.mark.parametrize("tensor", ["l0.gate_proj", "l0.gate_proj.i8", "l2.o_proj", "lm_head"])
+def test_linear_quantisation_error_as_expected(fgm, checkpoint, tensor):
+    """Against float x·Wᵀ with the original weights: the error is what the weight and
+    activation quantisation predict (int8 ~1%, int4 ~10%), not more."""
+    info, q, scale = file_weight(fgm, tensor)
+    n, k = info["shape"]
+    w = hf_weight(checkpoint, tensor)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((64, k)).astype(np.float32)
+    y = K.linear(x, fgm, tensor, threads=2).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    err = np.linalg.norm(y - exact) / np.linalg.norm(exact)
+    # Prediction: relative weight error (rotated domain) and activation quantisation error.
+    if info["dtype"] == "q8c":
+        deq = q * scale.astype(np.float64)[:, None]
+    else:
+        deq = q * np.repeat(scale.astype(np.float64).T, info["group"], axis=1)
+    w_err = np.linalg.norm(rotate(deq) - w) / np.linalg.norm(w)
+    xr = rotate(x.astype(np.float64))
+    codes, a_scale = K.quantize_rows(x, info["hadamard"])
+    a_err = np.linalg.norm(codes * a_scale[:, None].astype(np.float64) - xr) / np.linalg.norm(xr)
+    pred = np.hypot(w_err, a_err)
+    assert 0.6 * pred < err < 1.4 * pred, f"{tensor}: error {err:.4f}, predicted {pred:.4f}"
+    assert err < (0.02 if info["dtype"] == "q8c" else 0.13)
+
+
+# ---------------------------------------------------------------- synthetic weights, odd shapes
+
+
+def synthetic(rng, dtype, n, k, group):
+    if dtype == "q8c":
+        q = rng.integers(-127, 128, (n, k))
+        q[1] = 0  # an all-zero weight row
+        q[2] = 127
+        q[3] = -127  # the extremes, where a saturating kernel would break
+        scale = (rng.uniform(1e-3, 1e-1, n) * rng.choice([-1, 1], n)).astype(np.float32)
+        return q, scale
+    q = rng.integers(-8, 8, (n, k))
+    q[1] = 0
+    q[2] = -8
+    q[3] = 7
+    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float16)
+    return q, scale
+
+
+SYNTH_SHAPES = [
+    # (dtype, N, K, group, hadamard)
+    ("q8c", 16, 64, 0, 0),
+    ("q8c", 48, 192, 0, 0),  # K not a multiple of 128, N not a multiple of 64
+    ("q8c", 80, 384, 0, 128),
+    ("q8c", 272, 320, 0, 0),
+    ("q4g", 16, 64, 64, 0),
+    ("q4g", 48, 192, 64, 0),
+    ("q4g", 80, 384, 128, 128),
+    ("q4g", 144, 768, 256, 128),
+    ("q4g", 32, 768, 64, 128),
+]
+SYNTH_M = [1, 2, 7, 15, 16, 17, 33, 64, 100]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype,n,k,group,hadamard", SYNTH_SHAPES)
+def test_linear_synthetic_bit_exact(backend, dtype, n, k, group, hadamard):
+    rng = np.random.default_rng(n * 7919 + k * 31 + group)
+    q, scale = synthetic(rng, dtype, n, k, group)
+    blob = encode_codes(q, dtype)
+    np.testing.assert_array_equal(decode_codes(blob, dtype, n, k), q)  # the test's own writer round-trips
+    for m in SYNTH_M:
+        x = rng.standard_normal((m, k)).astype(np.float32) * np.float32(rng.uniform(0.01, 50))
+        x[m // 2] = 0.0  # an all-zero activation row
+        y = K.linear_packed(x, blob, scale, dtype, n, k, group=group, hadamard=hadamard, backend=backend, threads=2)
+        codes, a_scale = K.quantize_rows(x, hadamard)
+        check_exact(y, gemm_ref(codes, a_scale, q, dtype, scale, group))
+        assert not y[m // 2].any()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_worst_case_accumulation(backend):
+    """All codes at ±127 (int8) / −8 (int4) with a long K: the largest sums the kernels can meet."""
+    k, n, m = 4096, 32, 3
+    x = np.full((m, k), -1.0, np.float32)
+    x[1] = 1.0
+    x[2, ::2] = 1.0
+    for dtype, qv, group in (("q8c", -127, 0), ("q8c", 127, 0), ("q4g", -8, 4096), ("q4g", 7, 64)):
+        q = np.full((n, k), qv)
+        scale = np.full(n, 0.5, np.float32) if dtype == "q8c" else np.full((k // group, n), -0.25, np.float16)
+        y = K.linear_packed(x, encode_codes(q, dtype), scale, dtype, n, k, group=group, backend=backend)
+        codes, a_scale = K.quantize_rows(x, 0)
+        check_exact(y, gemm_ref(codes, a_scale, q, dtype, scale, group))
+
+
+@pytest.mark.parametrize("dtype,n,k,group,hadamard", [SYNTH_SHAPES[3], SYNTH_SHAPES[7]])
+def test_threads_do_not_change_results(dtype, n, k, group, hadamard):
+    rng = np.random.default_rng(5)
+    q, scale = synthetic(rng, dtype, n, k, group)
+    blob = encode_codes(q, dtype)
+    x = rng.standard_normal((37, k)).astype(np.float32)
+    ys = [K.linear_packed(x, blob, scale, dtype, n, k, group=group, hadamard=hadamard, threads=t) for t in (1, 2, 3)]
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_arguments_raise_precise_errors(fgm):
+    with pytest.raises(ValueError, match="columns, the weight K is 256"):
+        K.linear(np.zeros((2, 128), np.float32), fgm, "l0.q_proj")
+    with pytest.raises(ValueError, match="not a linear weight"):
+        K.linear(np.zeros((2, 256), np.float32), fgm, "norm")
+    with pytest.raises(_native.FgmError, match="no_such"):
+        K.linear(np.zeros((2, 256), np.float32), fgm, "no_such")
+    with pytest.raises(ValueError, match="unknown backend 'sse'"):
+        K.linear(np.zeros((2, 256), np.float32), fgm, "l0.q_proj", backend="sse")
+    with pytest.raises(ValueError, match="unknown backend"):
+        K.cpu_supports("neon")
+    with pytest.raises(ValueError, match="codes must be"):
+        K.linear_packed(np.zeros((1, 64), np.float32), np.zeros(100, np.uint8), np.zeros(16, np.float32), "q8c", 16, 64)
+    with pytest.raises(ValueError, match="group"):
+        K.linear_packed(np.zeros((1, 192), np.float32), np.zeros(1536, np.uint8), np.zeros((1, 16), np.float16), "q4g", 16, 192, group=128)
+    with pytest.raises(ValueError, match="scales must be"):
+        K.linear_packed(np.zeros((1, 64), np.float32), np.zeros(512, np.uint8), np.zeros((1, 16), np.float32), "q4g", 16, 64, group=64)
+    for b in BACKENDS:
+        if not K.cpu_supports(b):
+            with pytest.raises(RuntimeError, match=f"cannot run the {b} backend"):
+                K.linear(np.zeros((1, 256), np.float32), fgm, "l0.q_proj", backend=b)
+
+
+def _active_backend_with_env(value: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, FGM_BACKEND=value)
+    code = "from splitgemma._native import kernels; print(kernels.active_backend())"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_fgm_backend_env():
+    r = _active_backend_with_env("avx2")
+    assert r.returncode == 0 and r.stdout.strip() == "avx2"
+    assert "GEMM backend avx2" in r.stderr  # announced once on stderr
+    r = _active_backend_with_env("bogus")
+    assert r.returncode != 0 and "FGM_BACKEND: unknown backend 'bogus'" in r.stderr
+    for b in ("vnni", "amx"):
+        r = _active_backend_with_env(b)
+        if K.cpu_supports(b):
+            assert r.stdout.strip() == b
+        else:
+            assert r.returncode != 0 and f"cannot run the {b} backend" in r.stderr
