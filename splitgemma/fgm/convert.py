@@ -1,0 +1,174 @@
+"""Hugging Face Gemma 4 checkpoint (safetensors + config.json) → FASTGEM1 .fgm file.
+
+The output matches fastgemma's converter run with ``--weights both --group 256`` (or the chosen
+options): same tensor set, dtypes, shapes and offsets, and the same blob bytes (the quantisation
+arithmetic is reproduced; see quant.py). Everything is streamed: linears are converted in chunks of
+whole 16-row blocks and tables in row chunks, and the checkpoint pages already read are released,
+so memory stays in the hundreds of MB even for the 262144×8960 per-layer embedding table.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import quant
+from .errors import ConversionError
+from .hadamard import rotate_k
+from .hf_config import TextConfig, load_text_config
+from .inventory import (DEFAULT_GROUP, Linear, Plain, Rope, Table, build_inventory, check_options,
+                        entries_of, layout_problems, probe_names, quant_bits)
+from .progress import byte_progress
+from .safetensors import Checkpoint
+from .writer import FgmWriter
+
+# Where the text decoder lives in the checkpoint: multimodal Gemma4ForConditionalGeneration
+# first, then text-only Gemma4ForCausalLM (and older spellings).
+_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
+
+_CHUNK_ELEMS = 1 << 22     # elements per streamed chunk (float64 after rotation: 32 MB)
+_PROBE_ELEMS = 1 << 24     # fastgemma measures quant_rel_err on its first chunk of this many elements
+
+
+def _rows_per_chunk(k: int, block: int) -> int:
+    return max(block, _CHUNK_ELEMS // k // block * block)
+
+
+def _find_prefix(ckpt: Checkpoint) -> str:
+    for p in _PREFIXES:
+        if p + "embed_tokens.weight" in ckpt:
+            return p
+    raise ConversionError(
+        f"{ckpt.src}: no Gemma 4 text decoder found: none of "
+        + ", ".join(repr(p + "embed_tokens.weight") for p in _PREFIXES[:-1])
+        + " is in the checkpoint")
+
+
+def check_sources(items, ckpt: Checkpoint, prefix: str) -> list[str]:
+    """Every missing, misshapen or unreadable checkpoint tensor the items need, one line each."""
+    problems, seen = [], set()
+    for it in items:
+        if isinstance(it, Rope) or it.source in seen:
+            continue
+        seen.add(it.source)
+        name = prefix + it.source
+        want = tuple(it.shape)
+        if name not in ckpt:
+            problems.append(f"missing: {name} (expected shape {list(want)})")
+            continue
+        ref = ckpt[name]
+        # A scalar may be stored as [] or [1]; anything else must match exactly.
+        same = ref.shape == want or (isinstance(it, Plain) and tuple(d for d in ref.shape if d != 1)
+                                     == tuple(d for d in want if d != 1))
+        if not same:
+            problems.append(f"misshapen: {name} is {list(ref.shape)}, expected {list(want)}")
+        if ref.dtype not in ("BF16", "F16", "F32"):
+            problems.append(f"unsupported dtype: {name} is {ref.dtype} (BF16, F16 or F32 needed)")
+    return problems
+
+
+class _Converter:
+    def __init__(self, cfg: TextConfig, ckpt: Checkpoint, prefix: str, writer: FgmWriter):
+        self.cfg, self.ckpt, self.prefix, self.w = cfg, ckpt, prefix, writer
+        self.probes = set(probe_names(cfg))
+        self.rel_err: dict[str, float] = {}
+
+    def run(self, items) -> None:
+        for it in items:
+            if isinstance(it, Plain):
+                src = self.prefix + it.source
+                self.w.write(it.name, self.ckpt.rows(src).reshape(it.shape))
+            elif isinstance(it, Rope):
+                self.w.write(it.name, self.cfg.rope_inv_freq(it.layer_type))
+            elif isinstance(it, Table):
+                self.table(it)
+            else:
+                self.linear(it)
+
+    def table(self, it: Table) -> None:
+        src = self.prefix + it.source
+        step = max(1, _CHUNK_ELEMS // it.k)
+        for r0 in range(0, it.rows, step):
+            r1 = min(it.rows, r0 + step)
+            blob, scale = quant.encode_q4r(self.ckpt.rows(src, r0, r1))
+            self.w.write(it.name, blob)
+            self.w.write(it.name + ".scale", scale)
+            self.ckpt.release(src, r0, r1)
+
+    def linear(self, it: Linear) -> None:
+        src = self.prefix + it.source
+        step = _rows_per_chunk(it.k, quant.TILE_N)
+        probe_rows = max(quant.TILE_N, _PROBE_ELEMS // it.k // quant.TILE_N * quant.TILE_N)
+        err_num = err_den = 0.0
+        scales = np.empty((it.k // it.group, it.n), dtype=np.float16) if it.dtype == "q4g" else None
+        for r0 in range(0, it.n, step):
+            r1 = min(it.n, r0 + step)
+            w = self.ckpt.rows(src, r0, r1)
+            if it.hadamard:
+                w = rotate_k(w)
+            if it.dtype == "q4g":
+                q, s = quant.quantize_q4(w, it.group)
+                self.w.write(it.name, quant.pack_nibbles(quant.tile_order(q)))
+                scales[:, r0:r1] = s.T
+            else:
+                q, s = quant.quantize_q8_rows(w)
+                self.w.write(it.name, quant.tile_order(q))
+                self.w.write(it.name + ".scale", s)
+            if it.name in self.probes and r0 < probe_rows:
+                # fastgemma's statistic: codes × float32 scales (before the f16 rounding).
+                m = min(r1, probe_rows) - r0
+                ref = w[:m].astype(np.float64)
+                err_num += float(np.sum((ref - quant.dequantize(q[:m], s[:m])) ** 2))
+                err_den += float(np.sum(ref ** 2))
+            if it.twin:
+                q8, s8 = quant.quantize_q8_rows(w)
+                self.w.write(it.name + ".i8", quant.tile_order(q8))
+                self.w.write(it.name + ".i8.scale", s8)
+            self.ckpt.release(src, r0, r1)
+        if scales is not None:
+            self.w.write(it.name + ".scale", scales)
+        if it.name in self.probes:
+            self.rel_err[it.name] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
+
+
+def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: str = "dual",
+                       group: int = DEFAULT_GROUP, progress: bool = True) -> dict:
+    """Convert the Hugging Face checkpoint directory ``src`` into the .fgm file ``out``.
+
+    weights: "dual" (FFN int4 + int8 twins, fastgemma's ``--weights both``), "int4" (no twins) or
+    "int8" (FFN stored int8). group: the int4 scale group along K of the FFN and LM head.
+    All problems with the input (config, missing or misshapen tensors, a group that does not
+    divide some K) are found before anything is written and raised as one ConversionError; a
+    failure never leaves a file at ``out``. Returns a summary dict (path, bytes, tensors, seconds).
+    """
+    t0 = time.perf_counter()
+    check_options(weights, group)
+    cfg = load_text_config(src)
+    items = build_inventory(cfg, weights, group)
+    problems = layout_problems(items)
+    if problems:
+        raise ConversionError(f"this model cannot be stored with --weights {weights} --group {group}", problems)
+    header_config = cfg.fgm_config(hadamard=128, group=group, quant=quant_bits(weights))
+    entries = entries_of(items)
+    out = Path(out)
+    with Checkpoint(src) as ckpt:
+        prefix = _find_prefix(ckpt)
+        problems = check_sources(items, ckpt, prefix)
+        if problems:
+            raise ConversionError(f"{ckpt.src}: the checkpoint does not match its config.json "
+                                  f"({len(problems)} problem{'s' * (len(problems) > 1)})", problems)
+        with FgmWriter(out) as writer:
+            writer.plan(entries, header_config)
+            bar = byte_progress(writer.payload_bytes, f"convert {out.name}", progress)
+            writer.on_write = bar.update
+            try:
+                conv = _Converter(cfg, ckpt, prefix, writer)
+                conv.run(items)
+                seconds = time.perf_counter() - t0
+                writer.finish(header_config, {"convert_s": round(seconds, 1), "quant_rel_err": conv.rel_err})
+            finally:
+                bar.close()
+    return {"path": str(out), "bytes": writer.size, "tensors": len(entries),
+            "seconds": time.perf_counter() - t0, "quant_rel_err": conv.rel_err}
