@@ -126,10 +126,6 @@ void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {
 
 }  // namespace
 
-size_t qact_packed_bytes(int m, int k) { return (size_t)qact_padded_rows(m) * (size_t)k; }
-size_t qact_rowsum_count(int m, int k) { return (size_t)qact_padded_rows(m) * (size_t)(k / 64); }
-int qact_padded_rows(int m) { return (m + 15) / 16 * 16; }
-
 void fwht128(float* x, int n) {
   if (n % 128 != 0) throw std::invalid_argument("fwht128: length " + std::to_string(n) + " is not a multiple of 128");
   for (int b = 0; b < n; b += 128) fwht_block(x + b, x + b);

@@ -13,6 +13,19 @@
 #include "kernels_impl.h"
 
 namespace sg {
+namespace detail {
+
+std::atomic<int> g_amx_guard{-1};
+std::atomic<uint64_t> g_amx_recoveries{0};
+
+// Linux: ask for the AMX tile-data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool amx_request_permission() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace detail
+
 namespace {
 
 struct CpuFeatures {
@@ -50,16 +63,10 @@ const CpuFeatures& features() {
   return f;
 }
 
-// Linux: ask for the AMX tile-data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool amx_request_permission() {
-  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
 // The first grant decides for the process: a hypervisor that advertises AMX but refuses the
 // permission makes AMX unusable everywhere.
 bool amx_usable() {
-  static const bool ok = features().amx && amx_request_permission();
+  static const bool ok = features().amx && detail::amx_request_permission();
   return ok;
 }
 
@@ -122,9 +129,8 @@ Backend backend_from_name(const char* name) {
 bool cpu_supports(Backend b) {
   switch (b) {
     case Backend::Avx2: return features().avx2;
-    // The VNNI and AMX kernels are not written yet: no CPU runs them.
-    case Backend::Vnni: return false;
-    case Backend::Amx: return false;
+    case Backend::Vnni: return features().vnni;
+    case Backend::Amx: return amx_usable();
   }
   return false;
 }
@@ -138,8 +144,16 @@ Backend active_backend() {
   return b;
 }
 
+size_t qact_packed_bytes(int m, int k) { return (size_t)qact_padded_rows(m) * (size_t)k; }
+size_t qact_rowsum_count(int m, int k) { return (size_t)qact_padded_rows(m) * (size_t)(k / 64); }
+int qact_padded_rows(int m) { return (m + 15) / 16 * 16; }
+
+TileGuardStatus amx_tile_guard_status() {
+  return TileGuardStatus{detail::g_amx_guard.load(), detail::g_amx_recoveries.load()};
+}
+
 void backend_thread_init() {
-  if (amx_usable()) amx_request_permission();
+  if (amx_usable()) detail::amx_request_permission();
 }
 
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
@@ -174,6 +188,11 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
   if (a.m == 0) return;
   using Kernel = void (*)(const QAct&, const QLinear&, float*, int, int, int);
   Kernel kernel = detail::gemm_avx2;
+  if (b == Backend::Vnni) kernel = detail::gemm_vnni;
+  if (b == Backend::Amx) {
+    detail::amx_prepare();
+    kernel = detail::gemm_amx;
+  }
   const int NB = w.n / 16;
   const int n_tasks = (NB + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
   auto task = [&](int t, int) {

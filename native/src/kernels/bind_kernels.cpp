@@ -3,15 +3,18 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "fgm_file.h"
 #include "gemm.h"
+#include "probes.h"
 
 namespace py = pybind11;
 
@@ -81,7 +84,7 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
 }
 
 sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
-                                int group, int hadamard) {
+                                int group, int hadamard, int copies = 1) {
   auto bad = [](const std::string& m) { throw std::invalid_argument("linear_packed: " + m); };
   sg::QLinear w;
   if (dtype == "q8c") w.dtype = sg::DType::Q8C;
@@ -91,14 +94,16 @@ sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales,
   const bool q8 = w.dtype == sg::DType::Q8C;
   if (!q8 && (group <= 0 || group % 64 || k % group)) bad("group must be a multiple of 64 dividing K");
   if (hadamard != 0 && (hadamard != 128 || k % 128)) bad("hadamard must be 0, or 128 with K % 128 == 0");
-  const size_t code_bytes = q8 ? size_t(n) * k : size_t(n) * k / 2;
+  if (copies < 1) bad("copies must be >= 1");
+  const size_t code_bytes = (q8 ? size_t(n) * k : size_t(n) * k / 2) * copies;
   if (codes.itemsize() != 1 || !(codes.flags() & py::array::c_style) || size_t(codes.nbytes()) != code_bytes)
     bad("codes must be a contiguous byte array of " + std::to_string(code_bytes) + " bytes");
-  const size_t n_scales = q8 ? size_t(n) : size_t(k / group) * n;
+  const size_t n_scales = (q8 ? size_t(n) : size_t(k / group) * n) * copies;
   const char kind = scales.dtype().kind();
   const bool dt_ok = q8 ? (kind == 'f' && scales.itemsize() == 4) : (kind == 'f' && scales.itemsize() == 2);
   if (!dt_ok || !(scales.flags() & py::array::c_style) || size_t(scales.size()) != n_scales)
-    bad(std::string("scales must be a contiguous ") + (q8 ? "float32 [N]" : "float16 [K/group, N]") + " array");
+    bad(std::string("scales must be a contiguous ") + (q8 ? "float32 [N]" : "float16 [K/group, N]") + " array" +
+        (copies > 1 ? " per copy" : ""));
   w.n = n;
   w.k = k;
   w.group = q8 ? 0 : group;
@@ -173,4 +178,90 @@ void bind_kernels(py::module_& parent) {
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"),
       py::arg("group") = 0, py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1,
       "y = x · Wᵀ for a weight given as tile-ordered codes + scales in the .fgm byte layout.");
+
+  m.def(
+      "bench_linear",
+      [](const F32Array& x, const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
+         int group, int hadamard, const std::optional<std::string>& backend, int threads, int repeats, int copies) {
+        // codes/scales hold `copies` weights back to back; call i uses copy i % copies, so a
+        // set larger than the caches measures streaming from DRAM.
+        const sg::QLinear w0 = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard, copies);
+        const sg::Backend b = pick_backend(backend);
+        check_rows(x, k, "bench_linear");
+        if (threads < 1 || repeats < 1) throw std::invalid_argument("bench_linear: threads and repeats must be >= 1");
+        const int mr = int(x.shape(0));
+        const size_t code_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * k : size_t(n) * k / 2;
+        const size_t scale_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * 4 : size_t(k / group) * n * 2;
+        std::vector<double> times;
+        {
+          py::gil_scoped_release nogil;
+          QActStore qa(mr, k);
+          auto y = aligned_array<float>(size_t(mr) * n);
+          sg::backend_thread_init();
+          sg::ThreadPool pool(threads, sg::backend_thread_init);
+          sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, &pool);
+          for (int r = 0; r < repeats; ++r) {
+            sg::QLinear w = w0;
+            w.codes += code_bytes * (r % copies);
+            w.scales = static_cast<const uint8_t*>(w0.scales) + scale_bytes * (r % copies);
+            const auto t0 = std::chrono::steady_clock::now();
+            sg::gemm(qa.q, w, y.get(), n, &pool, b);
+            times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+          }
+        }
+        return times;
+      },
+      py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("group") = 0,
+      py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1, py::arg("repeats") = 10,
+      py::arg("copies") = 1, "Seconds per gemm() call (activations quantised once, outside the timing).");
+
+  m.def(
+      "bench_quantize",
+      [](const F32Array& x, int hadamard, int threads, int repeats) {
+        if (x.ndim() != 2) throw std::invalid_argument("bench_quantize: x must be 2-D [M, K]");
+        const int mr = int(x.shape(0)), k = int(x.shape(1));
+        std::vector<double> times;
+        py::gil_scoped_release nogil;
+        QActStore qa(mr, k);
+        sg::ThreadPool pool(threads);
+        for (int r = 0; r < repeats; ++r) {
+          const auto t0 = std::chrono::steady_clock::now();
+          sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, &pool);
+          times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
+        return times;
+      },
+      py::arg("x"), py::arg("hadamard") = 0, py::arg("threads") = 1, py::arg("repeats") = 10,
+      "Seconds per quantize_activations() call.");
+
+  m.def(
+      "peak_tops",
+      [](const std::string& backend, int threads, double seconds) {
+        const sg::Backend b = sg::backend_from_name(backend.c_str());
+        py::gil_scoped_release nogil;
+        sg::ThreadPool pool(threads, sg::backend_thread_init);
+        return sg::peak_tops(b, &pool, seconds);
+      },
+      py::arg("backend"), py::arg("threads") = 1, py::arg("seconds") = 0.2,
+      "int8 TOPS of the backend's multiply-accumulate instruction back to back on `threads` threads.");
+
+  m.def(
+      "read_bandwidth",
+      [](size_t bytes, int threads) {
+        py::gil_scoped_release nogil;
+        sg::ThreadPool pool(threads);
+        return sg::read_bandwidth_gbs(bytes, &pool);
+      },
+      py::arg("bytes") = size_t(1) << 28, py::arg("threads") = 1, "Streaming read bandwidth in GB/s (1e9 B/s).");
+
+  m.def(
+      "tile_guard_status",
+      [] {
+        const sg::TileGuardStatus s = sg::amx_tile_guard_status();
+        py::dict d;
+        d["enabled"] = s.enabled;
+        d["recoveries"] = s.recoveries;
+        return d;
+      },
+      "AMX tile-state guard: enabled (-1 undecided, 0, 1) and blocks recomputed after a tile-state loss.");
 }

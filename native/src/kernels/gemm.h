@@ -46,6 +46,15 @@ bool cpu_supports(Backend b);
 // use in a thread, so forgetting it costs nothing but a syscall.
 void backend_thread_init();
 
+// The AMX tile-state guard (see gemm_amx.cpp): enabled is -1 until the first AMX GEMM decided
+// it (FGM_TILE_GUARD=on|off, else a probe), then 0/1; recoveries counts blocks recomputed
+// because the tile state was lost.
+struct TileGuardStatus {
+  int enabled = -1;
+  uint64_t recoveries = 0;
+};
+TileGuardStatus amx_tile_guard_status();
+
 // A linear weight as stored in the file (q8c or q4g, tile order).
 struct QLinear {
   DType dtype = DType::Q8C;

@@ -3,6 +3,7 @@
 // after cpu_supports() said yes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "gemm.h"
@@ -11,11 +12,24 @@ namespace sg::detail {
 
 // Output columns of the 16-column blocks [nb0, nb1), all a.m rows. Arguments already validated.
 void gemm_avx2(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
+void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
+void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of
 // int8 operations done (2 per multiply-add), for peak_tops().
 uint64_t peak_loop_avx2(uint64_t iters);
+uint64_t peak_loop_vnni(uint64_t iters);
+uint64_t peak_loop_amx(uint64_t iters);
+
+// AMX: ARCH_REQ_XCOMP_PERM for the calling thread (backend.cpp); true when granted.
+bool amx_request_permission();
+// AMX: before a GEMM, on the calling thread: tile permission, and the tile guard decided once
+// (FGM_TILE_GUARD or the probe; throws std::runtime_error on a bad FGM_TILE_GUARD value).
+void amx_prepare();
+// The guard state and recovery count, kept in backend.cpp (plain x86-64 code).
+extern std::atomic<int> g_amx_guard;  // -1 undecided, 0 off, 1 on
+extern std::atomic<uint64_t> g_amx_recoveries;
 
 // Runs f(task, worker) for task in [0, n) on the pool, or inline when pool is null.
 // (Calls ThreadPool::run directly: parallel_for cannot take an lvalue lambda.)

@@ -1,0 +1,109 @@
+"""GEMM kernel throughput beside this machine's own limits, measured in the same run.
+
+For every backend the CPU can run (or --backend):
+  * peak      int8 TOPS of the backend's multiply-accumulate instruction back to back
+              (AVX2 vpmaddubsw+vpmaddwd+vpaddd, VNNI vpdpbusd, AMX tdpbssd) on --threads threads;
+  * DRAM      streaming read bandwidth (GB/s) on --threads threads;
+  * prefill   q8c GEMM M=512, N=6144, K=1536 (an E2B FFN projection): TOPS and ratio to peak;
+  * decode    q4g (group 256) GEMM N=6144, K=1536 at M = 1, 8, 32: GB/s of weight bytes
+              (codes + scales) streamed from DRAM (the weights cycle through copies larger than
+              the last-level cache) and ratio to the DRAM figure; TOPS and ratio to peak too.
+Every figure is the median of --repeats runs. The machine is shared: the load average is
+printed, and a loaded machine lowers every figure.
+
+    python bench/bench_gemm.py [--threads 2] [--repeats 7] [--backend avx2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+
+import numpy as np
+
+from splitgemma._native import kernels as K
+
+N, K_DIM, GROUP = 6144, 1536, 256
+PREFILL_M = 512
+DECODE_M = (1, 8, 32)
+STREAM_SET_BYTES = 96 << 20  # the cycled weight copies: well above a 32 MB L3
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def random_weights(rng, dtype: str, copies: int):
+    if dtype == "q8c":
+        codes = rng.integers(-127, 128, N * K_DIM * copies, dtype=np.int8).view(np.uint8)
+        scales = rng.uniform(1e-3, 1e-2, N * copies).astype(np.float32)
+    else:
+        codes = rng.integers(0, 256, N * K_DIM // 2 * copies, dtype=np.uint8)
+        scales = (rng.uniform(1e-3, 1e-2, (K_DIM // GROUP * copies, N)) * rng.choice([-1, 1], N)).astype(np.float16)
+    return codes, scales
+
+
+def median_time(x, codes, scales, dtype, backend, threads, repeats, copies, calls_per_repeat):
+    """Median over repeats of the mean seconds per call in a batch of calls (warm-up excluded)."""
+    group = GROUP if dtype == "q4g" else 0
+    K.bench_linear(x, codes, scales, dtype, N, K_DIM, group=group, hadamard=128, backend=backend, threads=threads,
+                   repeats=min(copies, 4), copies=copies)
+    per_repeat = []
+    for _ in range(repeats):
+        t = K.bench_linear(x, codes, scales, dtype, N, K_DIM, group=group, hadamard=128, backend=backend,
+                           threads=threads, repeats=calls_per_repeat, copies=copies)
+        per_repeat.append(sum(t) / len(t))
+    return statistics.median(per_repeat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--backend", choices=["avx2", "vnni", "amx"], action="append",
+                    help="backend(s) to measure (default: every one this CPU runs)")
+    args = ap.parse_args()
+    backends = args.backend or [b for b in ("amx", "vnni", "avx2") if K.cpu_supports(b)]
+    rng = np.random.default_rng(0)
+
+    print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; threads {args.threads}; "
+          f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    dram = statistics.median(K.read_bandwidth(1 << 28, args.threads) for _ in range(args.repeats))
+    print(f"DRAM streaming read: {dram:.1f} GB/s (median of {args.repeats})")
+
+    q8_codes, q8_scales = random_weights(rng, "q8c", 1)
+    q4_bytes = N * K_DIM // 2 + (K_DIM // GROUP) * N * 2
+    q4_copies = max(1, STREAM_SET_BYTES // q4_bytes)
+    q4_codes, q4_scales = random_weights(rng, "q4g", q4_copies)
+
+    header = f"{'backend':8} {'shape':34} {'time':>10} {'result':>14} {'limit':>14} {'ratio':>7}"
+    for b in backends:
+        peak = statistics.median(K.peak_tops(b, args.threads) for _ in range(args.repeats))
+        print()
+        print(f"[{b}] peak int8: {peak:.3f} TOPS on {args.threads} threads")
+        print(header)
+        x = rng.standard_normal((PREFILL_M, K_DIM)).astype(np.float32)
+        t = median_time(x, q8_codes, q8_scales, "q8c", b, args.threads, args.repeats, 1, 3)
+        tops = 2 * PREFILL_M * N * K_DIM / t / 1e12
+        print(f"{b:8} {f'prefill q8c M={PREFILL_M} N={N} K={K_DIM}':34} {t * 1e3:8.2f}ms "
+              f"{tops:9.3f} TOPS {peak:9.3f} TOPS {tops / peak:7.1%}")
+        for m in DECODE_M:
+            x = rng.standard_normal((m, K_DIM)).astype(np.float32)
+            t = median_time(x, q4_codes, q4_scales, "q4g", b, args.threads, args.repeats, q4_copies, 2 * q4_copies)
+            gbs = q4_bytes / t / 1e9
+            tops = 2 * m * N * K_DIM / t / 1e12
+            print(f"{b:8} {f'decode q4g g{GROUP} M={m} N={N} K={K_DIM}':34} {t * 1e3:8.3f}ms "
+                  f"{gbs:9.2f} GB/s {dram:9.2f} GB/s {gbs / dram:7.1%}   ({tops:.3f} TOPS, {tops / peak:.1%} of peak)")
+
+
+if __name__ == "__main__":
+    main()

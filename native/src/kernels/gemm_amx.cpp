@@ -1,0 +1,363 @@
+// The AMX backend (compiled with -mamx-tile -mamx-int8 -mavx512f -mavx512bw -mavx512vl -O2;
+// called only when CPUID says AMX-TILE + AMX-INT8 and the kernel granted the tile state).
+//
+// Tiles: all eight are 16 rows × 64 bytes. tmm0–3 accumulate int32, tmm4–5 hold A tiles (16
+// activation rows × 64 k, straight from the shared packed layout), tmm6–7 hold B tiles. A file
+// tile (16 columns × 64 k, rows of 4 k × 16 columns) is exactly tdpbssd's B operand, so int8
+// weights are loaded from the mapping as they are; int4 tiles are first unpacked to int8 into
+// an L1 scratch tile. tdpbssd (s8 × s8 → int32) gives the exact sums directly; the float
+// epilogue is the one in gemm.h, so results are bit-identical to the other backends.
+//
+// Blocking: a task is ≤ 4 column blocks (64 columns; its B panel stays in L2). Rows go in
+// pairs of 16-row blocks with 2×2 tiles (2 A × 2 B → 4 accumulators); the last odd 16-row
+// block, and with it every decode-sized call (M ≤ 16), uses 1×4 (1 A × 4 B, one weight read
+// per column block). q8c accumulates over the whole K; q4g over one scale group at a time,
+// then drains the tiles into f32 sums.
+//
+// Compiler traps handled here (see the design notes):
+// * GCC's _tile_loadconfig tells the compiler it reads 8 bytes, and its _tile_loadd reads "no
+//   memory", so stores to the 64-byte config or to a scratch tile may be elided or sunk past
+//   the load. The config is a fully initialised 64-byte-aligned struct passed to our own
+//   ldtilecfg as a whole-object memory operand after a compiler barrier, and our tileloadd
+//   carries a "memory" clobber (plus an explicit barrier after the scratch-tile stores).
+// * KVM hosts can lose the tile state on preemption (tiles come back zeroed). With the guard
+//   on, accumulators start from a sentinel 2^30 instead of 0; a stored tile whose column 0 is
+//   below 2^29 was reset and the block is recomputed (then, after kMaxRetry losses, computed
+//   exactly without tiles). Guard: FGM_TILE_GUARD=on|off, else decided once by a probe.
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels_impl.h"
+
+namespace sg::detail {
+namespace {
+
+constexpr int32_t kSentinel = 1 << 30;
+constexpr int32_t kSentinelMin = 1 << 29;
+constexpr int kMaxRetry = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads exactly 64 bytes");
+
+struct SentinelTile {
+  alignas(64) int32_t v[256];
+  constexpr SentinelTile() : v() {
+    for (auto& x : v) x = kSentinel;
+  }
+};
+constexpr SentinelTile kSentinelTile{};
+
+// Every tile 16 rows × 64 bytes (palette 1).
+void load_tile_config() {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  asm volatile("" ::: "memory");
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+template <int T>
+inline void tile_load(const void* p) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(64L), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* p) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(64L), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+// tmm[C] += tmm[A] · tmm[B] (s8 × s8 → int32)
+template <int C, int A, int B>
+inline void tile_dp() {
+  asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
+
+template <class F, int... I>
+inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+inline void unroll(F&& f) {
+  unroll_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+void ensure_permission() {
+  thread_local bool done = false;
+  if (!done) done = amx_request_permission();
+}
+
+// 16 tile rows of packed int4 (32 bytes each) → a 1 KB int8 B tile (low nibbles to bytes
+// 0..31, high to 32..63, two's complement sign-extended).
+inline void unpack_q4_tile(const uint8_t* src, int8_t* dst) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i eight = _mm512_set1_epi8(8);
+  for (int t = 0; t < 16; ++t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + t * 32));
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    z = _mm512_sub_epi8(_mm512_xor_si512(z, eight), eight);
+    _mm512_store_si512(dst + t * 64, z);
+  }
+}
+
+// Where B tile (column block j of the block, k-block kb) comes from: the file for int8, an
+// unpacked scratch tile for int4.
+struct BSource {
+  const QLinear* w;
+  int KB;
+  int nb;  // first column block of the block
+  int8_t (*scratch)[1024];
+  const int8_t* get(int j, int kb) const {
+    if (w->dtype == DType::Q8C)
+      return reinterpret_cast<const int8_t*>(w->codes) + ((size_t)(nb + j) * KB + kb) * 1024;
+    unpack_q4_tile(w->codes + ((size_t)(nb + j) * KB + kb) * 512, scratch[j]);
+    return scratch[j];
+  }
+};
+
+// One attempt: accumulators (i, j) = tmm(i·NT + j) over k-blocks [kb0, kb1), stored to out.
+// Returns false when the guard sees a reset tile.
+template <int MT, int NT>
+bool accumulate_tiles(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard,
+                      int32_t (*out)[256]) {
+  static_assert(MT * NT <= 4 && MT <= 2, "four accumulator tiles, two A tiles");
+  unroll<MT * NT>([&](auto c) {
+    if (guard) tile_load<decltype(c)::value>(kSentinelTile.v);
+    else tile_zero<decltype(c)::value>();
+  });
+  for (int kb = kb0; kb < kb1; ++kb) {
+    const int8_t* bp[NT];
+    for (int j = 0; j < NT; ++j) bp[j] = bs.get(j, kb);
+    asm volatile("" ::: "memory");  // scratch-tile stores complete before any tileloadd
+    unroll<MT>([&](auto i) { tile_load<4 + decltype(i)::value>(A + decltype(i)::value * a_mstride + (size_t)kb * 1024); });
+    unroll<NT>([&](auto jc) {
+      constexpr int j = decltype(jc)::value;
+      tile_load<6 + (j & 1)>(bp[j]);
+      unroll<MT>([&](auto ic) {
+        constexpr int i = decltype(ic)::value;
+        tile_dp<i * NT + j, 4 + i, 6 + (j & 1)>();
+      });
+    });
+  }
+  unroll<MT * NT>([&](auto c) { tile_store<decltype(c)::value>(out[decltype(c)::value]); });
+  asm volatile("" ::: "memory");
+  if (!guard) return true;
+  for (int c = 0; c < MT * NT; ++c)
+    for (int r = 0; r < 16; ++r)
+      if (out[c][r * 16] < kSentinelMin) return false;
+  return true;
+}
+
+// The same sums without tiles (after repeated tile-state loss): exact int32, biased alike.
+template <int MT, int NT>
+void accumulate_scalar(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard,
+                       int32_t (*out)[256]) {
+  for (int c = 0; c < MT * NT; ++c)
+    for (int e = 0; e < 256; ++e) out[c][e] = guard ? kSentinel : 0;
+  for (int kb = kb0; kb < kb1; ++kb)
+    for (int j = 0; j < NT; ++j) {
+      const int8_t* b = bs.get(j, kb);  // b[t·64 + n·4 + e] = W[n, kb·64 + 4t + e]
+      for (int i = 0; i < MT; ++i) {
+        const int8_t* a = A + i * a_mstride + (size_t)kb * 1024;  // a[r·64 + kk]
+        for (int r = 0; r < 16; ++r)
+          for (int n = 0; n < 16; ++n) {
+            int32_t s = 0;
+            for (int kk = 0; kk < 64; ++kk) s += int32_t(a[r * 64 + kk]) * b[(kk / 4) * 64 + n * 4 + kk % 4];
+            out[i * NT + j][r * 16 + n] += s;
+          }
+      }
+    }
+}
+
+template <int MT, int NT>
+void accumulate(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard, int32_t (*out)[256]) {
+  for (int attempt = 0; attempt < kMaxRetry; ++attempt) {
+    if (accumulate_tiles<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, out)) return;
+    g_amx_recoveries.fetch_add(1, std::memory_order_relaxed);
+  }
+  accumulate_scalar<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, out);
+}
+
+// MT 16-row blocks starting at row block mb × NT column blocks starting at nb.
+template <int MT, int NT>
+void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, bool guard) {
+  const int KB = a.k / 64;
+  alignas(64) int8_t scratch[NT][1024];
+  alignas(64) int32_t out[MT * NT][256];
+  const BSource bs{&w, KB, nb, scratch};
+  const int8_t* A = a.packed + (size_t)mb * KB * 1024;
+  const size_t a_mstride = (size_t)KB * 1024;
+  const __m512i bias = _mm512_set1_epi32(guard ? kSentinel : 0);
+  auto valid_rows = [&](int i) {
+    const int left = a.m - (mb + i) * 16;
+    return left < 16 ? left : 16;
+  };
+  if (w.dtype == DType::Q8C) {
+    accumulate<MT, NT>(A, a_mstride, bs, 0, KB, guard, out);
+    const float* ws = static_cast<const float*>(w.scales);
+    for (int i = 0; i < MT; ++i)
+      for (int r = 0; r < valid_rows(i); ++r) {
+        const int m = (mb + i) * 16 + r;
+        const __m512 as = _mm512_set1_ps(a.scale[m]);
+        for (int j = 0; j < NT; ++j) {
+          const __m512i acc = _mm512_sub_epi32(_mm512_load_si512(out[i * NT + j] + r * 16), bias);
+          const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), as), _mm512_loadu_ps(ws + (nb + j) * 16));
+          _mm512_storeu_ps(y + (size_t)m * ldy + (nb + j) * 16, f);
+        }
+      }
+    return;
+  }
+  const int TG = w.group / 64;
+  const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
+  alignas(64) float sums[MT * 16][NT * 16];
+  for (auto& row : sums)
+    for (float& v : row) v = 0.f;
+  for (int g = 0; g < KB / TG; ++g) {
+    accumulate<MT, NT>(A, a_mstride, bs, g * TG, (g + 1) * TG, guard, out);
+    for (int j = 0; j < NT; ++j) {
+      const __m512 sc =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (size_t)g * w.n + (nb + j) * 16)));
+      for (int i = 0; i < MT; ++i)
+        for (int r = 0; r < 16; ++r) {
+          const __m512i acc = _mm512_sub_epi32(_mm512_load_si512(out[i * NT + j] + r * 16), bias);
+          float* s = &sums[i * 16 + r][j * 16];
+          _mm512_store_ps(s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), sc, _mm512_load_ps(s)));
+        }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < valid_rows(i); ++r) {
+      const int m = (mb + i) * 16 + r;
+      const __m512 as = _mm512_set1_ps(a.scale[m]);
+      for (int j = 0; j < NT; ++j)
+        _mm512_storeu_ps(y + (size_t)m * ldy + (nb + j) * 16, _mm512_mul_ps(_mm512_load_ps(&sums[i * 16 + r][j * 16]), as));
+    }
+}
+
+// The decode-shaped block: one 16-row block against up to four column blocks.
+void block_1xn(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb0, int nb1, bool guard) {
+  switch (nb1 - nb0) {
+    case 4: block<1, 4>(a, w, y, ldy, mb, nb0, guard); break;
+    case 3: block<1, 3>(a, w, y, ldy, mb, nb0, guard); break;
+    case 2: block<1, 2>(a, w, y, ldy, mb, nb0, guard); break;
+    default: block<1, 1>(a, w, y, ldy, mb, nb0, guard); break;
+  }
+}
+
+// The probe for the tile-state defect: hold a pattern in tmm0 for a few milliseconds while
+// spinner threads compete for every CPU; any difference when it is stored back means this
+// host loses tile state on preemption.
+bool tile_state_is_lost() {
+  const unsigned ncpu = std::thread::hardware_concurrency();
+  const unsigned n_spin = ncpu ? (2 * ncpu < 32 ? 2 * ncpu : 32) : 4;
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> spinners;
+  for (unsigned i = 0; i < n_spin; ++i)
+    spinners.emplace_back([&stop] {
+      while (!stop.load(std::memory_order_relaxed)) {
+      }
+    });
+  alignas(64) int32_t pattern[256], back[256];
+  for (int e = 0; e < 256; ++e) pattern[e] = 0x01010101 * (e % 97 + 1);
+  bool lost = false;
+  load_tile_config();
+  for (int hold_ms : {2, 8}) {
+    for (int trial = 0; trial < 4 && !lost; ++trial) {
+      tile_load<0>(pattern);
+      const auto t0 = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(hold_ms)) {
+      }
+      tile_store<0>(back);
+      asm volatile("" ::: "memory");
+      lost = std::memcmp(pattern, back, sizeof pattern) != 0;
+    }
+  }
+  _tile_release();
+  stop = true;
+  for (auto& t : spinners) t.join();
+  return lost;
+}
+
+}  // namespace
+
+void amx_prepare() {
+  ensure_permission();
+  if (g_amx_guard.load() >= 0) return;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lk(mu);
+  if (g_amx_guard.load() >= 0) return;
+  const char* env = std::getenv("FGM_TILE_GUARD");
+  const std::string v = env ? env : "";
+  int guard;
+  if (v == "on") guard = 1;
+  else if (v == "off") guard = 0;
+  else if (v.empty()) guard = tile_state_is_lost() ? 1 : 0;
+  else throw std::runtime_error("FGM_TILE_GUARD='" + v + "' must be 'on' or 'off' (unset: decided by a probe)");
+  g_amx_guard.store(guard);
+}
+
+void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {
+  ensure_permission();
+  load_tile_config();
+  // The sentinel needs |sum| < 2^29: true for every group of int4 and for int8 up to K ≈ 33k.
+  const int64_t max_sum = w.dtype == DType::Q8C ? int64_t(w.k) * 127 * 127 : int64_t(w.group) * 127 * 8;
+  const bool guard = g_amx_guard.load(std::memory_order_relaxed) != 0 && max_sum < kSentinelMin;
+  const int MB = (a.m + 15) / 16;
+  int mb = 0;
+  for (; mb + 2 <= MB; mb += 2) {
+    int nb = nb0;
+    for (; nb + 2 <= nb1; nb += 2) block<2, 2>(a, w, y, ldy, mb, nb, guard);
+    if (nb < nb1) block<2, 1>(a, w, y, ldy, mb, nb, guard);
+  }
+  if (mb < MB)
+    for (int nb = nb0; nb < nb1; nb += 4) block_1xn(a, w, y, ldy, mb, nb, nb + 4 < nb1 ? nb + 4 : nb1, guard);
+  _tile_release();
+}
+
+uint64_t peak_loop_amx(uint64_t iters) {
+  ensure_permission();
+  load_tile_config();
+  alignas(64) static const int8_t operand[1024] = {};  // values do not change the speed
+  tile_load<4>(operand);
+  tile_load<5>(operand);
+  tile_load<6>(operand);
+  tile_load<7>(operand);
+  unroll<4>([](auto c) { tile_zero<decltype(c)::value>(); });
+  for (uint64_t it = 0; it < iters; ++it) {
+    tile_dp<0, 4, 6>();
+    tile_dp<1, 4, 7>();
+    tile_dp<2, 5, 6>();
+    tile_dp<3, 5, 7>();
+  }
+  alignas(64) int32_t out[256];
+  tile_store<0>(out);
+  _tile_release();
+  volatile int32_t sink = out[0];
+  (void)sink;
+  return iters * 4 * (16ull * 16 * 64) * 2;
+}
+
+}  // namespace sg::detail

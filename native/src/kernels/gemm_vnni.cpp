@@ -1,0 +1,178 @@
+// The AVX-512 VNNI backend (compiled with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -O3;
+// called only when CPUID says so).
+//
+// One 64-byte tile row of the weight file is exactly one zmm of vpdpbusd's B operand: lane n
+// holds 4 consecutive k of column n. vpdpbusd multiplies UNSIGNED bytes by SIGNED bytes, so the
+// weight side is made unsigned by a bias and the activation side stays signed:
+//   q8c: w + 128 (xor 0x80);   q4g: w + 8 ((v xor 8) of the two's-complement nibble).
+// Σ(w + b)·a = Σ w·a + b·Σa, and Σa per row per 64-block is QAct.rowsum, so subtracting
+// b·Σa gives the exact int32 sum (|Σ| ≤ K·255·127 fits int32 for K ≤ 66048). The float
+// epilogue is the one specified in gemm.h, so results are bit-identical to the other backends.
+//
+// Register block: 8 rows × 2 column blocks (32 columns) = 16 zmm accumulators; A is
+// broadcast one 4-byte group at a time from the shared packed layout. Smaller row counts
+// (decode) use 1, 2 or 4 rows: the packed rows are zero-padded to 16, so rounding a row count
+// up to a power of two only computes padding rows, which are never stored.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels_impl.h"
+
+namespace sg::detail {
+namespace {
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Tile row t of an int8 strip as unsigned w + 128.
+inline __m512i b_q8(const int8_t* bt, int t) {
+  return _mm512_xor_si512(_mm512_loadu_si512(bt + t * 64), _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
+// Tile row t of an int4 strip (32 packed bytes) as unsigned w + 8: low nibbles are columns
+// 0..7 (bytes 0..31 of the zmm), high nibbles columns 8..15 (bytes 32..63).
+inline __m512i b_q4(const uint8_t* bt, int t) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i v =
+      _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bt + t * 32)), _mm256_set1_epi8(static_cast<char>(0x88)));
+  const __m256i lo = _mm256_and_si256(v, low4);
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+struct Ctx {
+  const QAct* a;
+  const QLinear* w;
+  float* y;
+  int ldy;
+  int KB;
+};
+
+// MR rows starting at row m (MR | 16, m % MR == 0 … m + MR within one 16-row block), NB column
+// blocks starting at nb; rows >= valid are padding and not stored.
+template <int MR, int NB>
+void block_q8(const Ctx& c, int m, int valid, int nb) {
+  const int KB = c.KB;
+  const int8_t* A = c.a->packed + ((size_t)(m / 16) * KB * 16 + m % 16) * 64;
+  const int8_t* B = reinterpret_cast<const int8_t*>(c.w->codes) + (size_t)nb * KB * 1024;
+  const size_t bstride = (size_t)KB * 1024;
+  __m512i acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+  for (int kb = 0; kb < KB; ++kb) {
+    const int8_t* at = A + (size_t)kb * 1024;
+    const int8_t* bt = B + (size_t)kb * 1024;
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      __m512i b[NB];
+      for (int j = 0; j < NB; ++j) b[j] = b_q8(bt + j * bstride, t);
+      for (int i = 0; i < MR; ++i) {
+        const __m512i av = bcast4(at + i * 64 + t * 4);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], b[j], av);
+      }
+    }
+  }
+  const float* ws = static_cast<const float*>(c.w->scales) + nb * 16;
+  for (int i = 0; i < MR && i < valid; ++i) {
+    int32_t total = 0;
+    for (int kb = 0; kb < KB; ++kb) total += c.a->rowsum[(size_t)(m + i) * KB + kb];
+    const __m512i corr = _mm512_set1_epi32(128 * total);
+    const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
+    float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
+    for (int j = 0; j < NB; ++j) {
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr));
+      _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)));
+    }
+  }
+}
+
+template <int MR, int NB>
+void block_q4(const Ctx& c, int m, int valid, int nb) {
+  const int KB = c.KB;
+  const int TG = c.w->group / 64;
+  const int8_t* A = c.a->packed + ((size_t)(m / 16) * KB * 16 + m % 16) * 64;
+  const uint8_t* B = c.w->codes + (size_t)nb * KB * 512;
+  const size_t bstride = (size_t)KB * 512;
+  const uint16_t* scales = static_cast<const uint16_t*>(c.w->scales) + nb * 16;
+  __m512 s[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) s[i][j] = _mm512_setzero_ps();
+  for (int g = 0; g < KB / TG; ++g) {
+    __m512i acc[MR][NB];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+    for (int kb = g * TG; kb < (g + 1) * TG; ++kb) {
+      const int8_t* at = A + (size_t)kb * 1024;
+      const uint8_t* bt = B + (size_t)kb * 512;
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) {
+        __m512i b[NB];
+        for (int j = 0; j < NB; ++j) b[j] = b_q4(bt + j * bstride, t);
+        for (int i = 0; i < MR; ++i) {
+          const __m512i av = bcast4(at + i * 64 + t * 4);
+          for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], b[j], av);
+        }
+      }
+    }
+    __m512 sc[NB];
+    for (int j = 0; j < NB; ++j)
+      sc[j] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (size_t)g * c.w->n + j * 16)));
+    for (int i = 0; i < MR; ++i) {
+      int32_t gsum = 0;
+      for (int kb = g * TG; kb < (g + 1) * TG; ++kb) gsum += c.a->rowsum[(size_t)(m + i) * KB + kb];
+      const __m512i corr = _mm512_set1_epi32(8 * gsum);
+      for (int j = 0; j < NB; ++j)
+        s[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr)), sc[j], s[i][j]);
+    }
+  }
+  for (int i = 0; i < MR && i < valid; ++i) {
+    const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
+    float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(s[i][j], as));
+  }
+}
+
+template <int MR>
+void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
+  const bool q8 = c.w->dtype == DType::Q8C;
+  int nb = nb0;
+  for (; nb + 2 <= nb1; nb += 2) q8 ? block_q8<MR, 2>(c, m, valid, nb) : block_q4<MR, 2>(c, m, valid, nb);
+  if (nb < nb1) q8 ? block_q8<MR, 1>(c, m, valid, nb) : block_q4<MR, 1>(c, m, valid, nb);
+}
+
+}  // namespace
+
+void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {
+  const Ctx c{&a, &w, y, ldy, a.k / 64};
+  // 8-row blocks start at rows 0 and 8 of each 16-row block, so the power-of-two round-up
+  // below never leaves the (zero-padded) block.
+  for (int m = 0; m < a.m; m += 8) {
+    const int valid = a.m - m < 8 ? a.m - m : 8;
+    if (valid > 4) rows<8>(c, m, valid, nb0, nb1);
+    else if (valid > 2) rows<4>(c, m, valid, nb0, nb1);
+    else if (valid == 2) rows<2>(c, m, valid, nb0, nb1);
+    else rows<1>(c, m, valid, nb0, nb1);
+  }
+}
+
+uint64_t peak_loop_vnni(uint64_t iters) {
+  __m512i u = _mm512_set1_epi8(3);
+  const __m512i s = _mm512_set1_epi8(-5);
+  __m512i acc[12];
+  for (auto& v : acc) v = _mm512_setzero_si512();
+  for (uint64_t it = 0; it < iters; ++it) {
+    asm volatile("" : "+v"(u));  // an opaque operand keeps the loop honest
+    for (auto& v : acc) v = _mm512_dpbusd_epi32(v, u, s);
+  }
+  __m512i t = acc[0];
+  for (int i = 1; i < 12; ++i) t = _mm512_add_epi32(t, acc[i]);
+  volatile int32_t sink = _mm512_reduce_add_epi32(t);
+  (void)sink;
+  return iters * 12 * 64 * 2;
+}
+
+}  // namespace sg::detail

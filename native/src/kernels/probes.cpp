@@ -1,0 +1,95 @@
+// Peak and bandwidth probes (probes.h). Compiled with the AVX2 flags for the streaming read;
+// the peak loops live in each backend's own translation unit.
+#include "probes.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "kernels_impl.h"
+
+namespace sg {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+uint64_t (*peak_loop_for(Backend b))(uint64_t) {
+  switch (b) {
+    case Backend::Amx: return detail::peak_loop_amx;
+    case Backend::Vnni: return detail::peak_loop_vnni;
+    case Backend::Avx2: break;
+  }
+  return detail::peak_loop_avx2;
+}
+
+}  // namespace
+
+double peak_tops(Backend b, ThreadPool* pool, double seconds) {
+  if (!cpu_supports(b)) throw std::runtime_error(std::string("peak_tops: this CPU cannot run the ") + backend_name(b) + " backend");
+  backend_thread_init();
+  auto loop = peak_loop_for(b);
+  // Calibrate on one thread, then run every thread for about `seconds`.
+  uint64_t iters = 1 << 14;
+  for (;;) {
+    const auto t0 = Clock::now();
+    loop(iters);
+    const double dt = seconds_since(t0);
+    if (dt > 0.02) {
+      iters = uint64_t(iters * (seconds / dt)) + 1;
+      break;
+    }
+    iters *= 4;
+  }
+  const int n = pool ? pool->size() : 1;
+  uint64_t ops[64] = {};
+  auto task = [&](int t, int) {
+    backend_thread_init();
+    ops[t % 64] += loop(iters);
+  };
+  const auto t0 = Clock::now();
+  detail::run_tasks(pool, n, task);
+  const double dt = seconds_since(t0);
+  uint64_t total = 0;
+  for (uint64_t o : ops) total += o;
+  return double(total) / dt / 1e12;
+}
+
+double read_bandwidth_gbs(size_t bytes, ThreadPool* pool) {
+  const int n = pool ? pool->size() : 1;
+  const size_t slice = (bytes / n) / 4096 * 4096;
+  if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
+  std::unique_ptr<uint8_t, void (*)(void*)> buf(static_cast<uint8_t*>(std::aligned_alloc(4096, slice * n)), std::free);
+  if (!buf) throw std::bad_alloc();
+  // Touch every page on the thread that will read it (first-touch placement).
+  auto touch = [&](int t, int) { std::memset(buf.get() + slice * t, t + 1, slice); };
+  detail::run_tasks(pool, n, touch);
+  uint64_t sink[64] = {};
+  auto read = [&](int t, int) {
+    const __m256i* p = reinterpret_cast<const __m256i*>(buf.get() + slice * t);
+    const size_t nv = slice / 32;
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < nv; i += 4) {
+      a0 = _mm256_add_epi64(a0, _mm256_load_si256(p + i));
+      a1 = _mm256_add_epi64(a1, _mm256_load_si256(p + i + 1));
+      a2 = _mm256_add_epi64(a2, _mm256_load_si256(p + i + 2));
+      a3 = _mm256_add_epi64(a3, _mm256_load_si256(p + i + 3));
+    }
+    const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+    sink[t % 64] = uint64_t(_mm256_extract_epi64(s, 0));
+  };
+  const auto t0 = Clock::now();
+  detail::run_tasks(pool, n, read);
+  const double dt = seconds_since(t0);
+  volatile uint64_t keep = sink[0];
+  (void)keep;
+  return double(slice) * n / dt / 1e9;
+}
+
+}  // namespace sg

@@ -1,0 +1,20 @@
+// Machine-limit probes for the benchmarks: what the backends could reach on this machine, to
+// print measured kernel throughput beside it (bench/bench_gemm.py).
+#pragma once
+
+#include <cstddef>
+
+#include "gemm.h"
+
+namespace sg {
+
+// int8 TOPS of the backend's multiply-accumulate instruction run back to back on every pool
+// thread at once (AVX2: vpmaddubsw+vpmaddwd+vpaddd, VNNI: vpdpbusd, AMX: tdpbssd), over about
+// `seconds`. Throws std::runtime_error when the CPU cannot run the backend.
+double peak_tops(Backend b, ThreadPool* pool, double seconds = 0.2);
+
+// Streaming read bandwidth in GB/s (1e9 bytes/s): every pool thread reads its slice of a
+// `bytes`-long buffer (allocated and touched here, much larger than the caches) once.
+double read_bandwidth_gbs(size_t bytes, ThreadPool* pool);
+
+}  // namespace sg
