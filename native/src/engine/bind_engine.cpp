@@ -1,6 +1,299 @@
-// Python access to the engine (model, KV arena, prefill, decode step, sampling).
+// Python access to the engine: Model (prefill, batched decode), KvArena (slots in a caller's buffer), sample().
+// The GIL is released during compute; arguments are validated first and bad ones raise ValueError / IndexError /
+// TypeError with the reason (docs/engine-api.md).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kv_layout.h"
+#include "model.h"
+#include "sampling.h"
 
 namespace py = pybind11;
 
-void bind_engine(py::module_& m) { (void)m; }
+namespace {
+
+// A KvArena over a Python buffer; holds the buffer export (so a bytearray cannot be resized nor an mmap closed
+// while the arena exists) and the Model whose layout it uses.
+struct PyKvArena {
+  std::shared_ptr<sg::Model> model;
+  Py_buffer view{};
+  bool has_view = false;
+  std::unique_ptr<sg::KvArena> arena;
+
+  PyKvArena(std::shared_ptr<sg::Model> m, py::object buffer, int n_slots) : model(std::move(m)) {
+    if (PyObject_GetBuffer(buffer.ptr(), &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) {
+      py::error_already_set e;
+      throw py::value_error(std::string("KvArena needs a writable, C-contiguous buffer (bytearray, mmap, numpy "
+                                        "array): ") + e.what());
+    }
+    has_view = true;
+    arena = std::make_unique<sg::KvArena>(model->kv_layout(), static_cast<uint8_t*>(view.buf), size_t(view.len),
+                                          n_slots);
+  }
+  ~PyKvArena() {
+    if (has_view) PyBuffer_Release(&view);
+  }
+  PyKvArena(const PyKvArena&) = delete;
+  PyKvArena& operator=(const PyKvArena&) = delete;
+};
+
+// A 1-D sequence of integers (list, tuple, integer numpy array) as int32, with a precise error otherwise.
+std::vector<int32_t> int_vector(const py::handle& obj, const char* name) {
+  py::module_ np = py::module_::import("numpy");
+  py::array arr = np.attr("asarray")(obj);
+  if (arr.ndim() != 1) throw py::value_error(std::string(name) + " must be a 1-D sequence of integers");
+  std::vector<int32_t> out;
+  if (arr.size() == 0) return out;
+  const char kind = arr.dtype().kind();
+  if (kind != 'i' && kind != 'u')
+    throw py::type_error(std::string(name) + " must hold integers, got dtype " + std::string(py::str(arr.dtype())));
+  auto a64 = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+  if (kind == 'u' && arr.dtype().itemsize() == 8) {
+    // uint64 values >= 2^63 would wrap when viewed as int64.
+    auto u = py::array_t<uint64_t, py::array::c_style>::ensure(arr);
+    for (py::ssize_t i = 0; i < u.size(); ++i)
+      if (u.data()[i] > uint64_t(INT32_MAX))
+        throw py::index_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(u.data()[i]) +
+                              " is out of range");
+  }
+  out.resize(a64.size());
+  for (py::ssize_t i = 0; i < a64.size(); ++i) {
+    const int64_t v = a64.data()[i];
+    if (v < INT32_MIN || v > INT32_MAX)
+      throw py::index_error(std::string(name) + "[" + std::to_string(i) + "] = " + std::to_string(v) + " is out of range");
+    out[i] = int32_t(v);
+  }
+  return out;
+}
+
+int int_arg(int64_t v, const char* name) {
+  if (v < INT32_MIN || v > INT32_MAX) throw py::index_error(std::string(name) + " = " + std::to_string(v) + " is out of range");
+  return int(v);
+}
+
+py::dict header_dict(const sg::KvArena& a, int slot) {
+  a.check_slot(slot);
+  const sg::SlotHeader* h = a.header(slot);
+  py::dict d;
+  d["valid"] = a.header_matches(slot);
+  d["n_tokens"] = a.n_tokens(slot);
+  d["request_id"] = h->request_id;
+  d["generation"] = h->generation;
+  d["sealed"] = bool(h->flags & sg::kSlotSealed) && a.header_matches(slot);
+  d["checksum"] = h->checksum;
+  d["model_signature"] = h->model_signature;
+  d["max_context"] = h->max_context;
+  d["chunk"] = h->chunk;
+  return d;
+}
+
+py::dict layout_dict(const sg::KvLayout& L) {
+  py::dict d;
+  d["slot_bytes"] = L.slot_bytes();
+  d["header_bytes"] = sizeof(sg::SlotHeader);
+  d["max_context"] = L.max_context();
+  d["chunk"] = L.chunk();
+  d["sliding_window"] = L.sliding_window();
+  d["model_signature"] = L.model_signature();
+  py::list layers;
+  for (int i = 0; i < L.num_layers(); ++i) {
+    const sg::KvLayerLayout& l = L.layer(i);
+    if (l.layer < 0) continue;
+    py::dict e;
+    e["layer"] = l.layer;
+    e["cap"] = l.cap;
+    e["row_bytes"] = l.row_bytes;
+    e["k_off"] = l.k_off;
+    e["v_off"] = l.v_off;
+    e["ks_off"] = l.ks_off;
+    e["vs_off"] = l.vs_off;
+    layers.append(e);
+  }
+  d["layers"] = layers;
+  return d;
+}
+
+uint64_t rng_arg(const py::handle& v) {
+  if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))
+    throw py::type_error("rng_state must be an int in [0, 2**64)");
+  const unsigned long long s = PyLong_AsUnsignedLongLong(v.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::value_error("rng_state must be an int in [0, 2**64)");
+  }
+  return uint64_t(s);
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<sg::Model, std::shared_ptr<sg::Model>>(
+      m, "Model", "The Gemma 4 forward pass over a .fgm file: prefill and batched decode into KV slots.")
+      .def(py::init([](py::object path, py::object threads, int max_context, int chunk, int max_batch,
+                       py::object weights, py::object backend) {
+             const std::string p = py::str(py::module_::import("os").attr("fspath")(path));
+             sg::ModelOptions o;
+             if (!threads.is_none()) {
+               o.threads = threads.cast<int>();
+               if (o.threads < 1) throw py::value_error("threads must be a positive integer or None");
+             }
+             o.max_context = max_context;
+             o.chunk = chunk;
+             o.max_batch = max_batch;
+             if (!weights.is_none()) o.weights = weights.cast<std::string>();
+             if (!backend.is_none()) o.backend = backend.cast<std::string>();
+             py::gil_scoped_release nogil;
+             return std::make_shared<sg::Model>(std::make_shared<sg::FgmFile>(p), o);
+           }),
+           py::arg("path"), py::arg("threads") = py::none(), py::arg("max_context") = 4096, py::arg("chunk") = 256,
+           py::arg("max_batch") = 8, py::arg("weights") = py::none(), py::arg("backend") = py::none(),
+           "Open a .fgm file. threads: pool size (None: FGM_THREADS or all CPUs); max_context: longest sequence a "
+           "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
+           "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
+           "default, FGM_BACKEND or CPUID).")
+      .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
+      .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
+      .def_property_readonly("hidden_size", [](const sg::Model& md) { return md.config().hidden_size; })
+      .def_property_readonly("num_layers", [](const sg::Model& md) { return md.config().num_layers; })
+      .def_property_readonly("max_context", [](const sg::Model& md) { return md.kv_layout().max_context(); })
+      .def_property_readonly("chunk", &sg::Model::chunk)
+      .def_property_readonly("max_rows", &sg::Model::max_rows)
+      .def_property_readonly("threads", &sg::Model::threads)
+      .def_property_readonly("weights", [](const sg::Model& md) { return md.weight_policy().str(); })
+      .def_property_readonly("backend", [](const sg::Model& md) { return sg::backend_name(md.backend()); })
+      .def_property_readonly("layout_signature", [](const sg::Model& md) { return md.file().layout_signature(); })
+      .def_property_readonly("kv_slot_bytes", [](const sg::Model& md) { return md.kv_layout().slot_bytes(); })
+      .def_property_readonly("kv_layout", [](const sg::Model& md) { return layout_dict(md.kv_layout()); })
+      .def(
+          "prefill",
+          [](sg::Model& md, PyKvArena& a, int64_t slot, py::object tokens, int64_t pos0, bool all_logits) {
+            const std::vector<int32_t> t = int_vector(tokens, "tokens");
+            const int s = int_arg(slot, "slot"), p0 = int_arg(pos0, "pos0");
+            const int V = md.config().vocab_size;
+            // Validate before allocating a possibly large [T, V] result.
+            a.arena->check_slot(s);
+            if (t.empty()) throw py::value_error("prefill needs at least one token");
+            py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(t.size()), py::ssize_t(V)})
+                                                : py::array_t<float>({py::ssize_t(V)});
+            float* o = out.mutable_data();
+            {
+              py::gil_scoped_release nogil;
+              md.prefill(*a.arena, s, t.data(), int(t.size()), p0, all_logits, o);
+            }
+            return out;
+          },
+          py::arg("arena"), py::arg("slot"), py::arg("tokens"), py::arg("pos0") = 0, py::arg("all_logits") = false,
+          "Run tokens at positions pos0.. into the slot. Returns float32 logits [V] of the last token, or [T, V] "
+          "with all_logits.")
+      .def(
+          "decode",
+          [](sg::Model& md, PyKvArena& a, py::object slots, py::object tokens, py::object positions) {
+            const std::vector<int32_t> s = int_vector(slots, "slots"), t = int_vector(tokens, "tokens"),
+                                       p = int_vector(positions, "positions");
+            if (s.size() != t.size() || s.size() != p.size())
+              throw py::value_error("slots, tokens and positions must have the same length (got " +
+                                    std::to_string(s.size()) + ", " + std::to_string(t.size()) + ", " +
+                                    std::to_string(p.size()) + ")");
+            if (s.empty()) throw py::value_error("decode needs at least one sequence");
+            std::vector<sg::DecodeRow> rows(s.size());
+            for (size_t i = 0; i < s.size(); ++i) rows[i] = sg::DecodeRow{s[i], t[i], p[i]};
+            py::array_t<float> out({py::ssize_t(rows.size()), py::ssize_t(md.config().vocab_size)});
+            float* o = out.mutable_data();
+            {
+              py::gil_scoped_release nogil;
+              md.decode(*a.arena, rows.data(), int(rows.size()), o);
+            }
+            return out;
+          },
+          py::arg("arena"), py::arg("slots"), py::arg("tokens"), py::arg("positions"),
+          "One decode step for B sequences (distinct slots): token b at positions[b] of slots[b]. Returns float32 "
+          "logits [B, V].")
+      .def_property_readonly("profiling", &sg::Model::profiling)
+      .def(
+          "profile",
+          [](const sg::Model& md) {
+            py::dict d;
+            const auto s = md.profile_seconds();
+            const auto c = md.profile_calls();
+            for (int i = 0; i < sg::kNumPhases; ++i) d[sg::phase_name(i)] = py::make_tuple(s[i], c[i]);
+            return d;
+          },
+          "Per-phase (seconds, calls) since construction or reset_profile(); all zero unless FGM_PROFILE=1.")
+      .def("reset_profile", &sg::Model::reset_profile);
+
+  py::class_<PyKvArena>(m, "KvArena",
+                        "n_slots KV slots of model.kv_slot_bytes each, in a caller-owned writable buffer.")
+      .def(py::init([](std::shared_ptr<sg::Model> md, py::object buffer, int64_t n_slots) {
+             return std::make_unique<PyKvArena>(std::move(md), buffer, int_arg(n_slots, "n_slots"));
+           }),
+           py::arg("model"), py::arg("buffer"), py::arg("n_slots"))
+      .def_property_readonly("n_slots", [](const PyKvArena& a) { return a.arena->n_slots(); })
+      .def_property_readonly("slot_bytes", [](const PyKvArena& a) { return a.arena->layout().slot_bytes(); })
+      .def("header", [](const PyKvArena& a, int64_t slot) { return header_dict(*a.arena, int_arg(slot, "slot")); },
+           py::arg("slot"), "The slot header as a dict (valid, n_tokens, request_id, generation, sealed, ...).")
+      .def(
+          "n_tokens",
+          [](const PyKvArena& a, int64_t slot) {
+            const int s = int_arg(slot, "slot");
+            a.arena->check_slot(s);
+            return a.arena->n_tokens(s);
+          },
+          py::arg("slot"))
+      .def(
+          "checksum",
+          [](const PyKvArena& a, int64_t slot) {
+            const int s = int_arg(slot, "slot");
+            py::gil_scoped_release nogil;
+            return a.arena->kv_checksum(s);
+          },
+          py::arg("slot"))
+      .def(
+          "seal",
+          [](PyKvArena& a, int64_t slot, uint64_t request_id, uint64_t generation) {
+            const int s = int_arg(slot, "slot");
+            py::gil_scoped_release nogil;
+            a.arena->seal(s, request_id, generation);
+          },
+          py::arg("slot"), py::arg("request_id"), py::arg("generation"),
+          "Stamp request id and generation and the checksum of the K/V as written (the prefill->decode handoff).")
+      .def(
+          "verify",
+          [](const PyKvArena& a, int64_t slot, py::object request_id, py::object generation) {
+            const int s = int_arg(slot, "slot");
+            const bool ids = !request_id.is_none() || !generation.is_none();
+            if (ids && (request_id.is_none() || generation.is_none()))
+              throw py::value_error("verify: give both request_id and generation, or neither");
+            const uint64_t rid = ids ? request_id.cast<uint64_t>() : 0, gen = ids ? generation.cast<uint64_t>() : 0;
+            py::gil_scoped_release nogil;
+            a.arena->verify(s, rid, gen, ids);
+          },
+          py::arg("slot"), py::arg("request_id") = py::none(), py::arg("generation") = py::none(),
+          "Raise ValueError unless the slot is sealed for this model/layout (and these ids) with a matching checksum.")
+      .def("reset", [](PyKvArena& a, int64_t slot) { a.arena->reset(int_arg(slot, "slot")); }, py::arg("slot"),
+           "Forget the slot's contents (zero its header).");
+
+  m.def(
+      "sample",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, float temperature, int top_k,
+         float top_p, py::object rng_state, int n_logprobs) {
+        if (logits.ndim() != 1) throw py::value_error("sample: logits must be a 1-D row");
+        if (logits.size() > INT32_MAX) throw py::value_error("sample: logits row too long");
+        uint64_t state = rng_arg(rng_state);
+        sg::SampleParams p{temperature, top_k, top_p, n_logprobs};
+        sg::SampleResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = sg::sample(logits.data(), int(logits.size()), p, &state);
+        }
+        return py::make_tuple(r.token, state, r.logprob, r.top);
+      },
+      py::arg("logits"), py::arg("temperature") = 1.0f, py::arg("top_k") = 0, py::arg("top_p") = 1.0f,
+      py::arg("rng_state") = 0, py::arg("n_logprobs") = 0,
+      "Sample one token. Returns (token, new_rng_state, logprob, [(id, logprob), ...]). temperature 0 = greedy. "
+      "See docs/engine-api.md for the generator and which distribution the logprobs describe.");
+}

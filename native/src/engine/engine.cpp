@@ -1,1 +1,0 @@
-// The Gemma 4 forward pass (to be written).

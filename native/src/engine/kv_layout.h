@@ -1,0 +1,117 @@
+// The KV slot: one sequence's K/V cache in caller-provided memory, defined once here.
+//
+// A slot is a flat byte range holding only offsets (no pointers), so two processes that map the same shared memory
+// and the same .fgm agree on it: the prefill worker writes a prompt's K/V into a slot, the decode worker reads it.
+//
+//   [0, 64)            SlotHeader (magic, model layout signature, geometry, request id, generation, token count,
+//                      checksum of the written K/V)
+//   per KV layer i (only layers < first_shared_layer store K/V; the shared layers read their producer's):
+//     K codes   int8 [cap_i][nkv * hd_i]   post-norm, post-RoPE keys, row = position slot
+//     V codes   int8 [cap_i][nkv * hd_i]   post-norm values
+//     K scales  f32  [cap_i]               one scale per position, shared over the KV heads (value = code * scale)
+//     V scales  f32  [cap_i]
+//   every array starts on a 64-byte boundary relative to the slot start.
+//
+// Position p of layer i lives in row p % cap_i. Full-attention layers have cap = max_context (so the row is p).
+// Sliding layers have a ring of cap = sliding_window + chunk (or max_context if that is smaller): a prefill chunk
+// writes all its rows before any of them attends, so the ring must still hold the window of the chunk's first row
+// after the chunk's last row was written (fastgemma's bug B); readers map through the ring too (bug A).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fgm_file.h"
+
+namespace sg {
+
+constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '1'};
+constexpr uint32_t kSlotSealed = 1u;  // SlotHeader::flags: checksum matches the K/V as written
+
+// Little-endian, 64 bytes, no padding; written by whoever writes the slot's K/V.
+struct SlotHeader {
+  char magic[8];
+  uint64_t model_signature;  // FgmFile::layout_signature() of the model that wrote the K/V
+  uint64_t request_id;       // stamped by seal()
+  uint64_t generation;       // stamped by seal() (lease generation: guards against a stale slot)
+  uint32_t n_tokens;         // positions [0, n_tokens) hold valid K/V
+  uint32_t max_context;      // geometry the slot was laid out with
+  uint32_t chunk;            // ring headroom the slot was laid out with
+  uint32_t flags;            // kSlotSealed
+  uint64_t checksum;         // kv_checksum() at seal time
+  uint64_t slot_bytes;
+};
+static_assert(sizeof(SlotHeader) == 64, "SlotHeader must stay 64 bytes");
+
+struct KvLayerLayout {
+  int layer = -1;    // -1: this layer stores nothing
+  int cap = 0;       // rows (positions) held
+  int row_bytes = 0; // nkv * head_dim
+  uint64_t k_off = 0, v_off = 0, ks_off = 0, vs_off = 0;  // from the slot start
+};
+
+class KvLayout {
+ public:
+  KvLayout() = default;
+  // max_context: longest sequence a slot holds; chunk: most rows one forward call writes into a slot.
+  KvLayout(const FgmFile& file, int max_context, int chunk);
+
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  int max_context() const { return max_context_; }
+  int chunk() const { return chunk_; }
+  int sliding_window() const { return window_; }
+  uint64_t model_signature() const { return model_sig_; }
+  const KvLayerLayout& layer(int i) const { return layers_[i]; }  // by model layer index
+  int num_layers() const { return int(layers_.size()); }
+  bool same_as(const KvLayout& o) const {
+    return model_sig_ == o.model_sig_ && max_context_ == o.max_context_ && chunk_ == o.chunk_ &&
+           slot_bytes_ == o.slot_bytes_;
+  }
+  // Empty when a slot holding n_tokens positions can take new tokens from position pos on (pos <= n_tokens, and
+  // every ring still holds the window pos needs); otherwise the reason.
+  std::string resume_error(uint32_t n_tokens, int pos) const;
+
+ private:
+  uint64_t model_sig_ = 0;
+  int max_context_ = 0, chunk_ = 0, window_ = 0;
+  std::vector<KvLayerLayout> layers_;
+  std::vector<bool> sliding_;
+  uint64_t slot_bytes_ = 0;
+};
+
+// A view over n_slots consecutive slots in caller-owned memory (e.g. POSIX shared memory). Not owning.
+class KvArena {
+ public:
+  KvArena(const KvLayout& layout, uint8_t* base, size_t bytes, int n_slots);
+
+  const KvLayout& layout() const { return layout_; }
+  int n_slots() const { return n_slots_; }
+  uint8_t* slot(int s) const { return base_ + uint64_t(s) * layout_.slot_bytes(); }
+  SlotHeader* header(int s) const { return reinterpret_cast<SlotHeader*>(slot(s)); }
+  void check_slot(int s) const;  // throws std::out_of_range
+
+  // True when the header says the slot was written for this layout (magic, signature, geometry).
+  bool header_matches(int s) const;
+  // Positions with valid K/V (0 when the header is not this layout's).
+  uint32_t n_tokens(int s) const { return header_matches(s) ? header(s)->n_tokens : 0; }
+  // Throws std::invalid_argument when writing tokens at [pos, pos + count) would read K/V that is not there.
+  void check_write(int s, int pos, int count) const;
+  // Called after K/V for positions up to n_tokens-1 were written: stamps the layout, clears the seal.
+  void mark_written(int s, uint32_t n_tokens);
+
+  // 64-bit checksum of the live K/V (for every layer the last min(cap, n_tokens) positions, in position order).
+  uint64_t kv_checksum(int s) const;
+  void seal(int s, uint64_t request_id, uint64_t generation);
+  // Throws std::invalid_argument naming the first mismatch (layout, ids, unsealed, checksum).
+  void verify(int s, uint64_t request_id, uint64_t generation, bool check_ids) const;
+  void reset(int s);  // zero the header: the slot holds nothing
+
+ private:
+  KvLayout layout_;
+  uint8_t* base_;
+  int n_slots_;
+};
+
+}  // namespace sg

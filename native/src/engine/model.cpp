@@ -1,0 +1,546 @@
+#include "model.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#include "ops.h"
+
+namespace sg {
+
+namespace ops {
+bool cpu_has_avx2_fma_f16c() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+}  // namespace ops
+
+namespace {
+
+// Below this many elements per call an element-wise pass runs on the calling thread: waking the pool costs more.
+constexpr int64_t kParallelMinElems = 1 << 16;
+
+std::string env_or(const char* name, const char* dflt) {
+  const char* v = std::getenv(name);
+  return (v && *v) ? std::string(v) : std::string(dflt);
+}
+
+int default_threads() {
+  const std::string s = env_or("FGM_THREADS", "");
+  if (!s.empty()) {
+    char* end = nullptr;
+    const long n = std::strtol(s.c_str(), &end, 10);
+    if (*end || n < 1 || n > 1024) throw std::invalid_argument("FGM_THREADS must be a positive integer, got '" + s + "'");
+    return int(n);
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+}  // namespace
+
+const char* phase_name(int p) {
+  static const char* names[kNumPhases] = {"embed",       "ple",         "norms",     "act_quant",
+                                          "qkv_gemm",    "qk_rope_kv",  "attention", "o_gemm",
+                                          "ffn_gemm",    "ffn_act",     "ple_inject", "lm_head"};
+  return (p >= 0 && p < kNumPhases) ? names[p] : "?";
+}
+
+WeightPolicy WeightPolicy::parse(const std::string& spec) {
+  WeightPolicy p;
+  if (spec == "int4") p.mode = Int4;
+  else if (spec == "int8") p.mode = Int8;
+  else if (spec.rfind("auto:", 0) == 0) {
+    char* end = nullptr;
+    const long m = std::strtol(spec.c_str() + 5, &end, 10);
+    if (spec.size() == 5 || *end || m < 1 || m > (1 << 20))
+      throw std::invalid_argument("weights policy '" + spec + "': auto:M needs a positive row count M");
+    p.mode = Auto;
+    p.min_rows = int(m);
+  } else {
+    throw std::invalid_argument("weights policy must be int4, int8 or auto:M, got '" + spec + "'");
+  }
+  return p;
+}
+
+std::string WeightPolicy::str() const {
+  return mode == Int4 ? "int4" : mode == Int8 ? "int8" : "auto:" + std::to_string(min_rows);
+}
+
+void GatherTable::row(int r, float mult, float* out) const {
+  if (dtype == DType::Q4R)
+    ops::gather_q4r(codes + int64_t(r) * (cols / 2), static_cast<const uint16_t*>(scales) + int64_t(r) * (cols / 64),
+                    cols, mult, out);
+  else
+    ops::gather_q8r(reinterpret_cast<const int8_t*>(codes) + int64_t(r) * cols, static_cast<const float*>(scales)[r],
+                    cols, mult, out);
+}
+
+Model::Aligned::~Aligned() { std::free(p); }
+
+class Model::Timer {
+ public:
+  Timer(Model* m, int phase) : m_(m->profiling_ ? m : nullptr), phase_(phase) {
+    if (m_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~Timer() {
+    if (!m_) return;
+    m_->prof_ns_[phase_] +=
+        uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0_).count());
+    ++m_->prof_calls_[phase_];
+  }
+
+ private:
+  Model* m_;
+  int phase_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : file_(std::move(file)) {
+  if (!ops::cpu_has_avx2_fma_f16c())
+    throw std::runtime_error("the splitgemma engine needs a CPU with AVX2, FMA and F16C");
+  if (opt.backend.empty()) {
+    backend_ = active_backend();
+  } else {
+    backend_ = backend_from_name(opt.backend.c_str());
+    if (!cpu_supports(backend_))
+      throw std::runtime_error(std::string("the ") + backend_name(backend_) + " GEMM backend cannot run on this CPU");
+  }
+  policy_ = WeightPolicy::parse(opt.weights.empty() ? env_or("FGM_WEIGHTS", "auto:16") : opt.weights);
+  if (opt.max_context < 1) throw std::invalid_argument("max_context must be at least 1");
+  if (opt.chunk < 1) throw std::invalid_argument("chunk must be at least 1");
+  if (opt.max_batch < 1) throw std::invalid_argument("max_batch must be at least 1");
+  if (opt.threads < 0) throw std::invalid_argument("threads must be positive (or 0/None for the default)");
+
+  const ModelConfig& c = config();
+  for (const LayerSpec& ls : c.layers)
+    if (ls.head_dim % 8)
+      throw FgmError(file_->path() + ": head dim " + std::to_string(ls.head_dim) +
+                     " is not a multiple of 8 (the attention kernel reads 8 dims at a time)");
+  if (c.hidden_size > (1 << 20) || c.vocab_size > (1 << 30))
+    throw FgmError(file_->path() + ": model dimensions out of the engine's range");
+
+  chunk_ = std::min(opt.chunk, opt.max_context);
+  max_rows_ = std::max(chunk_, opt.max_batch);
+  layout_ = KvLayout(*file_, opt.max_context, chunk_);
+  pool_ = std::make_unique<ThreadPool>(opt.threads > 0 ? opt.threads : default_threads(), backend_thread_init);
+  resolve_weights();
+
+  // Scratch for max_rows_ rows.
+  const int D = c.hidden_size, nh = c.num_heads, nkv = c.num_kv_heads, P = c.ple_dim, L = c.num_layers;
+  int hd_max = 0, I_max = 0;
+  for (const LayerSpec& ls : c.layers) hd_max = std::max(hd_max, ls.head_dim), I_max = std::max(I_max, ls.intermediate);
+  const size_t R = size_t(max_rows_);
+  h_.assign(R * D, 0.0f);
+  x_.assign(R * D, 0.0f);
+  tmp_.assign(R * D, 0.0f);
+  q_.assign(R * nh * hd_max, 0.0f);
+  attn_.assign(R * nh * hd_max, 0.0f);
+  k_.assign(R * nkv * hd_max, 0.0f);
+  v_.assign(R * nkv * hd_max, 0.0f);
+  gate_.assign(R * I_max, 0.0f);
+  up_.assign(R * I_max, 0.0f);
+  if (P > 0) {
+    ple_.assign(R * size_t(L) * P, 0.0f);
+    pg_.assign(R * P, 0.0f);
+  }
+  rope_cs_[0].assign(R * c.global_head_dim, 0.0f);
+  rope_cs_[1].assign(R * c.head_dim, 0.0f);
+  // Attention scores: one work item covers at most nh/nkv heads over at most max_context positions.
+  const size_t scores = size_t(nh / nkv) * size_t(opt.max_context);
+  row_scratch_per_worker_ = (std::max(scores, size_t(L) * P) + 15) & ~size_t(15);
+  row_scratch_.assign(row_scratch_per_worker_ * pool_->size(), 0.0f);
+
+  size_t packed = 0, rowsum = 0;
+  for (int k : {D, nh * hd_max, I_max, std::max(P, 64)}) {
+    packed = std::max(packed, qact_packed_bytes(max_rows_, k));
+    rowsum = std::max(rowsum, qact_rowsum_count(max_rows_, k));
+  }
+  qa_packed_.p = std::aligned_alloc(64, (packed + 63) & ~size_t(63));
+  if (!qa_packed_.p) throw std::bad_alloc();
+  qa_scale_.assign(qact_padded_rows(max_rows_), 0.0f);
+  qa_rowsum_.assign(rowsum, 0);
+  qact_.packed = static_cast<int8_t*>(qa_packed_.p);
+  qact_.scale = qa_scale_.data();
+  qact_.rowsum = qa_rowsum_.data();
+  rows_scratch_.resize(max_rows_);
+  tok_scratch_.resize(max_rows_);
+
+  const std::string prof = env_or("FGM_PROFILE", "0");
+  profiling_ = prof != "0";
+}
+
+Model::~Model() = default;
+
+DualLinear Model::dual(const std::string& name) const {
+  DualLinear d;
+  d.w = qlinear_from(*file_, file_->require(name));
+  if (const TensorInfo* t = file_->find(name + ".i8")) d.i8 = qlinear_from(*file_, *t);
+  return d;
+}
+
+void Model::resolve_weights() {
+  const ModelConfig& c = config();
+  auto f32 = [&](const std::string& name) {
+    const TensorInfo& t = file_->require(name);
+    if (t.dtype != DType::F32) throw FgmError(file_->path() + ": tensor '" + name + "' must be f32");
+    return reinterpret_cast<const float*>(t.data);
+  };
+  auto table = [&](const std::string& name) {
+    const TensorInfo& t = file_->require(name);
+    GatherTable g;
+    g.dtype = t.dtype;
+    g.rows = int(t.rows());
+    g.cols = int(t.cols());
+    g.codes = t.data;
+    g.scales = file_->require(name + ".scale").data;
+    return g;
+  };
+  embed_ = table("embed_tokens");
+  lm_head_ = dual("lm_head");
+  final_norm_ = f32("norm");
+  if (c.ple_dim > 0) {
+    ple_table_ = table("embed_tokens_per_layer");
+    ple_model_proj_ = dual("per_layer_model_projection");
+    ple_proj_norm_ = f32("per_layer_projection_norm");
+  }
+  if (file_->find("rope.full_attention.inv_freq")) inv_freq_[0] = f32("rope.full_attention.inv_freq");
+  if (file_->find("rope.sliding_attention.inv_freq")) inv_freq_[1] = f32("rope.sliding_attention.inv_freq");
+  layers_.resize(c.num_layers);
+  for (int i = 0; i < c.num_layers; ++i) {
+    const std::string p = "l" + std::to_string(i) + ".";
+    LayerWeights& w = layers_[i];
+    w.input_ln = f32(p + "input_layernorm");
+    w.post_attn_ln = f32(p + "post_attention_layernorm");
+    w.pre_ffn_ln = f32(p + "pre_feedforward_layernorm");
+    w.post_ffn_ln = f32(p + "post_feedforward_layernorm");
+    w.layer_scalar = f32(p + "layer_scalar")[0];
+    w.q_norm = f32(p + "q_norm");
+    w.q = dual(p + "q_proj");
+    w.o = dual(p + "o_proj");
+    if (c.layers[i].owns_kv) {
+      w.k_norm = f32(p + "k_norm");
+      w.k = dual(p + "k_proj");
+      w.v = dual(p + "v_proj");
+    }
+    w.gate = dual(p + "gate_proj");
+    w.up = dual(p + "up_proj");
+    w.down = dual(p + "down_proj");
+    if (c.ple_dim > 0) {
+      w.post_ple_ln = f32(p + "post_per_layer_input_norm");
+      w.ple_gate = dual(p + "per_layer_input_gate");
+      w.ple_proj = dual(p + "per_layer_projection");
+    }
+  }
+}
+
+template <class F>
+void Model::for_rows(int m, int64_t work_per_row, F&& f) {
+  if (m > 1 && pool_->size() > 1 && int64_t(m) * work_per_row >= kParallelMinElems)
+    pool_->parallel_for(m, [&](int r, int w) { f(r, w); });
+  else
+    for (int r = 0; r < m; ++r) f(r, 0);
+}
+
+void Model::gemm_group(const float* x, int ldx, int m, int k,
+                       std::initializer_list<std::pair<const DualLinear*, float*>> ws, int phase) {
+  int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  for (const auto& [dl, y] : ws) {
+    const QLinear& w = dl->pick(m, policy_);
+    if (w.hadamard != quantised_for) {
+      Timer t(this, kActQuant);
+      quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
+      quantised_for = w.hadamard;
+    }
+    Timer t(this, phase);
+    gemm(qact_, w, y, w.n, pool_.get(), backend_);
+  }
+}
+
+void Model::embed(const int32_t* tokens, int m) {
+  const ModelConfig& c = config();
+  const int D = c.hidden_size, P = c.ple_dim, LP = c.num_layers * c.ple_dim;
+  {
+    Timer t(this, kEmbed);
+    const float es = float(c.embed_scale);
+    for_rows(m, D, [&](int r, int) { embed_.row(tokens[r], es, &h_[size_t(r) * D]); });
+  }
+  if (P == 0) return;
+  // Per-layer inputs (spec §3.1): project the scaled embedding, scale, RMSNorm each P-chunk, add the scaled
+  // per-layer table row, scale by 2^-1/2.
+  gemm_group(h_.data(), D, m, D, {{&ple_model_proj_, ple_.data()}}, kPle);
+  Timer t(this, kPle);
+  const float proj_scale = float(c.ple_model_projection_scale), tok_scale = float(c.ple_embed_scale),
+              in_scale = float(c.ple_input_scale), eps = float(c.rms_norm_eps);
+  for_rows(m, LP, [&](int r, int w) {
+    float* g = &row_scratch_[size_t(w) * row_scratch_per_worker_];
+    // GDM maps ids outside the per-layer vocabulary to 0 (only matters when it is smaller than the vocabulary).
+    ple_table_.row(tokens[r] < ple_table_.rows ? tokens[r] : 0, tok_scale, g);
+    float* row = &ple_[size_t(r) * LP];
+    for (int l = 0; l < c.num_layers; ++l) {
+      float* p = row + l * P;
+      ops::scale(p, P, proj_scale);
+      ops::rmsnorm(p, ple_proj_norm_, p, P, eps);
+      const float* gl = g + l * P;
+      for (int i = 0; i < P; ++i) p[i] = (p[i] + gl[i]) * in_scale;
+    }
+  });
+}
+
+void Model::compute_rope(int m, const RowCtx* rows) {
+  const ModelConfig& c = config();
+  for (int t = 0; t < 2; ++t) {
+    if (!inv_freq_[t]) continue;
+    const int hd = t == 0 ? c.global_head_dim : c.head_dim, half = hd / 2;
+    const float* f = inv_freq_[t];
+    for (int r = 0; r < m; ++r) {
+      float* cs = &rope_cs_[t][size_t(r) * hd];
+      for (int d = 0; d < half; ++d) {
+        // The angle in double: at position 1e5 a float product would already be off by ~0.004 rad.
+        const double a = double(rows[r].pos) * double(f[d]);
+        cs[d] = float(std::cos(a));
+        cs[half + d] = float(std::sin(a));
+      }
+    }
+  }
+}
+
+void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
+  const ModelConfig& c = config();
+  const int D = c.hidden_size, nh = c.num_heads, nkv = c.num_kv_heads, P = c.ple_dim, LP = c.num_layers * c.ple_dim;
+  const int group = nh / nkv;
+  const float eps = float(c.rms_norm_eps);
+  float *h = h_.data(), *x = x_.data(), *q = q_.data(), *k = k_.data(), *v = v_.data(), *attn = attn_.data(),
+        *tmp = tmp_.data(), *gate = gate_.data(), *up = up_.data(), *ple = ple_.data(), *pg = pg_.data();
+
+  for (int l = l0; l < l1; ++l) {
+    const LayerSpec& ls = c.layers[l];
+    const LayerWeights& W = layers_[l];
+    const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
+    const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
+
+    // --- attention ---
+    {
+      Timer t(this, kNorms);
+      for_rows(m, D, [&](int r, int) { ops::rmsnorm(h + size_t(r) * D, W.input_ln, x + size_t(r) * D, D, eps); });
+    }
+    if (ls.owns_kv)
+      gemm_group(x, D, m, D, {{&W.q, q}, {&W.k, k}, {&W.v, v}}, kQkvGemm);
+    else
+      gemm_group(x, D, m, D, {{&W.q, q}}, kQkvGemm);
+    {
+      Timer t(this, kQkRopeKv);
+      const KvLayerLayout& kl = layout_.layer(l);
+      for_rows(m, qw + 2 * kvw, [&](int r, int) {
+        const float* cs = rope_cs + size_t(r) * hd;
+        for (int hh = 0; hh < nh; ++hh) {
+          float* qh = q + size_t(r) * qw + size_t(hh) * hd;
+          ops::rmsnorm(qh, W.q_norm, qh, hd, eps);
+          ops::rope(qh, half, cs, cs + half);
+        }
+        if (!ls.owns_kv) return;
+        float* kr = k + size_t(r) * kvw;
+        float* vr = v + size_t(r) * kvw;
+        for (int g = 0; g < nkv; ++g) {
+          ops::rmsnorm(kr + g * hd, W.k_norm, kr + g * hd, hd, eps);
+          ops::rope(kr + g * hd, half, cs, cs + half);
+          ops::rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
+        }
+        uint8_t* s = rows[r].slot;
+        const int64_t row = rows[r].pos % kl.cap;
+        ops::quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
+                             reinterpret_cast<float*>(s + kl.ks_off) + row);
+        ops::quantize_row_i8(vr, kvw, reinterpret_cast<int8_t*>(s + kl.v_off) + row * kvw,
+                             reinterpret_cast<float*>(s + kl.vs_off) + row);
+      });
+    }
+    {
+      Timer t(this, kAttention);
+      const KvLayerLayout& src = layout_.layer(ls.kv_source);
+      // Work items: (row, KV head, block of query heads). Split the heads of a KV group only when rows x KV heads
+      // would leave threads idle (decode); each split re-reads the group's K/V.
+      const int base_items = m * nkv;
+      int per = group;
+      if (base_items < pool_->size()) per = std::max(1, (group * base_items + pool_->size() - 1) / pool_->size());
+      const int nch = (group + per - 1) / per;
+      const int window = c.sliding_window;
+      pool_->parallel_for(base_items * nch, [&](int it, int w) {
+        const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
+        const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
+        uint8_t* s = rows[r].slot;
+        const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
+        const ops::AttnCache cache{reinterpret_cast<const int8_t*>(s + src.k_off),
+                                   reinterpret_cast<const int8_t*>(s + src.v_off),
+                                   reinterpret_cast<const float*>(s + src.ks_off),
+                                   reinterpret_cast<const float*>(s + src.vs_off), kvw, g * hd, src.cap};
+        ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos,
+                    attn + size_t(r) * qw + size_t(h0) * hd, hd, &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+      });
+    }
+    gemm_group(attn, qw, m, qw, {{&W.o, tmp}}, kOGemm);
+    {
+      Timer t(this, kNorms);
+      for_rows(m, 2 * D, [&](int r, int) {
+        float* hr = h + size_t(r) * D;
+        ops::add_rmsnorm(hr, tmp + size_t(r) * D, W.post_attn_ln, D, eps);
+        ops::rmsnorm(hr, W.pre_ffn_ln, x + size_t(r) * D, D, eps);
+      });
+    }
+
+    // --- MLP ---
+    gemm_group(x, D, m, D, {{&W.gate, gate}, {&W.up, up}}, kFfnGemm);
+    {
+      Timer t(this, kFfnAct);
+      for_rows(m, I, [&](int r, int) { ops::gelu_mul(gate + size_t(r) * I, up + size_t(r) * I, I); });
+    }
+    gemm_group(gate, I, m, I, {{&W.down, tmp}}, kFfnGemm);
+    {
+      Timer t(this, kNorms);
+      for_rows(m, D, [&](int r, int) { ops::add_rmsnorm(h + size_t(r) * D, tmp + size_t(r) * D, W.post_ffn_ln, D, eps); });
+    }
+
+    // --- per-layer input, then the layer scalar ---
+    if (P > 0) {
+      gemm_group(h, D, m, D, {{&W.ple_gate, pg}}, kPleInject);
+      {
+        Timer t(this, kPleInject);
+        for_rows(m, P, [&](int r, int) { ops::gelu_mul(pg + size_t(r) * P, ple + size_t(r) * LP + size_t(l) * P, P); });
+      }
+      gemm_group(pg, P, m, P, {{&W.ple_proj, tmp}}, kPleInject);
+    }
+    Timer t(this, kNorms);
+    for_rows(m, D, [&](int r, int) {
+      float* hr = h + size_t(r) * D;
+      if (P > 0) ops::add_rmsnorm(hr, tmp + size_t(r) * D, W.post_ple_ln, D, eps);
+      ops::scale(hr, D, W.layer_scalar);
+    });
+  }
+}
+
+void Model::lm_head(int m, float* out) {
+  const ModelConfig& c = config();
+  const int D = c.hidden_size, V = c.vocab_size;
+  {
+    Timer t(this, kNorms);
+    for_rows(m, D, [&](int r, int) {
+      ops::rmsnorm(&h_[size_t(r) * D], final_norm_, &x_[size_t(r) * D], D, float(c.rms_norm_eps));
+    });
+  }
+  gemm_group(x_.data(), D, m, D, {{&lm_head_, out}}, kLmHead);
+  if (c.final_softcap > 0) {
+    Timer t(this, kLmHead);
+    const float cap = float(c.final_softcap);
+    for_rows(m, V, [&](int r, int) { ops::softcap(out + size_t(r) * V, V, cap); });
+  }
+}
+
+void Model::check_arena(const KvArena& arena) const {
+  if (!arena.layout().same_as(layout_))
+    throw std::invalid_argument(
+        "the KV arena was laid out for a different model or geometry (max_context " +
+        std::to_string(arena.layout().max_context()) + ", chunk " + std::to_string(arena.layout().chunk()) +
+        "; this model: " + std::to_string(layout_.max_context()) + ", " + std::to_string(layout_.chunk()) + ")");
+}
+
+void Model::check_token(int token, const char* what, int index) const {
+  if (token < 0 || token >= config().vocab_size)
+    throw std::out_of_range(std::string(what) + "[" + std::to_string(index) + "] = " + std::to_string(token) +
+                            " is not a token id in [0, " + std::to_string(config().vocab_size) + ")");
+}
+
+void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out) {
+  check_arena(arena);
+  arena.check_slot(slot);
+  if (T < 1) throw std::invalid_argument("prefill needs at least one token");
+  for (int i = 0; i < T; ++i) check_token(tokens[i], "tokens", i);
+  arena.check_write(slot, pos0, T);
+
+  std::lock_guard<std::mutex> lock(run_mu_);
+  backend_thread_init();
+  const ModelConfig& c = config();
+  const int D = c.hidden_size, V = c.vocab_size, LP = c.num_layers * c.ple_dim, fs = c.first_shared_layer,
+            L = c.num_layers;
+  uint8_t* base = arena.slot(slot);
+  // Positions from pos0 on are being rewritten: until done, the slot claims only what precedes them.
+  arena.mark_written(slot, uint32_t(pos0));
+  RowCtx* rows = rows_scratch_.data();
+  for (int c0 = 0; c0 < T; c0 += chunk_) {
+    const int m = std::min(chunk_, T - c0);
+    for (int r = 0; r < m; ++r) rows[r] = RowCtx{base, pos0 + c0 + r};
+    embed(tokens + c0, m);
+    compute_rope(m, rows);
+    if (all_logits) {
+      run_layers(0, L, m, rows);
+      lm_head(m, out + size_t(c0) * V);
+      continue;
+    }
+    // Spec §3.5: layers >= first_shared_layer write no K/V, so only the rows whose logits are wanted (here the
+    // prompt's last row) go through them.
+    run_layers(0, fs, m, rows);
+    if (c0 + m < T) continue;
+    if (m > 1) {
+      std::memcpy(&h_[0], &h_[size_t(m - 1) * D], sizeof(float) * D);
+      if (LP) std::memcpy(&ple_[0], &ple_[size_t(m - 1) * LP], sizeof(float) * LP);
+      rows[0] = rows[m - 1];
+      compute_rope(1, rows);
+    }
+    run_layers(fs, L, 1, rows);
+    lm_head(1, out);
+  }
+  arena.mark_written(slot, uint32_t(pos0 + T));
+}
+
+void Model::decode(KvArena& arena, const DecodeRow* in, int B, float* out) {
+  check_arena(arena);
+  if (B < 1) throw std::invalid_argument("decode needs at least one sequence");
+  std::vector<int> seen;
+  seen.reserve(B);
+  for (int b = 0; b < B; ++b) {
+    arena.check_slot(in[b].slot);
+    check_token(in[b].token, "tokens", b);
+    arena.check_write(in[b].slot, in[b].pos, 1);
+    seen.push_back(in[b].slot);
+  }
+  std::sort(seen.begin(), seen.end());
+  if (std::adjacent_find(seen.begin(), seen.end()) != seen.end())
+    throw std::invalid_argument("decode: slot " + std::to_string(*std::adjacent_find(seen.begin(), seen.end())) +
+                                " appears twice in one batch");
+
+  std::lock_guard<std::mutex> lock(run_mu_);
+  backend_thread_init();
+  const int V = config().vocab_size;
+  RowCtx* rows = rows_scratch_.data();
+  int32_t* toks = tok_scratch_.data();
+  for (int b = 0; b < B; ++b) arena.mark_written(in[b].slot, uint32_t(in[b].pos));
+  for (int b0 = 0; b0 < B; b0 += max_rows_) {
+    const int m = std::min(max_rows_, B - b0);
+    for (int r = 0; r < m; ++r) {
+      rows[r] = RowCtx{arena.slot(in[b0 + r].slot), in[b0 + r].pos};
+      toks[r] = in[b0 + r].token;
+    }
+    embed(toks, m);
+    compute_rope(m, rows);
+    run_layers(0, config().num_layers, m, rows);
+    lm_head(m, out + size_t(b0) * V);
+  }
+  for (int b = 0; b < B; ++b) arena.mark_written(in[b].slot, uint32_t(in[b].pos + 1));
+}
+
+std::array<double, kNumPhases> Model::profile_seconds() const {
+  std::array<double, kNumPhases> s{};
+  for (int i = 0; i < kNumPhases; ++i) s[i] = prof_ns_[i] * 1e-9;
+  return s;
+}
+
+void Model::reset_profile() {
+  prof_ns_.fill(0);
+  prof_calls_.fill(0);
+}
+
+}  // namespace sg

@@ -1,0 +1,173 @@
+// The Gemma 4 text forward pass over a .fgm file (spec: shared/reference/gemma4-e2b-spec.md §3).
+//
+// Everything is configured by the file's config (E2B, E4B, any dense Gemma 4 text shape). A Model resolves every
+// weight once, owns the thread pool and all scratch (sized at construction for max(chunk, max_batch) rows, so the
+// hot path allocates nothing), and runs two entry points over K/V slots in a caller-provided KvArena:
+//   prefill: one sequence, a prompt processed in chunks, logits of the last row or of every row;
+//   decode:  B sequences (each its own slot, token and position), one pass over the weights, [B, V] logits.
+// Rows never interact except through the K/V they attend over (activations are quantised per row), so a sequence
+// decoded in a batch gives the same numbers as decoded alone.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "fgm_file.h"
+#include "kernels/gemm.h"
+#include "kv_layout.h"
+#include "threadpool.h"
+
+namespace sg {
+
+// Which of a weight's two encodings a GEMM uses when the file has an int8 twin (`<name>.i8`).
+// FGM_WEIGHTS=int4 | int8 | auto:M (default auto:16: the int8 twin when the GEMM has >= M rows, i.e. prefill
+// chunks; int4 for decode, which is bound by reading the weights).
+struct WeightPolicy {
+  enum Mode { Int4, Int8, Auto } mode = Auto;
+  int min_rows = 16;
+  static WeightPolicy parse(const std::string& spec);  // throws std::invalid_argument
+  std::string str() const;
+};
+
+struct DualLinear {
+  QLinear w;   // as stored: q4g or q8c
+  QLinear i8;  // the int8 twin; codes == nullptr when the file has none
+  const QLinear& pick(int rows, const WeightPolicy& p) const {
+    if (!i8.codes || p.mode == WeightPolicy::Int4) return w;
+    return (p.mode == WeightPolicy::Int8 || rows >= p.min_rows) ? i8 : w;
+  }
+};
+
+struct LayerWeights {
+  const float* input_ln = nullptr;
+  const float* post_attn_ln = nullptr;
+  const float* pre_ffn_ln = nullptr;
+  const float* post_ffn_ln = nullptr;
+  const float* post_ple_ln = nullptr;
+  const float* q_norm = nullptr;
+  const float* k_norm = nullptr;
+  float layer_scalar = 1.0f;
+  DualLinear q, k, v, o, gate, up, down, ple_gate, ple_proj;
+};
+
+struct GatherTable {
+  DType dtype = DType::Q4R;
+  int rows = 0, cols = 0;
+  const uint8_t* codes = nullptr;
+  const void* scales = nullptr;  // f16 [rows][cols/64] (q4r) or f32 [rows] (q8r)
+  void row(int r, float mult, float* out) const;
+};
+
+struct ModelOptions {
+  int threads = 0;        // 0: FGM_THREADS, else the number of online CPUs
+  int max_context = 4096; // longest sequence a slot holds
+  int chunk = 256;        // prefill rows per forward pass
+  int max_batch = 8;      // decode rows per forward pass (more are processed in several passes)
+  std::string weights;    // "" : FGM_WEIGHTS, else auto:16
+  std::string backend;    // "" : the process's active_backend() (FGM_BACKEND or CPUID); else amx|vnni|avx2
+};
+
+struct DecodeRow {
+  int slot = 0;
+  int token = 0;
+  int pos = 0;
+};
+
+enum Phase : int {
+  kEmbed, kPle, kNorms, kActQuant, kQkvGemm, kQkRopeKv, kAttention, kOGemm, kFfnGemm, kFfnAct, kPleInject,
+  kLmHead, kNumPhases
+};
+const char* phase_name(int p);
+
+class Model {
+ public:
+  Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt);
+  ~Model();
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+
+  const FgmFile& file() const { return *file_; }
+  const ModelConfig& config() const { return file_->config(); }
+  const KvLayout& kv_layout() const { return layout_; }
+  int threads() const { return pool_->size(); }
+  int chunk() const { return chunk_; }
+  int max_rows() const { return max_rows_; }
+  const WeightPolicy& weight_policy() const { return policy_; }
+  Backend backend() const { return backend_; }
+
+  // Runs tokens[0..T) at positions pos0.. into `slot`; writes the last row's logits (out[V]) or, with
+  // all_logits, every row's (out[T][V]). Throws std::invalid_argument / std::out_of_range before touching the
+  // slot when an argument is invalid.
+  void prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out);
+  // One token for each of B sequences (distinct slots); out[B][V].
+  void decode(KvArena& arena, const DecodeRow* rows, int B, float* out);
+
+  bool profiling() const { return profiling_; }
+  // Seconds and call counts per phase since construction or the last reset.
+  std::array<double, kNumPhases> profile_seconds() const;
+  std::array<uint64_t, kNumPhases> profile_calls() const { return prof_calls_; }
+  void reset_profile();
+
+ private:
+  struct RowCtx {
+    uint8_t* slot;
+    int pos;
+  };
+  class Timer;
+
+  void resolve_weights();
+  DualLinear dual(const std::string& name) const;
+  void check_arena(const KvArena& arena) const;
+  void check_token(int token, const char* what, int index) const;
+
+  void embed(const int32_t* tokens, int m);
+  void compute_rope(int m, const RowCtx* rows);
+  void run_layers(int l0, int l1, int m, const RowCtx* rows);
+  void lm_head(int m, float* out);
+  // Quantises x[m][k] once per distinct Hadamard setting and runs every weight of the group on it.
+  void gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<std::pair<const DualLinear*, float*>> ws,
+                  int phase);
+  template <class F>
+  void for_rows(int m, int64_t work_per_row, F&& f);
+
+  std::shared_ptr<const FgmFile> file_;
+  WeightPolicy policy_;
+  Backend backend_;
+  int chunk_ = 0, max_rows_ = 0;
+  KvLayout layout_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::mutex run_mu_;  // one forward at a time: the scratch is shared
+
+  // Weights.
+  GatherTable embed_, ple_table_;
+  DualLinear lm_head_, ple_model_proj_;
+  const float* ple_proj_norm_ = nullptr;
+  const float* final_norm_ = nullptr;
+  const float* inv_freq_[2] = {nullptr, nullptr};  // [0] full, [1] sliding
+  std::vector<LayerWeights> layers_;
+
+  // Scratch, [max_rows_] rows each.
+  std::vector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
+  std::vector<float> rope_cs_[2];  // per type: [row][cos(half) | sin(half)]
+  std::vector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
+  size_t row_scratch_per_worker_ = 0;
+  struct Aligned {
+    void* p = nullptr;
+    ~Aligned();
+  } qa_packed_;
+  std::vector<float> qa_scale_;
+  std::vector<int32_t> qa_rowsum_;
+  QAct qact_{};
+  std::vector<RowCtx> rows_scratch_;
+  std::vector<int32_t> tok_scratch_;
+
+  bool profiling_ = false;
+  std::array<uint64_t, kNumPhases> prof_ns_{}, prof_calls_{};
+};
+
+}  // namespace sg

@@ -1,0 +1,52 @@
+// Element-wise and attention kernels of the forward pass (everything but the GEMMs).
+//
+// Compiled in ops_avx2.cpp with -mavx2 -mfma -mf16c: call them only after cpu_has_avx2_fma_f16c() said yes (the
+// Model constructor checks). The functions take raw pointers only, so no inline code compiled with those flags can
+// leak into the rest of the library.
+#pragma once
+
+#include <cstdint>
+
+namespace sg::ops {
+
+bool cpu_has_avx2_fma_f16c();  // defined in a baseline translation unit
+
+// y = x * (mean(x^2) + eps)^-1/2 * w  (w == nullptr: no weight). y may equal x.
+void rmsnorm(const float* x, const float* w, float* y, int n, float eps);
+// h += rmsnorm(a) * w
+void add_rmsnorm(float* h, const float* a, const float* w, int n, float eps);
+void scale(float* x, int n, float s);
+// g = gelu_tanh(g) * u
+void gelu_mul(float* g, const float* u, int n);
+// x = cap * tanh(x / cap)
+void softcap(float* x, int n, float cap);
+// Rotate-half RoPE of one head: pairs (d, d + half) for d < half, with per-pair cos/sin.
+void rope(float* x, int half, const float* cos, const float* sin);
+// Symmetric int8 of one row: scale = max|x| / 127 (0 for an all-zero row), code = round-half-even(x / scale).
+void quantize_row_i8(const float* x, int n, int8_t* q, float* scale);
+// One row of a q4r gather table (64-code blocks, f16 scale per block) times mult.
+void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult, float* out);
+// One row of a q8r gather table times (row scale * mult).
+void gather_q8r(const int8_t* codes, float scale, int k, float mult, float* out);
+
+// Attention of nq query heads that share one KV head, for one query row, over the cached positions
+// [lo, hi] (hi = the query's own position): softmax(q . k * kscale) . (v * vscale), scale 1.0, fp32 softmax.
+// Position p sits in cache row p % cap; rows are row_bytes apart and the KV head starts at byte head_off.
+// scratch holds nq * (hi - lo + 1) floats.
+struct AttnCache {
+  const int8_t* k;
+  const int8_t* v;
+  const float* ks;
+  const float* vs;
+  int row_bytes, head_off, cap;
+};
+void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
+            int out_stride, float* scratch);
+
+// Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
+// e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; with stop_at >= 0 it stops at the
+// first i whose running total exceeds stop_at and stores i in *index (n - 1 if none does).
+float max_finite(const float* x, int n, bool* all_finite);
+double exp_scan(const float* x, int n, float max, float inv_t, double stop_at, int* index);
+
+}  // namespace sg::ops

@@ -1,0 +1,348 @@
+// AVX2 + FMA + F16C kernels (see ops.h). Only internal-linkage helpers and the ops:: entry points live here.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "ops.h"
+
+namespace sg::ops {
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x for x in float range: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two parts so n*ln2 is exact enough),
+// e^r by its degree-7 Taylor polynomial (truncation < 6e-9 relative), times 2^n built in the exponent field.
+// Inputs are clamped to [-87, 88] so 2^n stays a normal number; e^-87 ~ 1.6e-38 counts as zero for softmax.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float exp1(float x) {
+  alignas(32) float b[8];
+  _mm256_store_ps(b, exp8(_mm256_set1_ps(x)));
+  return b[0];
+}
+
+// gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the sigmoid form has no
+// cancellation for negative x.
+inline __m256 gelu8(__m256 x) {
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  const __m256 e = exp8(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+inline float gelu1(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return x / (1.0f + exp1(-2.0f * u));
+}
+
+// tanh(t) = sign(t) (1 - e^-2|t|) / (1 + e^-2|t|)
+inline __m256 tanh8(__m256 t) {
+  const __m256 sign = _mm256_and_ps(t, _mm256_set1_ps(-0.0f));
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), t);
+  const __m256 e = exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+  const __m256 r = _mm256_div_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+  return _mm256_or_ps(r, sign);
+}
+
+inline float tanh1(float t) {
+  alignas(32) float b[8];
+  _mm256_store_ps(b, tanh8(_mm256_set1_ps(t)));
+  return b[0];
+}
+
+inline __m256 load_i8_as_f32(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+float sum_squares(const float* x, int n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    a0 = _mm256_fmadd_ps(v0, v0, a0);
+    a1 = _mm256_fmadd_ps(v1, v1, a1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    a0 = _mm256_fmadd_ps(v, v, a0);
+  }
+  float s = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+float rms_inv(const float* x, int n, float eps) {
+  return float(1.0 / std::sqrt(double(sum_squares(x, n)) / n + double(eps)));
+}
+
+// Scores of NH heads (q rows q_stride apart) against cache rows [lo, hi]: out[h * span + j] = q_h . k_j * ks_j.
+template <int NH>
+void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out) {
+  const int span = hi - lo + 1;
+  int row = lo % c.cap;
+  for (int j = 0; j < span; ++j) {
+    const int8_t* k = c.k + int64_t(row) * c.row_bytes + c.head_off;
+    __m256 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8) {
+      const __m256 kf = load_i8_as_f32(k + d);
+      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
+    }
+    const float ks = c.ks[row];
+    for (int h = 0; h < NH; ++h) out[h * span + j] = hsum(acc[h]) * ks;
+    if (++row == c.cap) row = 0;
+  }
+}
+
+// out_h[d] = sum_j w[h * span + j] * v_j[d] * vs_j (weights already normalised), 8 dims x NH heads per pass.
+template <int NH>
+void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, int lo, float* out, int out_stride) {
+  const int row0 = lo % c.cap;
+  for (int d = 0; d < hd; d += 8) {
+    __m256 acc[NH];
+    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+    int row = row0;
+    for (int j = 0; j < span; ++j) {
+      const __m256 vf = _mm256_mul_ps(load_i8_as_f32(c.v + int64_t(row) * c.row_bytes + c.head_off + d),
+                                      _mm256_set1_ps(c.vs[row]));
+      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + h * span + j), vf, acc[h]);
+      if (++row == c.cap) row = 0;
+    }
+    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(out + h * out_stride + d, acc[h]);
+  }
+}
+
+template <int NH>
+void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
+                  int out_stride, float* s) {
+  const int span = hi - lo + 1;
+  qk_scores<NH>(q, q_stride, hd, c, lo, hi, s);
+  for (int h = 0; h < NH; ++h) {
+    float* sh = s + h * span;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= span; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sh + j));
+    float m = hmax(mv);
+    for (; j < span; ++j) m = sh[j] > m ? sh[j] : m;
+    const __m256 m8 = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= span; j += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + j), m8));
+      _mm256_storeu_ps(sh + j, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; j < span; ++j) sum += (sh[j] = exp1(sh[j] - m));
+    scale(sh, span, 1.0f / sum);
+  }
+  pv_accumulate<NH>(s, span, hd, c, lo, out, out_stride);
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* w, float* y, int n, float eps) {
+  const __m256 inv = _mm256_set1_ps(rms_inv(x, n, eps));
+  int i = 0;
+  if (w) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
+    for (; i < n; ++i) y[i] = x[i] * _mm256_cvtss_f32(inv) * w[i];
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+    for (; i < n; ++i) y[i] = x[i] * _mm256_cvtss_f32(inv);
+  }
+}
+
+void add_rmsnorm(float* h, const float* a, const float* w, int n, float eps) {
+  const __m256 inv = _mm256_set1_ps(rms_inv(a, n, eps));
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(h + i, _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(a + i), inv), _mm256_loadu_ps(w + i),
+                                            _mm256_loadu_ps(h + i)));
+  for (; i < n; ++i) h[i] += a[i] * _mm256_cvtss_f32(inv) * w[i];
+}
+
+void scale(float* x, int n, float s) {
+  const __m256 s8 = _mm256_set1_ps(s);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), s8));
+  for (; i < n; ++i) x[i] *= s;
+}
+
+void gelu_mul(float* g, const float* u, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, _mm256_mul_ps(gelu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+  for (; i < n; ++i) g[i] = gelu1(g[i]) * u[i];
+}
+
+void softcap(float* x, int n, float cap) {
+  const __m256 c8 = _mm256_set1_ps(cap), ic8 = _mm256_set1_ps(1.0f / cap);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(c8, tanh8(_mm256_mul_ps(_mm256_loadu_ps(x + i), ic8))));
+  for (; i < n; ++i) x[i] = cap * tanh1(x[i] / cap);
+}
+
+void rope(float* x, int half, const float* cos, const float* sin) {
+  float* y = x + half;
+  int d = 0;
+  for (; d + 8 <= half; d += 8) {
+    const __m256 a = _mm256_loadu_ps(x + d), b = _mm256_loadu_ps(y + d);
+    const __m256 c = _mm256_loadu_ps(cos + d), s = _mm256_loadu_ps(sin + d);
+    _mm256_storeu_ps(x + d, _mm256_fmsub_ps(a, c, _mm256_mul_ps(b, s)));
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(b, c, _mm256_mul_ps(a, s)));
+  }
+  for (; d < half; ++d) {
+    const float a = x[d], b = y[d];
+    x[d] = a * cos[d] - b * sin[d];
+    y[d] = b * cos[d] + a * sin[d];
+  }
+}
+
+void quantize_row_i8(const float* x, int n, int8_t* q, float* scale_out) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 mv = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+  float amax = hmax(mv);
+  for (; i < n; ++i) amax = std::fabs(x[i]) > amax ? std::fabs(x[i]) : amax;
+  if (!(amax > 0)) {
+    std::memset(q, 0, n);
+    *scale_out = 0.0f;
+    return;
+  }
+  const float s = amax / 127.0f;
+  *scale_out = s;
+  const __m256 inv = _mm256_set1_ps(1.0f / s);
+  const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  for (i = 0; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+    v = _mm256_min_ps(_mm256_max_ps(v, nlim), lim);
+    const __m256i c = _mm256_cvtps_epi32(v);  // round half to even
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), _mm_packs_epi16(w, w));
+  }
+  for (; i < n; ++i) {
+    float v = x[i] * (1.0f / s);
+    v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+    q[i] = int8_t(std::nearbyint(v));
+  }
+}
+
+void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult, float* out) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  for (int b = 0; b < k / 64; ++b) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * b));
+    // Two's-complement nibbles: (v ^ 8) - 8. Byte j holds column j (low) and column j + 32 (high).
+    const __m256i lo = _mm256_sub_epi8(_mm256_xor_si256(_mm256_and_si256(bytes, low4), eight), eight);
+    const __m256i hi =
+        _mm256_sub_epi8(_mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), eight), eight);
+    const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[b]) * mult);
+    alignas(32) int8_t c[64];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c + 32), hi);
+    float* o = out + 64 * b;
+    for (int j = 0; j < 64; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(load_i8_as_f32(c + j), s));
+  }
+}
+
+void gather_q8r(const int8_t* codes, float row_scale, int k, float mult, float* out) {
+  const __m256 s = _mm256_set1_ps(row_scale * mult);
+  int i = 0;
+  for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(load_i8_as_f32(codes + i), s));
+  for (; i < k; ++i) out[i] = codes[i] * row_scale * mult;
+}
+
+void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
+            int out_stride, float* scratch) {
+  // Heads are processed in blocks of up to 8 so each block reads (and converts) every K/V row once.
+  for (int h0 = 0; h0 < nq; h0 += 8) {
+    const int nh = nq - h0 < 8 ? nq - h0 : 8;
+    const float* qh = q + int64_t(h0) * q_stride;
+    float* oh = out + int64_t(h0) * out_stride;
+    switch (nh) {
+      case 1: attend_block<1>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 2: attend_block<2>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 3: attend_block<3>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 4: attend_block<4>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 5: attend_block<5>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 6: attend_block<6>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      case 7: attend_block<7>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+      default: attend_block<8>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
+    }
+  }
+}
+
+float max_finite(const float* x, int n, bool* all_finite) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028235e38f);
+  __m256 mv = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mv = _mm256_max_ps(mv, v);
+    // NaN or +-inf: |v| > FLT_MAX is false for NaN, so test "not <=".
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(v, absmask), big, _CMP_NLE_UQ));
+  }
+  float m = hmax(mv);
+  bool ok = _mm256_movemask_ps(bad) == 0;
+  for (; i < n; ++i) {
+    ok &= std::isfinite(x[i]);
+    m = x[i] > m ? x[i] : m;
+  }
+  *all_finite = ok;
+  return m;
+}
+
+double exp_scan(const float* x, int n, float max, float inv_t, double stop_at, int* index) {
+  const __m256 m8 = _mm256_set1_ps(max), t8 = _mm256_set1_ps(inv_t);
+  alignas(32) float e[8];
+  double total = 0;
+  for (int i = 0; i < n; i += 8) {
+    const int cnt = n - i < 8 ? n - i : 8;
+    if (cnt == 8) {
+      _mm256_store_ps(e, exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), t8)));
+    } else {
+      for (int j = 0; j < cnt; ++j) e[j] = exp1((x[i + j] - max) * inv_t);
+    }
+    for (int j = 0; j < cnt; ++j) {
+      total += e[j];
+      if (stop_at >= 0 && total > stop_at) {
+        *index = i + j;
+        return total;
+      }
+    }
+  }
+  if (stop_at >= 0) *index = n - 1;
+  return total;
+}
+
+}  // namespace sg::ops

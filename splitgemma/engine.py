@@ -1,0 +1,51 @@
+"""Python conveniences over the native engine (splitgemma._native.Model / KvArena / sample); see docs/engine-api.md.
+
+The native objects are the API; this module only adds an arena constructor over (shared) memory and a named result
+for sample().
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+from splitgemma._native import KvArena, Model
+from splitgemma._native import sample as _native_sample
+
+__all__ = ["KvArena", "Model", "Sample", "open_arena", "sample"]
+
+
+def open_arena(model: Model, n_slots: int, path: str | os.PathLike | None = None) -> KvArena:
+    """A KvArena of n_slots slots over fresh anonymous memory, or over the file at `path` mapped shared (e.g. under
+    /dev/shm, so another process can open the same slots). The file is created or grown to the arena size; an
+    existing file keeps its contents (slot headers say what each slot holds). The mapping lives as long as the
+    arena."""
+    if n_slots < 1:
+        raise ValueError(f"n_slots must be at least 1, got {n_slots}")
+    size = n_slots * model.kv_slot_bytes
+    if path is None:
+        return KvArena(model, mmap.mmap(-1, size), n_slots)
+    fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return KvArena(model, buf, n_slots)
+
+
+@dataclass(frozen=True)
+class Sample:
+    token: int
+    rng_state: int  # pass to the next call for this request
+    logprob: float  # of `token` under the distribution it was drawn from
+    top_logprobs: list[tuple[int, float]]  # best first
+
+
+def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, rng_state: int = 0,
+           n_logprobs: int = 0) -> Sample:
+    """One token from a logits row (temperature 0 = greedy). Same rules as splitgemma._native.sample."""
+    token, state, logprob, top = _native_sample(logits, temperature, top_k, top_p, rng_state, n_logprobs)
+    return Sample(token, state, logprob, top)
