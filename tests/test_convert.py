@@ -238,6 +238,17 @@ def test_text_only_checkpoint_flat_config(ours, tmp_path):
     assert fgm_header(out)["config"] == fgm_header(ours["mini-e2b"])["config"]
 
 
+def test_float32_checkpoint(ours, tmp_path):
+    """F32 safetensors holding the same (bf16-representable) values convert to the same file."""
+    tensors = {}
+    for n, (dt, shape, raw) in oracle_tensors().items():
+        f32 = (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+        tensors[n] = ("F32", shape, f32.astype("<f4").tobytes())
+    out = tmp_path / "f32.fgm"
+    convert_checkpoint(make_checkpoint(tmp_path / "ckpt", tensors, oracle_config()), out, progress=False)
+    assert body(out) == body(ours["mini-e2b"])
+
+
 def test_per_layer_config_spelling(ours, tmp_path):
     """transformers 5.23 re-serialises global_head_dim as per_layer_config; the result must not change."""
     cfg = oracle_config()
@@ -500,3 +511,36 @@ def test_default_global_head_dim_is_transformers_default():
     cfg = dict(E4B_MINI)
     del cfg["global_head_dim"]
     assert parse_text_config(cfg).global_head_dim == 512
+
+
+def test_safetensors_reader(tmp_path):
+    from splitgemma.fgm.safetensors import Checkpoint
+
+    x = np.arange(24, dtype=np.float32).reshape(4, 6) / 8
+    write_safetensors(tmp_path / "a.safetensors", {
+        "h": ("F16", [4, 6], x.astype("<f2").tobytes()),
+        "f": ("F32", [4, 6], x.astype("<f4").tobytes()),
+        "b": ("BF16", [4, 6], bf16_bytes(x)),
+        "s": ("BF16", [], bf16_bytes(np.array([1.5]))),
+        "i": ("I64", [2], np.arange(2, dtype="<i8").tobytes()),
+    })
+    with Checkpoint(tmp_path / "a.safetensors") as ck:
+        for n in "hfb":
+            np.testing.assert_array_equal(ck.rows(n), x)
+            np.testing.assert_array_equal(ck.rows(n, 1, 3), x[1:3])
+            ck.release(n, 0, 2)
+        assert ck.rows("s").tolist() == [1.5]
+        with pytest.raises(ConversionError, match="unsupported safetensors dtype I64"):
+            ck.rows("i")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(ConversionError, match="not a safetensors file"):
+        Checkpoint(bad)
+    head = json.dumps({"w": {"dtype": "BF16", "shape": [4, 4], "data_offsets": [0, 32]}}).encode()
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 10)
+    with pytest.raises(ConversionError, match=r"'w' has data_offsets \[0, 32\) outside the file"):
+        Checkpoint(bad)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="no model.safetensors"):
+        Checkpoint(tmp_path / "empty")

@@ -131,6 +131,8 @@ class FgmWriter:
                 raise ConversionError(f"the .fgm header would need about {need} bytes; the format reserves "
                                       f"{HEADER_RESERVE} ({len(entries)} tensors)")
         parent = self.path.parent if str(self.path.parent) else Path(".")
+        if self.path.is_dir():
+            raise ConversionError(f"{self.path}: is a directory, not an output file name")
         if not parent.is_dir():
             raise ConversionError(f"{self.path}: output directory {parent} does not exist")
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=parent)
