@@ -288,6 +288,24 @@ def test_handoff_between_processes(tmp_path):
     np.testing.assert_allclose(m.decode(local, [0], [tok], [len(prompt)])[0], handed, rtol=0, atol=EXACT)
 
 
+def test_prefix_reuse_through_copy_slot():
+    """A prompt's K/V copied into another arena's slot and extended from there (prefill at pos0 = its length) gives
+    the logits of prefilling the whole sequence, at any split point."""
+    m = model(weights="int4", chunk=16)
+    seq = rand_prompt(70, seed=12)
+    whole = m.prefill(arena(m), 0, seq, all_logits=True)
+    cache = arena(m, 2)
+    m.prefill(cache, 1, seq[:37])
+    cache.seal(1, 1, 1)
+    target = arena(m, 3)
+    target.copy_slot(2, cache, 1)
+    assert target.header(2)["n_tokens"] == 37 and not target.header(2)["sealed"]
+    np.testing.assert_allclose(m.prefill(target, 2, seq[37:], pos0=37, all_logits=True), whole[37:], rtol=0,
+                               atol=EXACT)
+    with pytest.raises(ValueError, match="different model or slot geometry"):
+        arena(model(chunk=8)).copy_slot(0, cache, 1)
+
+
 def test_kv_layout_is_defined_by_config_and_geometry():
     m = model(chunk=8, max_context=100)
     lay = m.kv_layout

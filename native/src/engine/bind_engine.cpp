@@ -275,7 +275,17 @@ void bind_engine(py::module_& m) {
           py::arg("slot"), py::arg("request_id") = py::none(), py::arg("generation") = py::none(),
           "Raise ValueError unless the slot is sealed for this model/layout (and these ids) with a matching checksum.")
       .def("reset", [](PyKvArena& a, int64_t slot) { a.arena->reset(int_arg(slot, "slot")); }, py::arg("slot"),
-           "Forget the slot's contents (zero its header).");
+           "Forget the slot's contents (zero its header).")
+      .def(
+          "copy_slot",
+          [](PyKvArena& a, int64_t slot, const PyKvArena& src, int64_t src_slot) {
+            const int d = int_arg(slot, "slot"), s = int_arg(src_slot, "src_slot");
+            py::gil_scoped_release nogil;
+            a.arena->copy_slot(d, *src.arena, s);
+          },
+          py::arg("slot"), py::arg("src"), py::arg("src_slot"),
+          "Copy slot src_slot of arena src (same layout) into slot, header included (unsealed): the copy holds the "
+          "same positions and can be extended with prefill(pos0=n_tokens) or decode (prefix reuse).");
 
   m.def(
       "sample",

@@ -214,4 +214,13 @@ void KvArena::reset(int s) {
   std::memset(header(s), 0, sizeof(SlotHeader));
 }
 
+void KvArena::copy_slot(int s, const KvArena& src, int src_slot) {
+  check_slot(s);
+  src.check_slot(src_slot);
+  if (!src.layout_.same_as(layout_))
+    throw std::invalid_argument("copy_slot: the source arena has a different model or slot geometry");
+  if (src.slot(src_slot) != slot(s)) std::memmove(slot(s), src.slot(src_slot), layout_.slot_bytes());
+  header(s)->flags &= ~kSlotSealed;
+}
+
 }  // namespace sg

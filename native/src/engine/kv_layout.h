@@ -107,6 +107,9 @@ class KvArena {
   // Throws std::invalid_argument naming the first mismatch (layout, ids, unsealed, checksum).
   void verify(int s, uint64_t request_id, uint64_t generation, bool check_ids) const;
   void reset(int s);  // zero the header: the slot holds nothing
+  // Copies slot src_slot of src (same layout; may be this arena) into slot s, header included but unsealed: the
+  // copy holds the same positions and can be extended from there (prefix reuse).
+  void copy_slot(int s, const KvArena& src, int src_slot);
 
  private:
   KvLayout layout_;

@@ -455,13 +455,13 @@ void Model::check_token(int token, const char* what, int index) const {
 }
 
 void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out) {
+  std::lock_guard<std::mutex> lock(run_mu_);  // also orders validation with the writes of a concurrent call
   check_arena(arena);
   arena.check_slot(slot);
   if (T < 1) throw std::invalid_argument("prefill needs at least one token");
   for (int i = 0; i < T; ++i) check_token(tokens[i], "tokens", i);
   arena.check_write(slot, pos0, T);
 
-  std::lock_guard<std::mutex> lock(run_mu_);
   backend_thread_init();
   const ModelConfig& c = config();
   const int D = c.hidden_size, V = c.vocab_size, LP = c.num_layers * c.ple_dim, fs = c.first_shared_layer,
@@ -497,22 +497,21 @@ void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int 
 }
 
 void Model::decode(KvArena& arena, const DecodeRow* in, int B, float* out) {
+  std::lock_guard<std::mutex> lock(run_mu_);
   check_arena(arena);
   if (B < 1) throw std::invalid_argument("decode needs at least one sequence");
-  std::vector<int> seen;
-  seen.reserve(B);
+  slot_check_.clear();  // grows to the largest batch seen, then allocates no more
   for (int b = 0; b < B; ++b) {
     arena.check_slot(in[b].slot);
     check_token(in[b].token, "tokens", b);
     arena.check_write(in[b].slot, in[b].pos, 1);
-    seen.push_back(in[b].slot);
+    slot_check_.push_back(in[b].slot);
   }
-  std::sort(seen.begin(), seen.end());
-  if (std::adjacent_find(seen.begin(), seen.end()) != seen.end())
-    throw std::invalid_argument("decode: slot " + std::to_string(*std::adjacent_find(seen.begin(), seen.end())) +
-                                " appears twice in one batch");
+  std::sort(slot_check_.begin(), slot_check_.end());
+  const auto dup = std::adjacent_find(slot_check_.begin(), slot_check_.end());
+  if (dup != slot_check_.end())
+    throw std::invalid_argument("decode: slot " + std::to_string(*dup) + " appears twice in one batch");
 
-  std::lock_guard<std::mutex> lock(run_mu_);
   backend_thread_init();
   const int V = config().vocab_size;
   RowCtx* rows = rows_scratch_.data();

@@ -165,6 +165,7 @@ class Model {
   QAct qact_{};
   std::vector<RowCtx> rows_scratch_;
   std::vector<int32_t> tok_scratch_;
+  std::vector<int> slot_check_;  // decode: duplicate-slot check
 
   bool profiling_ = false;
   std::array<uint64_t, kNumPhases> prof_ns_{}, prof_calls_{};

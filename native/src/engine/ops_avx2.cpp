@@ -105,40 +105,68 @@ float rms_inv(const float* x, int n, float eps) {
   return float(1.0 / std::sqrt(double(sum_squares(x, n)) / n + double(eps)));
 }
 
-// Scores of NH heads (q rows q_stride apart) against cache rows [lo, hi]: out[h * span + j] = q_h . k_j * ks_j.
+// The cached positions [lo, lo + span) as at most two runs of consecutive cache rows (the ring wraps once at most).
+struct Run {
+  int row, len, off;  // first cache row, row count, offset of the run's first position within [lo, lo + span)
+};
+int ring_runs(int lo, int span, int cap, Run* runs) {
+  const int r0 = lo % cap, n0 = span < cap - r0 ? span : cap - r0;
+  runs[0] = Run{r0, n0, 0};
+  if (n0 == span) return 1;
+  runs[1] = Run{0, span - n0, n0};
+  return 2;
+}
+
+// Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j * kscale_j.
 template <int NH>
-void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out) {
-  const int span = hi - lo + 1;
-  int row = lo % c.cap;
-  for (int j = 0; j < span; ++j) {
-    const int8_t* k = c.k + int64_t(row) * c.row_bytes + c.head_off;
-    __m256 acc[NH];
-    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 8) {
-      const __m256 kf = load_i8_as_f32(k + d);
-      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
+void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
+               float* s) {
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const int8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
+    const float* ks = c.ks + runs[ri].row;
+    float* out = s + runs[ri].off;
+    for (int j = 0; j < runs[ri].len; ++j, k += c.row_bytes) {
+      __m256 acc[NH];
+      for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
+      for (int d = 0; d < hd; d += 8) {
+        const __m256 kf = load_i8_as_f32(k + d);
+        for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
+      }
+      for (int h = 0; h < NH; ++h) out[h * span + j] = hsum(acc[h]) * ks[j];
     }
-    const float ks = c.ks[row];
-    for (int h = 0; h < NH; ++h) out[h * span + j] = hsum(acc[h]) * ks;
-    if (++row == c.cap) row = 0;
   }
 }
 
-// out_h[d] = sum_j w[h * span + j] * v_j[d] * vs_j (weights already normalised), 8 dims x NH heads per pass.
-template <int NH>
-void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, int lo, float* out, int out_stride) {
-  const int row0 = lo % c.cap;
-  for (int d = 0; d < hd; d += 8) {
-    __m256 acc[NH];
-    for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
-    int row = row0;
-    for (int j = 0; j < span; ++j) {
-      const __m256 vf = _mm256_mul_ps(load_i8_as_f32(c.v + int64_t(row) * c.row_bytes + c.head_off + d),
-                                      _mm256_set1_ps(c.vs[row]));
-      for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + h * span + j), vf, acc[h]);
-      if (++row == c.cap) row = 0;
+// out_h[d] = sum_j w[h * span + j] * vcode_j[d] (the weights already carry the softmax normaliser and the V scale).
+// Positions go in tiles whose V bytes stay in L1 while all dims are swept; each pass keeps NH x DB accumulators
+// (DB blocks of 8 dims) so that enough independent FMA chains are in flight when few heads share the KV head.
+template <int NH, int DB>
+void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
+                   int out_stride) {
+  for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
+  const int tile = hd >= 1024 ? 16 : 16384 / hd;
+  for (int ri = 0; ri < n_runs; ++ri) {
+    for (int t0 = 0; t0 < runs[ri].len; t0 += tile) {
+      const int tn = runs[ri].len - t0 < tile ? runs[ri].len - t0 : tile;
+      const int8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
+      const float* w0 = w + runs[ri].off + t0;
+      for (int d = 0; d < hd; d += 8 * DB) {
+        __m256 acc[NH][DB];
+        for (int h = 0; h < NH; ++h)
+          for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_loadu_ps(out + h * out_stride + d + 8 * b);
+        const int8_t* v = v0 + d;
+        for (int j = 0; j < tn; ++j, v += c.row_bytes) {
+          __m256 vf[DB];
+          for (int b = 0; b < DB; ++b) vf[b] = load_i8_as_f32(v + 8 * b);
+          for (int h = 0; h < NH; ++h) {
+            const __m256 wj = _mm256_broadcast_ss(w0 + h * span + j);
+            for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_fmadd_ps(wj, vf[b], acc[h][b]);
+          }
+        }
+        for (int h = 0; h < NH; ++h)
+          for (int b = 0; b < DB; ++b) _mm256_storeu_ps(out + h * out_stride + d + 8 * b, acc[h][b]);
+      }
     }
-    for (int h = 0; h < NH; ++h) _mm256_storeu_ps(out + h * out_stride + d, acc[h]);
   }
 }
 
@@ -146,7 +174,9 @@ template <int NH>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
                   int out_stride, float* s) {
   const int span = hi - lo + 1;
-  qk_scores<NH>(q, q_stride, hd, c, lo, hi, s);
+  Run runs[2];
+  const int n_runs = ring_runs(lo, span, c.cap, runs);
+  qk_scores<NH>(q, q_stride, hd, c, runs, n_runs, span, s);
   for (int h = 0; h < NH; ++h) {
     float* sh = s + h * span;
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -163,9 +193,21 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     }
     float sum = hsum(sv);
     for (; j < span; ++j) sum += (sh[j] = exp1(sh[j] - m));
-    scale(sh, span, 1.0f / sum);
+    // Fold the normaliser and each position's V scale into the weights.
+    const float inv = 1.0f / sum;
+    for (int ri = 0; ri < n_runs; ++ri) {
+      float* w = sh + runs[ri].off;
+      const float* vs = c.vs + runs[ri].row;
+      for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
+    }
   }
-  pv_accumulate<NH>(s, span, hd, c, lo, out, out_stride);
+  if constexpr (NH <= 2) {
+    if (hd % 32 == 0) return pv_accumulate<NH, 4>(s, span, hd, c, runs, n_runs, out, out_stride);
+  }
+  if constexpr (NH <= 4) {
+    if (hd % 16 == 0) return pv_accumulate<NH, 2>(s, span, hd, c, runs, n_runs, out, out_stride);
+  }
+  pv_accumulate<NH, 1>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
 }  // namespace
