@@ -176,8 +176,7 @@ void bind_engine(py::module_& m) {
             const int s = int_arg(slot, "slot"), p0 = int_arg(pos0, "pos0");
             const int V = md.config().vocab_size;
             // Validate before allocating a possibly large [T, V] result.
-            a.arena->check_slot(s);
-            if (t.empty()) throw py::value_error("prefill needs at least one token");
+            md.check_prefill(*a.arena, s, t.data(), int(t.size()), p0);
             py::array_t<float> out = all_logits ? py::array_t<float>({py::ssize_t(t.size()), py::ssize_t(V)})
                                                 : py::array_t<float>({py::ssize_t(V)});
             float* o = out.mutable_data();

@@ -454,13 +454,17 @@ void Model::check_token(int token, const char* what, int index) const {
                             " is not a token id in [0, " + std::to_string(config().vocab_size) + ")");
 }
 
-void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out) {
-  std::lock_guard<std::mutex> lock(run_mu_);  // also orders validation with the writes of a concurrent call
+void Model::check_prefill(const KvArena& arena, int slot, const int32_t* tokens, int T, int pos0) const {
   check_arena(arena);
   arena.check_slot(slot);
   if (T < 1) throw std::invalid_argument("prefill needs at least one token");
   for (int i = 0; i < T; ++i) check_token(tokens[i], "tokens", i);
   arena.check_write(slot, pos0, T);
+}
+
+void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out) {
+  std::lock_guard<std::mutex> lock(run_mu_);  // also orders validation with the writes of a concurrent call
+  check_prefill(arena, slot, tokens, T, pos0);
 
   backend_thread_init();
   const ModelConfig& c = config();

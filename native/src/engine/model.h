@@ -104,6 +104,8 @@ class Model {
   // all_logits, every row's (out[T][V]). Throws std::invalid_argument / std::out_of_range before touching the
   // slot when an argument is invalid.
   void prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out);
+  // The checks prefill() starts with (callers can run them before allocating the output).
+  void check_prefill(const KvArena& arena, int slot, const int32_t* tokens, int T, int pos0) const;
   // One token for each of B sequences (distinct slots); out[B][V].
   void decode(KvArena& arena, const DecodeRow* rows, int B, float* out);
 
