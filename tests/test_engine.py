@@ -189,6 +189,54 @@ def test_decode_past_the_window_matches_reference(long_reference):
     assert (got.argmax(-1) == want[200:].argmax(-1)).mean() >= 0.90
 
 
+@pytest.fixture(scope="module")
+def q8r_variant(tmp_path_factory):
+    """The tame file with both gather tables re-encoded as q8r (int8 row-major, f32 scale = max|row| / 127: the
+    layout of fastgemma's --emb-bits 8 / --ple-bits 8), every other blob copied unchanged."""
+    from splitgemma.fgm.writer import FgmWriter, TensorEntry
+
+    src = FgmReader(fastgemma_fgm(TAME))
+    tables = {}
+    for name in ("embed_tokens", "embed_tokens_per_layer"):
+        w = src.dequantize(name)
+        scale = (np.abs(w).max(axis=1) / 127).astype(np.float32)
+        tables[name] = (np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale)
+    entries, blobs = [], {}
+    for name, t in src.header["tensors"].items():
+        base = name[: -len(".scale")] if name.endswith(".scale") else name
+        if base in tables:
+            codes, scale = tables[base]
+            data = scale if name.endswith(".scale") else codes
+            entries.append(TensorEntry(name, "f32" if name.endswith(".scale") else "q8r", data.shape, {}))
+            blobs[name] = data
+        else:
+            entries.append(TensorEntry(name, t["dtype"], tuple(t["shape"]), t["meta"]))
+            blobs[name] = src.file.raw(name)
+    out = tmp_path_factory.mktemp("q8r") / "tame-q8r.fgm"
+    with FgmWriter(out) as w:
+        w.plan(entries)
+        for name, data in blobs.items():
+            w.write(name, data)
+        w.finish(src.header["config"], {})
+    return out
+
+
+def test_q8r_gather_tables(q8r_variant, report):
+    cfg = text_config(json.loads((FASTGEMMA[TAME] / "config.json").read_text()))
+    prompt = rand_prompt(60, seed=13)
+    want = forward(FgmReader(q8r_variant).hf_weights(ffn="int4"), cfg, prompt)
+    m = model(path=q8r_variant, weights="int4")
+    got = m.prefill(arena(m), 0, prompt, all_logits=True)
+    cos = cosines(got, want)
+    report(f"engine vs float64 reference, q8r tables: cosine min {cos.min():.5f}")
+    assert cos.min() >= 0.995 and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.90
+    # The tables really changed: the q4r file gives different logits.
+    q4r = model(weights="int4")
+    assert np.abs(got - q4r.prefill(arena(q4r), 0, prompt, all_logits=True)).max() > 1e-3
+    with pytest.raises(ValueError, match="different model file"):
+        q4r.prefill(arena(m), 0, prompt)
+
+
 # ---------------------------------------------------------------------------------------------------- invariants
 
 
@@ -500,7 +548,7 @@ def test_bad_inputs_raise_precise_errors():
         m.decode(a, [0, 1], [5], [60, 2])
     with pytest.raises(IndexError, match="slot"):
         m.decode(a, [7], [5], [0])
-    with pytest.raises(ValueError, match="different model or geometry"):
+    with pytest.raises(ValueError, match="different slot geometry"):
         m.prefill(arena(model(max_context=32)), 0, [2, 3])
     with pytest.raises(ValueError, match="buffer holds"):
         N.KvArena(m, bytearray(m.kv_slot_bytes * 2 - 1), 2)

@@ -441,11 +441,14 @@ void Model::lm_head(int m, float* out) {
 }
 
 void Model::check_arena(const KvArena& arena) const {
-  if (!arena.layout().same_as(layout_))
-    throw std::invalid_argument(
-        "the KV arena was laid out for a different model or geometry (max_context " +
-        std::to_string(arena.layout().max_context()) + ", chunk " + std::to_string(arena.layout().chunk()) +
-        "; this model: " + std::to_string(layout_.max_context()) + ", " + std::to_string(layout_.chunk()) + ")");
+  const KvLayout& a = arena.layout();
+  if (a.model_signature() != layout_.model_signature())
+    throw std::invalid_argument("the KV arena was laid out for a different model file (layout signature mismatch)");
+  if (!a.same_as(layout_))
+    throw std::invalid_argument("the KV arena was laid out with a different slot geometry (max_context " +
+                                std::to_string(a.max_context()) + ", chunk " + std::to_string(a.chunk()) +
+                                "; this model: " + std::to_string(layout_.max_context()) + ", " +
+                                std::to_string(layout_.chunk()) + ")");
 }
 
 void Model::check_token(int token, const char* what, int index) const {
