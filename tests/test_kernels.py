@@ -258,9 +258,10 @@ def test_fwht128_rejects_partial_block():
 
 
 @pytest.mark.parametrize("hadamard", [0, 128])
-def test_quantize_rows(hadamard):
+@pytest.mark.parametrize("k", [512, 16512])  # rows longer than 16384 take the re-rotating path
+def test_quantize_rows(hadamard, k):
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((19, 512)).astype(np.float32) * rng.uniform(1e-3, 1e3, (19, 1)).astype(np.float32)
+    x = rng.standard_normal((19, k)).astype(np.float32) * rng.uniform(1e-3, 1e3, (19, 1)).astype(np.float32)
     x[3] = 0.0  # all-zero row: scale 1, codes 0
     x[5, 7] = 1e4  # one outlier dominates its row
     codes, scale = K.quantize_rows(x, hadamard)

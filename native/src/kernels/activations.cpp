@@ -23,25 +23,35 @@ inline __m256 in_lane_stage(__m256 x, __m256 swapped) {
   return _mm256_blend_ps(_mm256_add_ps(x, swapped), _mm256_sub_ps(swapped, x), kBlend);
 }
 
-// x·H on 128 floats (16 ymm), strides 1, 2, 4 inside registers, then 8, 16, 32, 64 across.
+// x·H on 128 floats: strides 1, 2, 4 inside each ymm, then 8, 16, 32 among groups of 8 ymm,
+// then 64 between the halves, with the 1/√128 folded into that last stage. Each pass keeps at
+// most 8 vectors live (no spills) and goes through dst, which stays in L1.
 inline void fwht_block(const float* src, float* dst) {
-  __m256 v[16];
   for (int i = 0; i < 16; ++i) {
     __m256 x = _mm256_loadu_ps(src + 8 * i);
     x = in_lane_stage<0xAA>(x, _mm256_permute_ps(x, 0xB1));
     x = in_lane_stage<0xCC>(x, _mm256_permute_ps(x, 0x4E));
     x = in_lane_stage<0xF0>(x, _mm256_permute2f128_ps(x, x, 1));
-    v[i] = x;
+    _mm256_storeu_ps(dst + 8 * i, x);
   }
-  for (int s = 1; s < 16; s <<= 1)
-    for (int i = 0; i < 16; ++i)
-      if (!(i & s)) {
-        const __m256 a = v[i], b = v[i + s];
-        v[i] = _mm256_add_ps(a, b);
-        v[i + s] = _mm256_sub_ps(a, b);
-      }
+  for (int h = 0; h < 2; ++h) {
+    __m256 v[8];
+    for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(dst + 64 * h + 8 * i);
+    for (int s = 1; s < 8; s <<= 1)
+      for (int i = 0; i < 8; ++i)
+        if (!(i & s)) {
+          const __m256 a = v[i], b = v[i + s];
+          v[i] = _mm256_add_ps(a, b);
+          v[i + s] = _mm256_sub_ps(a, b);
+        }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + 64 * h + 8 * i, v[i]);
+  }
   const __m256 norm = _mm256_set1_ps(kInvSqrt128);
-  for (int i = 0; i < 16; ++i) _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(v[i], norm));
+  for (int i = 0; i < 8; ++i) {
+    const __m256 a = _mm256_loadu_ps(dst + 8 * i), b = _mm256_loadu_ps(dst + 64 + 8 * i);
+    _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(_mm256_add_ps(a, b), norm));
+    _mm256_storeu_ps(dst + 64 + 8 * i, _mm256_mul_ps(_mm256_sub_ps(a, b), norm));
+  }
 }
 
 inline float hmax(__m256 v) {
@@ -96,14 +106,17 @@ void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {
     out->scale[row] = 0.f;
     return;
   }
-  alignas(32) float buf[128];
-  // Pass 1: amax of the (rotated) row. Pass 2 recomputes the rotation block by block rather
-  // than keeping a row-sized float copy: the transform is cheap and deterministic.
+  // The rotated row is kept on the stack for pass 2 when it fits; longer rows are rotated
+  // again block by block (the transform is deterministic, so both passes see the same values).
+  constexpr int kCachedK = 16384;
+  alignas(32) float rotated[kCachedK];
+  const bool cached = hadamard && k <= kCachedK;
   float amax = 0.f;
   if (hadamard) {
     for (int b = 0; b < k; b += 128) {
-      fwht_block(x + b, buf);
-      const float m = amax_of(buf, 128);
+      float* dst = cached ? rotated + b : rotated;
+      fwht_block(x + b, dst);
+      const float m = amax_of(dst, 128);
       amax = m > amax ? m : amax;
     }
   } else {
@@ -114,9 +127,11 @@ void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {
   const __m256 sv = _mm256_set1_ps(scale);
   for (int kb = 0; kb < KB; ++kb) {
     const float* src;
-    if (hadamard) {
-      if (kb % 2 == 0) fwht_block(x + (size_t)kb * 64, buf);
-      src = buf + (kb % 2) * 64;
+    if (cached) {
+      src = rotated + (size_t)kb * 64;
+    } else if (hadamard) {
+      if (kb % 2 == 0) fwht_block(x + (size_t)kb * 64, rotated);
+      src = rotated + (kb % 2) * 64;
     } else {
       src = x + (size_t)kb * 64;
     }
