@@ -107,9 +107,10 @@ def test_logits_match_fastgemma_reference(name, ffn, backend, report):
 
 
 # Our transformers fixtures (tests/tools/make_fixtures.py), converted by the project's converter: g4-e2b has other KV
-# producers than the mini files (sliding 1, full 2), g4-e4b has 2 KV heads (GQA). g4-e2b-sharp has q/k norms ~1:
-# floors a margin below the measured (min cosine, mean cosine, argmax) over its three prompts.
-OURS_SHARP_FLOOR = {"int4": (0.76, 0.96, 0.60), "int8": (0.69, 0.96, 0.50)}  # measured 0.789/0.965/0.640, 0.719/0.969/0.542
+# producers than the mini files (sliding 1, full 2), g4-e4b has 2 KV heads (GQA). g4-e2b-sharp has q/k norms ~1, so
+# per-position figures swing with the prompt: its floors (mean cosine, argmax agreement over all positions of its
+# three prompts) sit a margin below the measured int4 0.961 / 0.687, int8 0.966 / 0.628.
+OURS_SHARP_FLOOR = {"int4": (0.950, 0.62), "int8": (0.955, 0.57)}
 
 
 @pytest.mark.parametrize("ffn", ["int4", "int8"])
@@ -117,12 +118,15 @@ OURS_SHARP_FLOOR = {"int4": (0.76, 0.96, 0.60), "int8": (0.69, 0.96, 0.50)}  # m
 def test_logits_match_our_fixtures(name, ffn, converted_fgm, report):
     ref = np.load(OURS[name] / "reference.npz")
     m = model(name, weights=ffn, path=converted_fgm(name))
+    all_cos, all_hits = [], []
     for j in range(len(ref["prompt_lengths"])):
         prompt, ids = ref[f"prompt_ids_{j}"], ref[f"fgm_{ffn}_greedy_ids_{j}"]
         want = ref[f"fgm_{ffn}_logits_{j}"]
         got = m.prefill(arena(m), 0, prompt, all_logits=True)
         cos = cosines(got, want)
         agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+        all_cos.append(cos)
+        all_hits.append(got.argmax(-1) == want.argmax(-1))
         steps = m.prefill(arena(m), 0, np.concatenate([prompt, ids[:-1]]), all_logits=True)[len(prompt) - 1:]
         hits = steps.argmax(-1) == ids
         # int8 activations and K/V move these logits by up to ~0.06-0.12 (rms ~0.02), so a step whose reference top-2
@@ -134,8 +138,6 @@ def test_logits_match_our_fixtures(name, ffn, converted_fgm, report):
                f"{cos.min():.5f} mean {cos.mean():.5f}, argmax {agree:.3f}, teacher-forced greedy "
                f"{hits.mean():.3f} ({hits[robust].mean():.3f} of {robust.sum()} robust steps)")
         if name.endswith("-sharp"):
-            cmin, cmean, amin = OURS_SHARP_FLOOR[ffn]
-            assert cos.min() >= cmin and cos.mean() >= cmean and agree >= amin
             continue
         assert cos.min() >= 0.995, f"prompt {j} position {int(cos.argmin())}: cosine {cos.min():.5f}"
         assert agree >= 0.90
@@ -143,6 +145,11 @@ def test_logits_match_our_fixtures(name, ffn, converted_fgm, report):
         n = min(8, int(np.argmin(robust)) if not robust.all() else 8)
         if n:
             np.testing.assert_array_equal(greedy(m, arena(m), 0, prompt, n)[0], ids[:n])
+    if name.endswith("-sharp"):
+        mean_cos, agree = float(np.concatenate(all_cos).mean()), float(np.concatenate(all_hits).mean())
+        report(f"engine vs transformers {name:13s} {ffn} all prompts: mean cosine {mean_cos:.4f}, argmax {agree:.3f}")
+        floor_cos, floor_agree = OURS_SHARP_FLOOR[ffn]
+        assert mean_cos >= floor_cos and agree >= floor_agree
 
 
 @pytest.mark.parametrize("ffn", ["int4", "int8"])

@@ -209,6 +209,14 @@ void Model::resolve_weights() {
     ple_table_ = table("embed_tokens_per_layer");
     ple_model_proj_ = dual("per_layer_model_projection");
     ple_proj_norm_ = f32("per_layer_projection_norm");
+    // Rows [0, fs*P) of a q8c weight are a prefix of its bytes (16-row blocks are stored one after the other, each
+    // walking K) and of its f32 scales; q4g scales are [K/G][N], so no prefix view there.
+    const QLinear& w = ple_model_proj_.w;
+    const int head_rows = c.first_shared_layer * c.ple_dim;
+    if (w.dtype == DType::Q8C && !ple_model_proj_.i8.codes && head_rows % 16 == 0 && head_rows < w.n) {
+      ple_proj_head_.w = w;
+      ple_proj_head_.w.n = head_rows;
+    }
   }
   if (file_->find("rope.full_attention.inv_freq")) inv_freq_[0] = f32("rope.full_attention.inv_freq");
   if (file_->find("rope.sliding_attention.inv_freq")) inv_freq_[1] = f32("rope.sliding_attention.inv_freq");
@@ -248,24 +256,23 @@ void Model::for_rows(int m, int64_t work_per_row, F&& f) {
     for (int r = 0; r < m; ++r) f(r, 0);
 }
 
-void Model::gemm_group(const float* x, int ldx, int m, int k,
-                       std::initializer_list<std::pair<const DualLinear*, float*>> ws, int phase) {
+void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase) {
   int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
-  for (const auto& [dl, y] : ws) {
-    const QLinear& w = dl->pick(m, policy_);
+  for (const GemmOut& o : outs) {
+    const QLinear& w = o.w->pick(m, policy_);
     if (w.hadamard != quantised_for) {
       Timer t(this, kActQuant);
       quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
       quantised_for = w.hadamard;
     }
     Timer t(this, phase);
-    gemm(qact_, w, y, w.n, pool_.get(), backend_);
+    gemm(qact_, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
   }
 }
 
-void Model::embed(const int32_t* tokens, int m) {
+void Model::embed(const int32_t* tokens, int m, int full_from) {
   const ModelConfig& c = config();
-  const int D = c.hidden_size, P = c.ple_dim, LP = c.num_layers * c.ple_dim;
+  const int D = c.hidden_size, P = c.ple_dim, LP = c.num_layers * c.ple_dim, fs = c.first_shared_layer;
   {
     Timer t(this, kEmbed);
     const float es = float(c.embed_scale);
@@ -274,7 +281,14 @@ void Model::embed(const int32_t* tokens, int m) {
   if (P == 0) return;
   // Per-layer inputs (spec §3.1): project the scaled embedding, scale, RMSNorm each P-chunk, add the scaled
   // per-layer table row, scale by 2^-1/2.
-  gemm_group(h_.data(), D, m, D, {{&ple_model_proj_, ple_.data()}}, kPle);
+  if (full_from > 0 && ple_proj_head_.w.codes) {
+    gemm_group(h_.data(), D, full_from, D, {{&ple_proj_head_, ple_.data(), LP}}, kPle);
+    if (full_from < m)
+      gemm_group(&h_[size_t(full_from) * D], D, m - full_from, D, {{&ple_model_proj_, &ple_[size_t(full_from) * LP]}},
+                 kPle);
+  } else {
+    gemm_group(h_.data(), D, m, D, {{&ple_model_proj_, ple_.data()}}, kPle);
+  }
   Timer t(this, kPle);
   const float proj_scale = float(c.ple_model_projection_scale), tok_scale = float(c.ple_embed_scale),
               in_scale = float(c.ple_input_scale), eps = float(c.rms_norm_eps);
@@ -283,7 +297,8 @@ void Model::embed(const int32_t* tokens, int m) {
     // GDM maps ids outside the per-layer vocabulary to 0 (only matters when it is smaller than the vocabulary).
     ple_table_.row(tokens[r] < ple_table_.rows ? tokens[r] : 0, tok_scale, g);
     float* row = &ple_[size_t(r) * LP];
-    for (int l = 0; l < c.num_layers; ++l) {
+    const int layers = r >= full_from ? c.num_layers : fs;
+    for (int l = 0; l < layers; ++l) {
       float* p = row + l * P;
       ops::scale(p, P, proj_scale);
       ops::rmsnorm(p, ple_proj_norm_, p, P, eps);
@@ -480,7 +495,8 @@ void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int 
   for (int c0 = 0; c0 < T; c0 += chunk_) {
     const int m = std::min(chunk_, T - c0);
     for (int r = 0; r < m; ++r) rows[r] = RowCtx{base, pos0 + c0 + r};
-    embed(tokens + c0, m);
+    // Without all_logits only the prompt's last row goes through the shared layers.
+    embed(tokens + c0, m, all_logits ? 0 : (c0 + m < T ? m : m - 1));
     compute_rope(m, rows);
     if (all_logits) {
       run_layers(0, L, m, rows);
@@ -530,7 +546,7 @@ void Model::decode(KvArena& arena, const DecodeRow* in, int B, float* out) {
       rows[r] = RowCtx{arena.slot(in[b0 + r].slot), in[b0 + r].pos};
       toks[r] = in[b0 + r].token;
     }
-    embed(toks, m);
+    embed(toks, m, 0);
     compute_rope(m, rows);
     run_layers(0, config().num_layers, m, rows);
     lm_head(m, out + size_t(b0) * V);

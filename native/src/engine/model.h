@@ -127,13 +127,19 @@ class Model {
   void check_arena(const KvArena& arena) const;
   void check_token(int token, const char* what, int index) const;
 
-  void embed(const int32_t* tokens, int m);
+  // Embeddings and per-layer inputs of m rows; rows >= full_from get the per-layer inputs of every layer, the
+  // others only those of layers < first_shared_layer (spec §3.5: the shared layers run only where logits are needed).
+  void embed(const int32_t* tokens, int m, int full_from);
   void compute_rope(int m, const RowCtx* rows);
   void run_layers(int l0, int l1, int m, const RowCtx* rows);
   void lm_head(int m, float* out);
   // Quantises x[m][k] once per distinct Hadamard setting and runs every weight of the group on it.
-  void gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<std::pair<const DualLinear*, float*>> ws,
-                  int phase);
+  struct GemmOut {
+    const DualLinear* w;
+    float* y;
+    int ldy = 0;  // 0: the weight's row count
+  };
+  void gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase);
   template <class F>
   void for_rows(int m, int64_t work_per_row, F&& f);
 
@@ -148,6 +154,7 @@ class Model {
   // Weights.
   GatherTable embed_, ple_table_;
   DualLinear lm_head_, ple_model_proj_;
+  DualLinear ple_proj_head_;  // the first first_shared_layer * P rows of ple_model_proj_ (codes == nullptr: none)
   const float* ple_proj_norm_ = nullptr;
   const float* final_norm_ = nullptr;
   const float* inv_freq_[2] = {nullptr, nullptr};  // [0] full, [1] sliding
