@@ -1,0 +1,1 @@
+"""The three splitgemma processes (installed as splitgemma.services): gateway, prefill worker, decode worker."""

@@ -1,0 +1,1 @@
+"""splitgemma decode process."""

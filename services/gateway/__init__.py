@@ -1,0 +1,1 @@
+"""splitgemma gateway process."""
