@@ -1,0 +1,44 @@
+"""Finding and loading the model's tokenizer.
+
+The `.fgm` file carries no tokenizer (fastgemma ships `tokenizer.json` beside it), so the services look for one
+next to the model file unless a path is given: `<model>.tokenizer.json`, then `tokenizer.json` in the model's
+folder. Loading uses the Hugging Face `tokenizers` library (the file format is theirs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class TokenizerNotFound(FileNotFoundError):
+    pass
+
+
+def find_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -> Path:
+    """The tokenizer.json to use for `model_path`; raises TokenizerNotFound naming every place looked at."""
+    if explicit is not None:
+        p = Path(explicit)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise TokenizerNotFound(f"tokenizer file {p} does not exist")
+        return p
+    model = Path(model_path)
+    candidates = [model.with_suffix(".tokenizer.json"), model.parent / "tokenizer.json"]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise TokenizerNotFound(
+        "no tokenizer found for " + str(model) + " (looked for " + ", ".join(str(c) for c in candidates)
+        + "); pass --tokenizer PATH"
+    )
+
+
+def load_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -> Tokenizer:
+    path = find_tokenizer(model_path, explicit)
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises plain Exception subclasses for malformed files
+        raise ValueError(f"cannot load tokenizer {path}: {e}") from e
