@@ -22,8 +22,9 @@ bool cpu_has_avx2_fma_f16c() {
 
 namespace {
 
-// Below this many elements per call an element-wise pass runs on the calling thread: waking the pool costs more.
-constexpr int64_t kParallelMinElems = 1 << 16;
+// Below this many elements (~100 us of work) an element-wise pass runs on the calling thread: a pool dispatch costs
+// a worker wake-up, which on a loaded machine is a scheduler latency. Decode-sized passes therefore stay inline.
+constexpr int64_t kParallelMinElems = 1 << 18;
 
 std::string env_or(const char* name, const char* dflt) {
   const char* v = std::getenv(name);
