@@ -124,8 +124,6 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
     if (ls.head_dim % 8)
       throw FgmError(file_->path() + ": head dim " + std::to_string(ls.head_dim) +
                      " is not a multiple of 8 (the attention kernel reads 8 dims at a time)");
-  if (c.hidden_size > (1 << 20) || c.vocab_size > (1 << 30))
-    throw FgmError(file_->path() + ": model dimensions out of the engine's range");
 
   chunk_ = std::min(opt.chunk, opt.max_context);
   max_rows_ = std::max(chunk_, opt.max_batch);
@@ -496,7 +494,7 @@ void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int 
   for (int c0 = 0; c0 < T; c0 += chunk_) {
     const int m = std::min(chunk_, T - c0);
     for (int r = 0; r < m; ++r) rows[r] = RowCtx{base, pos0 + c0 + r};
-    // Without all_logits only the prompt's last row goes through the shared layers.
+    // The shared layers' per-layer inputs only for the row(s) that go through those layers (below).
     embed(tokens + c0, m, all_logits ? 0 : (c0 + m < T ? m : m - 1));
     compute_rope(m, rows);
     if (all_logits) {
