@@ -403,6 +403,34 @@ def test_prefix_reuse_through_copy_slot():
         arena(model(chunk=8)).copy_slot(0, cache, 1)
 
 
+def test_open_arena_anonymous():
+    m = model()
+    a = open_arena(m, 3)
+    assert a.n_slots == 3 and a.slot_bytes == m.kv_slot_bytes
+    m.prefill(a, 2, rand_prompt(10, seed=14))
+    assert a.n_tokens(2) == 10 and a.n_tokens(0) == 0
+    with pytest.raises(ValueError, match="n_slots"):
+        open_arena(m, 0)
+
+
+def test_profile_phases(monkeypatch):
+    monkeypatch.setenv("FGM_PROFILE", "1")
+    m = model()
+    assert m.profiling
+    m.prefill(arena(m), 0, rand_prompt(20, seed=15))
+    prof = m.profile()
+    assert set(prof) == {"embed", "ple", "norms", "act_quant", "qkv_gemm", "qk_rope_kv", "attention", "o_gemm",
+                         "ffn_gemm", "ffn_act", "ple_inject", "lm_head"}
+    # Layers 0..3 on 20 rows, layers 4..5 on the last row: six attention passes.
+    assert prof["attention"][1] == 6 and all(sec > 0 and calls > 0 for sec, calls in prof.values())
+    m.reset_profile()
+    assert all(v == (0.0, 0) for v in m.profile().values())
+    monkeypatch.setenv("FGM_PROFILE", "0")
+    quiet = model()
+    quiet.prefill(arena(quiet), 0, rand_prompt(20, seed=15))
+    assert not quiet.profiling and all(v == (0.0, 0) for v in quiet.profile().values())
+
+
 def test_kv_layout_is_defined_by_config_and_geometry():
     m = model(chunk=8, max_context=100)
     lay = m.kv_layout
