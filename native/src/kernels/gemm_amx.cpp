@@ -24,6 +24,9 @@
 //   on, accumulators start from a sentinel 2^30 instead of 0; a stored tile whose column 0 is
 //   below 2^29 was reset and the block is recomputed (then, after kMaxRetry losses, computed
 //   exactly without tiles). Guard: FGM_TILE_GUARD=on|off, else decided once by a probe.
+// The tile primitives below are the only inline assembly; the emulated test build
+// (-DSG_KERNEL_EMULATION, emulation/) swaps them for scalar tiles to run this file's logic on
+// CPUs without AMX.
 #include <immintrin.h>
 
 #include <atomic>
@@ -63,6 +66,9 @@ struct SentinelTile {
 };
 constexpr SentinelTile kSentinelTile{};
 
+#ifdef SG_KERNEL_EMULATION
+#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
+#else
 // Every tile 16 rows × 64 bytes (palette 1).
 void load_tile_config() {
   TileConfig cfg;
@@ -93,6 +99,8 @@ template <int C, int A, int B>
 inline void tile_dp() {
   asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
+inline void tile_release() { _tile_release(); }
+#endif
 
 template <class F, int... I>
 inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
@@ -111,15 +119,13 @@ void ensure_permission() {
 // 16 tile rows of packed int4 (32 bytes each) → a 1 KB int8 B tile (low nibbles to bytes
 // 0..31, high to 32..63, two's complement sign-extended).
 inline void unpack_q4_tile(const uint8_t* src, int8_t* dst) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i eight = _mm512_set1_epi8(8);
   for (int t = 0; t < 16; ++t) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + t * 32));
-    const __m256i lo = _mm256_and_si256(v, low4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    z = _mm512_sub_epi8(_mm512_xor_si512(z, eight), eight);
-    _mm512_store_si512(dst + t * 64, z);
+    // The 32 bytes in both halves; the upper half shifted down to its high nibbles.
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + t * 32)));
+    const __m512i z = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), low4);
+    _mm512_store_si512(dst + t * 64, _mm512_sub_epi8(_mm512_xor_si512(z, eight), eight));
   }
 }
 
@@ -295,7 +301,7 @@ bool tile_state_is_lost() {
       lost = std::memcmp(pattern, back, sizeof pattern) != 0;
     }
   }
-  _tile_release();
+  tile_release();
   stop = true;
   for (auto& t : spinners) t.join();
   return lost;
@@ -334,7 +340,7 @@ void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int n
   }
   if (mb < MB)
     for (int nb = nb0; nb < nb1; nb += 4) block_1xn(a, w, y, ldy, mb, nb, nb + 4 < nb1 ? nb + 4 : nb1, guard);
-  _tile_release();
+  tile_release();
 }
 
 uint64_t peak_loop_amx(uint64_t iters) {
@@ -354,7 +360,7 @@ uint64_t peak_loop_amx(uint64_t iters) {
   }
   alignas(64) int32_t out[256];
   tile_store<0>(out);
-  _tile_release();
+  tile_release();
   volatile int32_t sink = out[0];
   (void)sink;
   return iters * 4 * (16ull * 16 * 64) * 2;

@@ -1,0 +1,101 @@
+// The emulated test build's driver: runs the VNNI and AMX backends (their AVX-512 and tile
+// instructions replaced by the scalar stand-ins in this folder) against the real AVX2 backend
+// on random int8/int4 weights and activations of many shapes, and requires bit-identical
+// output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
+// exits non-zero on any mismatch.
+//
+//   harness <guard 0|1>     (SG_EMULATED_TILE_LOSS_EVERY=N simulates tile-state loss)
+#include <immintrin.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gemm.h"
+#include "kernels_impl.h"
+
+using namespace sg;
+
+namespace {
+
+struct Shape {
+  int n, k, group, hadamard;
+};
+
+template <class T>
+T* aligned64(std::vector<T>& v) {
+  uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return reinterpret_cast<T*>((p + 63) / 64 * 64);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int guard = argc > 1 ? std::atoi(argv[1]) : 0;
+  detail::g_amx_guard.store(guard);
+  const bool loss = std::getenv("SG_EMULATED_TILE_LOSS_EVERY") != nullptr;
+  const std::vector<Shape> shapes = {{16, 64, 64, 0},     {48, 192, 64, 0},  {80, 384, 128, 128},
+                                     {144, 768, 256, 128}, {112, 512, 128, 128}, {32, 4096, 4096, 0}};
+  const std::vector<int> rows = loss ? std::vector<int>{1, 17, 33} : std::vector<int>{1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 50};
+  std::mt19937 rng(20240607);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_real_distribution<float> uni(-0.1f, 0.1f);
+  int runs = 0, failures = 0;
+  for (const Shape& sh : shapes)
+    for (int m : rows)
+      for (int q4 = 0; q4 < 2; ++q4) {
+        std::vector<float> x(size_t(m) * sh.k);
+        for (float& v : x) v = normal(rng);
+        if (m > 2) std::fill(x.begin() + sh.k, x.begin() + 2 * sh.k, 0.f);  // an all-zero row
+        std::vector<int8_t> packed(qact_packed_bytes(m, sh.k) + 64);
+        std::vector<float> a_scale(qact_padded_rows(m));
+        std::vector<int32_t> rowsum(qact_rowsum_count(m, sh.k));
+        QAct a;
+        a.packed = aligned64(packed);
+        a.scale = a_scale.data();
+        a.rowsum = rowsum.data();
+        quantize_activations(x.data(), sh.k, m, sh.k, sh.hadamard, &a, nullptr);
+
+        std::vector<uint8_t> codes(q4 ? size_t(sh.n) * sh.k / 2 : size_t(sh.n) * sh.k);
+        for (uint8_t& c : codes) c = uint8_t(rng() & 0xFF);
+        if (!q4)
+          for (uint8_t& c : codes)
+            if (c == 0x80) c = 0x81;  // int8 codes are in [-127, 127]
+        std::vector<float> s8(sh.n);
+        std::vector<uint16_t> s4(size_t(sh.k / sh.group) * sh.n);
+        for (float& v : s8) v = uni(rng);
+        for (uint16_t& v : s4) v = _cvtss_sh(uni(rng), 0);
+        QLinear w;
+        w.dtype = q4 ? DType::Q4G : DType::Q8C;
+        w.n = sh.n;
+        w.k = sh.k;
+        w.group = q4 ? sh.group : 0;
+        w.hadamard = sh.hadamard;
+        w.codes = codes.data();
+        w.scales = q4 ? static_cast<const void*>(s4.data()) : static_cast<const void*>(s8.data());
+
+        std::vector<float> ya(size_t(m) * sh.n, -1.f), yv(ya), yx(ya);
+        const int NB = sh.n / 16;
+        for (int nb = 0; nb < NB; nb += detail::kTaskBlocks) {
+          const int nb1 = nb + detail::kTaskBlocks < NB ? nb + detail::kTaskBlocks : NB;
+          detail::gemm_avx2(a, w, ya.data(), sh.n, nb, nb1);
+          detail::gemm_vnni(a, w, yv.data(), sh.n, nb, nb1);
+          detail::gemm_amx(a, w, yx.data(), sh.n, nb, nb1);
+        }
+        ++runs;
+        const char* what = q4 ? "q4g" : "q8c";
+        if (std::memcmp(ya.data(), yv.data(), ya.size() * sizeof(float))) {
+          ++failures;
+          std::printf("MISMATCH vnni %s n=%d k=%d group=%d m=%d\n", what, sh.n, sh.k, sh.group, m);
+        }
+        if (std::memcmp(ya.data(), yx.data(), ya.size() * sizeof(float))) {
+          ++failures;
+          std::printf("MISMATCH amx %s n=%d k=%d group=%d m=%d guard=%d\n", what, sh.n, sh.k, sh.group, m, guard);
+        }
+      }
+  std::printf("runs %d failures %d recoveries %llu\n", runs, failures,
+              static_cast<unsigned long long>(detail::g_amx_recoveries.load()));
+  return failures ? 1 : 0;
+}
