@@ -10,10 +10,8 @@ the float weights of the HF checkpoint that fastgemma's converter turned into mi
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -22,22 +20,15 @@ import numpy as np
 import pytest
 
 from splitgemma import _native
+from tools.fgm_decode import HF_PREFIX, LM_HEAD, hf_name, rotate_k
+from tools.reference_forward import read_safetensors
 
 K = _native.kernels
 FIXTURE = Path(__file__).parent / "fixtures" / "fastgemma" / "mini-e2b"
 FGM_PATH = FIXTURE / "mini-e2b.fgm"
 BACKENDS = ["avx2", "vnni", "amx"]
-
-
-def backend_param(name):
-    return pytest.param(
-        name,
-        marks=pytest.mark.skipif(not K.cpu_supports(name), reason=f"this CPU cannot run the {name} backend"),
-        id=name,
-    )
-
-
-ALL_BACKENDS = [backend_param(b) for b in BACKENDS]
+# Tests that take `backend` run once per backend this CPU can run (tests/conftest.py skips the
+# others with the reason).
 
 
 # ---------------------------------------------------------------- the format, from the spec
@@ -72,17 +63,9 @@ def encode_codes(q: np.ndarray, dtype: str) -> np.ndarray:
     return (blocks[:, :32] | (blocks[:, 32:] << 4)).astype(np.uint8).ravel()
 
 
-def hadamard128() -> np.ndarray:
-    h = np.array([[1.0]])
-    while h.shape[0] < 128:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(128.0)
-
-
 def rotate(x: np.ndarray) -> np.ndarray:
     """x · Hb (blockwise over the last axis), float64."""
-    xs = x.reshape(*x.shape[:-1], -1, 128)
-    return (xs @ hadamard128()).reshape(x.shape)
+    return rotate_k(x.astype(np.float64), 128)
 
 
 # ---------------------------------------------------------------- the arithmetic contract
@@ -151,43 +134,15 @@ def fgm():
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    """The bf16 HF weights the .fgm was converted from, as float64 (safetensors read by hand)."""
-    blob = (FIXTURE / "model.safetensors").read_bytes()
-    (hlen,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + hlen])
-    base = 8 + hlen
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        assert meta["dtype"] == "BF16"
-        lo, hi = meta["data_offsets"]
-        u16 = np.frombuffer(blob[base + lo : base + hi], np.uint16)
-        out[name] = (u16.astype(np.uint32) << 16).view(np.float32).reshape(meta["shape"]).astype(np.float64)
-    return out
-
-
-HF_NAME = {
-    "q_proj": "self_attn.q_proj",
-    "k_proj": "self_attn.k_proj",
-    "v_proj": "self_attn.v_proj",
-    "o_proj": "self_attn.o_proj",
-    "gate_proj": "mlp.gate_proj",
-    "up_proj": "mlp.up_proj",
-    "down_proj": "mlp.down_proj",
-    "per_layer_input_gate": "per_layer_input_gate",
-    "per_layer_projection": "per_layer_projection",
-}
+    """The bf16 HF weights the .fgm was converted from."""
+    return read_safetensors(FIXTURE / "model.safetensors")
 
 
 def hf_weight(checkpoint, tensor: str) -> np.ndarray:
-    if tensor == "lm_head":
-        return checkpoint["model.language_model.embed_tokens.weight"]
-    if tensor == "per_layer_model_projection":
-        return checkpoint["model.language_model.per_layer_model_projection.weight"]
-    layer, rest = tensor.split(".", 1)
-    base = rest.removesuffix(".i8")
-    return checkpoint[f"model.language_model.layers.{layer[1:]}.{HF_NAME[base]}.weight"]
+    name = hf_name(tensor)
+    if name == LM_HEAD:  # tied: the converter derived lm_head from the embedding
+        name = HF_PREFIX + "embed_tokens.weight"
+    return checkpoint[name].astype(np.float64)
 
 
 def file_weight(fgm, tensor):
@@ -247,7 +202,7 @@ def test_fwht128_is_x_times_h():
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((5, 384)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
     y = K.fwht128(x)
-    ref = rotate(x.astype(np.float64))
+    ref = rotate(x)
     assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
     # an involution: applying it twice gives the input back
     assert np.abs(K.fwht128(y) - x).max() <= 4e-6 * np.abs(x).max()
@@ -290,7 +245,6 @@ def test_quantize_rows_rejects_bad_shapes():
 # ---------------------------------------------------------------- GEMM on the real file
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("tensor", REAL_TENSORS)
 def test_linear_real_file_bit_exact(fgm, backend, tensor):
     info, q, scale = file_weight(fgm, tensor)
@@ -363,7 +317,6 @@ SYNTH_SHAPES = [
 SYNTH_M = [1, 2, 7, 15, 16, 17, 33, 64, 100]
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype,n,k,group,hadamard", SYNTH_SHAPES)
 def test_linear_synthetic_bit_exact(backend, dtype, n, k, group, hadamard):
     rng = np.random.default_rng(n * 7919 + k * 31 + group)
@@ -379,7 +332,6 @@ def test_linear_synthetic_bit_exact(backend, dtype, n, k, group, hadamard):
         assert not y[m // 2].any()
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_worst_case_accumulation(backend):
     """All codes at ±127 (int8) / −8 (int4) with a long K: the largest sums the kernels can meet."""
     k, n, m = 4096, 32, 3
