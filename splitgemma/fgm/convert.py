@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from . import quant
 from .errors import ConversionError
@@ -30,6 +33,15 @@ _PREFIXES = ("model.language_model.", "model.", "language_model.model.", "langua
 
 _CHUNK_ELEMS = 1 << 22     # elements per streamed chunk (float64 after rotation: 32 MB)
 _PROBE_ELEMS = 1 << 24     # fastgemma measures quant_rel_err on its first chunk of this many elements
+
+
+def default_threads() -> int:
+    """Worker threads for conversion: SPLITGEMMA_CONVERT_THREADS, else the usable CPUs (at most 8)."""
+    env = os.environ.get("SPLITGEMMA_CONVERT_THREADS")
+    if env:
+        return max(1, int(env))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus))
 
 
 def _rows_per_chunk(k: int, block: int) -> int:
@@ -69,30 +81,58 @@ def check_sources(items, ckpt: Checkpoint, prefix: str) -> list[str]:
     return problems
 
 
+def _ordered_map(fn, args, pool: ThreadPoolExecutor | None, ahead: int):
+    """fn over args, results in order; with a pool, at most `ahead` calls in flight (bounded memory)."""
+    if pool is None:
+        for a in args:
+            yield fn(a)
+        return
+    pending: deque = deque()
+    for a in args:
+        pending.append(pool.submit(fn, a))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
 class _Converter:
-    def __init__(self, cfg: TextConfig, ckpt: Checkpoint, prefix: str, writer: FgmWriter):
+    """Fills the planned file. Chunks are converted in worker threads (numpy releases the GIL, so
+    reading, rotating, quantising and laying out proceed in parallel); this thread writes the results
+    in file order."""
+
+    def __init__(self, cfg: TextConfig, ckpt: Checkpoint, prefix: str, writer: FgmWriter, threads: int):
         self.cfg, self.ckpt, self.prefix, self.w = cfg, ckpt, prefix, writer
         self.probes = set(probe_names(cfg))
         self.rel_err: dict[str, float] = {}
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="fgm-convert") if threads > 1 else None
+        self.ahead = threads + 1
 
     def run(self, items) -> None:
-        for it in items:
-            if isinstance(it, Plain):
-                src = self.prefix + it.source
-                self.w.write(it.name, self.ckpt.rows(src).reshape(it.shape))
-            elif isinstance(it, Rope):
-                self.w.write(it.name, self.cfg.rope_inv_freq(it.layer_type))
-            elif isinstance(it, Table):
-                self.table(it)
-            else:
-                self.linear(it)
+        try:
+            for it in items:
+                if isinstance(it, Plain):
+                    src = self.prefix + it.source
+                    self.w.write(it.name, self.ckpt.rows(src).reshape(it.shape))
+                elif isinstance(it, Rope):
+                    self.w.write(it.name, self.cfg.rope_inv_freq(it.layer_type))
+                elif isinstance(it, Table):
+                    self.table(it)
+                else:
+                    self.linear(it)
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
 
     def table(self, it: Table) -> None:
         src = self.prefix + it.source
         step = max(1, _CHUNK_ELEMS // it.k)
-        for r0 in range(0, it.rows, step):
-            r1 = min(it.rows, r0 + step)
-            blob, scale = quant.encode_q4r(self.ckpt.rows(src, r0, r1))
+        spans = [(r0, min(it.rows, r0 + step)) for r0 in range(0, it.rows, step)]
+
+        def work(span):
+            return span, quant.encode_q4r(self.ckpt.rows(src, *span))
+
+        for (r0, r1), (blob, scale) in _ordered_map(work, spans, self.pool, self.ahead):
             self.w.write(it.name, blob)
             self.w.write(it.name + ".scale", scale)
             self.ckpt.release(src, r0, r1)
@@ -100,36 +140,51 @@ class _Converter:
     def linear(self, it: Linear) -> None:
         src = self.prefix + it.source
         step = _rows_per_chunk(it.k, quant.TILE_N)
+        spans = [(r0, min(it.n, r0 + step)) for r0 in range(0, it.n, step)]
+        probe = it.name in self.probes
         probe_rows = max(quant.TILE_N, _PROBE_ELEMS // it.k // quant.TILE_N * quant.TILE_N)
-        err_num = err_den = 0.0
-        scales = np.empty((it.k // it.group, it.n), dtype=np.float16) if it.dtype == "q4g" else None
-        for r0 in range(0, it.n, step):
-            r1 = min(it.n, r0 + step)
+
+        def work(span):
+            r0, r1 = span
             w = self.ckpt.rows(src, r0, r1)
             if it.hadamard:
                 w = rotate_k(w)
+            out = {"span": span}
             if it.dtype == "q4g":
                 q, s = quant.quantize_q4(w, it.group)
-                self.w.write(it.name, quant.pack_nibbles(quant.tile_order(q)))
-                scales[:, r0:r1] = s.T
+                out["blob"], out["scale"] = quant.pack_nibbles(quant.tile_order(q)), s.T.astype(np.float16)
             else:
                 q, s = quant.quantize_q8_rows(w)
-                self.w.write(it.name, quant.tile_order(q))
-                self.w.write(it.name + ".scale", s)
-            if it.name in self.probes and r0 < probe_rows:
+                out["blob"], out["scale"] = quant.tile_order(q), s
+            if probe and r0 < probe_rows:
                 # fastgemma's statistic: codes × float32 scales (before the f16 rounding).
                 m = min(r1, probe_rows) - r0
                 ref = w[:m].astype(np.float64)
-                err_num += float(np.sum((ref - quant.dequantize(q[:m], s[:m])) ** 2))
-                err_den += float(np.sum(ref ** 2))
+                out["err"] = (float(np.sum((ref - quant.dequantize(q[:m], s[:m])) ** 2)), float(np.sum(ref ** 2)))
             if it.twin:
                 q8, s8 = quant.quantize_q8_rows(w)
-                self.w.write(it.name + ".i8", quant.tile_order(q8))
-                self.w.write(it.name + ".i8.scale", s8)
+                out["twin"] = (quant.tile_order(q8), s8)
+            return out
+
+        scales = np.empty((it.k // it.group, it.n), dtype=np.float16) if it.dtype == "q4g" else None
+        err_num = err_den = 0.0
+        for out in _ordered_map(work, spans, self.pool, self.ahead):
+            r0, r1 = out["span"]
+            self.w.write(it.name, out["blob"])
+            if scales is None:
+                self.w.write(it.name + ".scale", out["scale"])
+            else:
+                scales[:, r0:r1] = out["scale"]   # [K/G, N] is transposed: complete it, then write
+            if "err" in out:
+                err_num += out["err"][0]
+                err_den += out["err"][1]
+            if it.twin:
+                self.w.write(it.name + ".i8", out["twin"][0])
+                self.w.write(it.name + ".i8.scale", out["twin"][1])
             self.ckpt.release(src, r0, r1)
         if scales is not None:
             self.w.write(it.name + ".scale", scales)
-        if it.name in self.probes:
+        if probe:
             self.rel_err[it.name] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
 
 
@@ -163,9 +218,13 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
             writer.plan(entries, header_config)
             bar = byte_progress(writer.payload_bytes, f"convert {out.name}", progress)
             writer.on_write = bar.update
+            threads = default_threads()
             try:
-                conv = _Converter(cfg, ckpt, prefix, writer)
-                conv.run(items)
+                # Parallelism comes from our chunk workers; BLAS threads on top (the rotation is a
+                # matrix product) would only oversubscribe the cores and spin.
+                with threadpool_limits(limits=1, user_api="blas"):
+                    conv = _Converter(cfg, ckpt, prefix, writer, threads)
+                    conv.run(items)
                 seconds = time.perf_counter() - t0
                 writer.finish(header_config, {"convert_s": round(seconds, 1), "quant_rel_err": conv.rel_err})
             finally:

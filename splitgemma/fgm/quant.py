@@ -12,9 +12,6 @@ the int4 search multiplies the base scale by Python floats so that float32 input
 """
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 Q4_TABLE_GROUP = 64   # q4r tables: one scale per 64 columns, whatever --group says
@@ -26,23 +23,6 @@ _Q4_MULTIPLIERS = tuple(float(m) for m in np.linspace(0.82, 1.0, 10))
 
 # The int4 search makes ~60 passes over its input: keep each working block near the L2 size.
 _Q4_BLOCK_BYTES = 512 * 1024
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def _threads() -> int:
-    env = os.environ.get("SPLITGEMMA_CONVERT_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-
-
-def _executor() -> ThreadPoolExecutor:
-    # numpy releases the GIL inside its loops, so threads over disjoint row blocks scale.
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_threads(), thread_name_prefix="fgm-quant")
-    return _pool
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,19 +83,10 @@ def quantize_q4(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"int4 group {group} does not divide K = {k}")
     g = np.ascontiguousarray(w).reshape(-1, group)
     step = max(1, _Q4_BLOCK_BYTES // (group * g.itemsize))
-    spans = [(i, min(i + step, g.shape[0])) for i in range(0, g.shape[0], step)]
     codes = np.empty(g.shape, dtype=np.int8)
     scale = np.empty(g.shape[0], dtype=np.float32)
-
-    def run(span):
-        a, b = span
-        codes[a:b], scale[a:b] = _q4_search(g[a:b])
-
-    if len(spans) == 1:
-        run(spans[0])
-    else:
-        for _ in _executor().map(run, spans):
-            pass
+    for a in range(0, g.shape[0], step):
+        codes[a:a + step], scale[a:a + step] = _q4_search(g[a:a + step])
     return codes.reshape(rows, k), scale.reshape(rows, k // group)
 
 
