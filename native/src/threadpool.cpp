@@ -16,11 +16,19 @@ ThreadPool::~ThreadPool() {
   for (auto& t : threads_) t.join();
 }
 
-void ThreadPool::drain(int worker) {
+void ThreadPool::drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int worker) {
+  uint64_t w = claim_.load(std::memory_order_acquire);
   for (;;) {
-    int t = next_.fetch_add(1, std::memory_order_relaxed);
-    if (t >= n_tasks_) break;
-    fn_(ctx_, t, worker);
+    if (uint32_t(w >> 32) != gen) return;  // a newer job: not ours to touch
+    const int task = int(uint32_t(w));
+    if (task >= n_tasks) return;
+    if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    fn(ctx, task, worker);
+    if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_tasks) {
+      std::lock_guard<std::mutex> lk(mu_);  // pairs with the caller's wait
+      cv_done_.notify_one();
+    }
+    w = claim_.load(std::memory_order_acquire);
   }
 }
 
@@ -30,36 +38,41 @@ void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
     for (int t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
     return;
   }
+  uint32_t gen;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    gen = ++generation_;
     fn_ = fn;
     ctx_ = ctx;
     n_tasks_ = n_tasks;
-    next_.store(0, std::memory_order_relaxed);
-    active_ = n_threads_ - 1;
-    ++generation_;
+    done_.store(0, std::memory_order_relaxed);
+    claim_.store(uint64_t(gen) << 32, std::memory_order_release);
   }
   cv_start_.notify_all();
-  drain(0);
+  drain(gen, fn, ctx, n_tasks, 0);
+  if (done_.load(std::memory_order_acquire) == n_tasks) return;
   std::unique_lock<std::mutex> lk(mu_);
-  cv_done_.wait(lk, [&] { return active_ == 0; });
+  cv_done_.wait(lk, [&] { return done_.load(std::memory_order_acquire) == n_tasks; });
 }
 
 void ThreadPool::worker_loop(int worker, std::function<void()> init) {
   if (init) init();
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   for (;;) {
+    uint32_t gen;
+    TaskFn fn;
+    void* ctx;
+    int n;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_start_.wait(lk, [&] { return generation_ != seen; });
-      seen = generation_;
+      cv_start_.wait(lk, [&] { return generation_ != seen || stop_; });
       if (stop_) return;
+      seen = gen = generation_;
+      fn = fn_;
+      ctx = ctx_;
+      n = n_tasks_;
     }
-    drain(worker);
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      if (--active_ == 0) cv_done_.notify_one();
-    }
+    drain(gen, fn, ctx, n, worker);
   }
 }
 

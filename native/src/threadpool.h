@@ -1,9 +1,12 @@
 // A persistent worker pool for the hot path: no thread creation, no allocation per call.
 //
 // run(n_tasks, fn) executes fn(task, worker) for task in [0, n_tasks) on the pool's workers
-// (the calling thread is worker 0) and returns when all are done. Tasks are handed out by an
-// atomic counter, so a caller that wants a deterministic result must make each task write a
-// disjoint part of the output (the GEMMs split N; nothing reduces across threads).
+// (the calling thread is worker 0) and returns as soon as every task is done — it never waits for
+// a worker that has not woken up yet (on a loaded machine that would tie every GEMM to the
+// scheduler). Tasks are claimed from one atomic word holding (job generation, next task), so a
+// worker that wakes late for a finished job can never run a task of the next one. A caller that
+// wants a deterministic result must make each task write a disjoint part of the output (the
+// GEMMs split N; nothing reduces across threads).
 // Worker threads call the per-thread initialiser once at start (AMX tile permission is
 // per thread).
 #pragma once
@@ -42,21 +45,22 @@ class ThreadPool {
 
  private:
   void worker_loop(int worker, std::function<void()> init);
-  void drain(int worker);
+  // Claims and runs tasks of job `gen` until none is left (or another job has started).
+  void drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int worker);
 
   int n_threads_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_start_;
   std::condition_variable cv_done_;
-  uint64_t generation_ = 0;
   bool stop_ = false;
-  int active_ = 0;
-  // Current job.
+  // Current job, published under mu_. claim_ = (generation << 32) | next task index.
+  uint32_t generation_ = 0;
   TaskFn fn_ = nullptr;
   void* ctx_ = nullptr;
   int n_tasks_ = 0;
-  std::atomic<int> next_{0};
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int> done_{0};
 };
 
 }  // namespace sg
