@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="e2b", help="preset for --make (default: e2b)")
     ap.add_argument("--weights", default="dual")
     ap.add_argument("--group", default="256")
-    ap.add_argument("--threads", type=int, help="SPLITGEMMA_CONVERT_THREADS for the converter")
+    ap.add_argument("--threads", type=int, help="the converter's --threads (default: its own default)")
     ap.add_argument("--delete-checkpoint", action="store_true", help="remove SRC afterwards")
     ap.add_argument("--keep-output", action="store_true", help="keep OUT (default: delete it)")
     args = ap.parse_args(argv)
@@ -56,10 +56,8 @@ def main(argv=None) -> int:
         if made["exit"]:
             return made["exit"]
         print(f"checkpoint made in {made['wall_s']:.0f} s", file=sys.stderr)
-    if args.threads:
-        os.environ["SPLITGEMMA_CONVERT_THREADS"] = str(args.threads)
     cmd = [sys.executable, "-m", "splitgemma", "convert", str(args.src), str(args.out), "--weights", args.weights,
-           "--group", args.group, "--no-progress"]
+           "--group", args.group, "--no-progress"] + (["--threads", str(args.threads)] if args.threads else [])
     r = run_measured(cmd)
     result = {"checkpoint_bytes": dir_bytes(args.src), "fgm_bytes": args.out.stat().st_size if r["exit"] == 0 else 0,
               "weights": args.weights, "group": int(args.group), "cpus": len(os.sched_getaffinity(0)),

@@ -47,6 +47,10 @@ def test_usage_errors_exit_2(capsys):
     status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--group", "100")
     assert status == 2
     assert "splitgemma: error: argument --group: invalid group 100: must be a positive multiple of 64" in err
+    status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--threads", "0")
+    assert status == 2 and "splitgemma: error: argument --threads: invalid value 0: must be at least 1" in err
+    status, _, err = run_cli(capsys, "random-model", "--preset", "e3b", "x.fgm")
+    assert status == 2 and "argument --preset: invalid choice: 'e3b'" in err
     status, _, err = run_cli(capsys, "frobnicate")
     assert status == 2 and "splitgemma: error: argument COMMAND: invalid choice: 'frobnicate'" in err
     status, _, err = run_cli(capsys)
@@ -55,7 +59,7 @@ def test_usage_errors_exit_2(capsys):
 
 def test_convert_and_inspect(capsys, tmp_path):
     out = tmp_path / "m.fgm"
-    status, stdout, err = run_cli(capsys, "convert", str(MINI), str(out), "--no-progress")
+    status, stdout, err = run_cli(capsys, "convert", str(MINI), str(out), "--no-progress", "--threads", "2")
     assert status == 0, err
     assert stdout.startswith(f"wrote {out}: 9,437,248 bytes, 194 tensors")
     assert err == ""

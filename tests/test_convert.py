@@ -143,6 +143,19 @@ def test_blobs_match_fastgemma(ours, name):
     assert body(ours[name]) == body(theirs_path)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_small_chunks_and_threads_do_not_change_the_file(ours, tmp_path, monkeypatch, threads):
+    """Many chunks per tensor (written in order by the main thread from several workers), and the
+    quant_rel_err probe accumulated over chunks: still fastgemma's file."""
+    from splitgemma.fgm import convert as convert_module
+
+    monkeypatch.setattr(convert_module, "_CHUNK_ELEMS", 4096)
+    out = tmp_path / "c.fgm"
+    convert_checkpoint(FIXTURES / "mini-e2b", out, progress=False, threads=threads)
+    assert body(out) == body(ours["mini-e2b"])
+    assert fgm_header(out)["meta"]["quant_rel_err"] == fgm_header(ours["mini-e2b"])["meta"]["quant_rel_err"]
+
+
 def test_whole_file_identical_except_conversion_time(ours):
     # Reproducibility as fastgemma states it: only meta.convert_s may differ.
     for name in ORACLES:

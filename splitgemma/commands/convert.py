@@ -18,6 +18,16 @@ def group_size(text: str) -> int:
     return g
 
 
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 1")
+    return v
+
+
 def add_weight_options(p: argparse.ArgumentParser) -> None:
     """--weights / --group, shared by the commands that write .fgm files."""
     from splitgemma.fgm.inventory import DEFAULT_GROUP, WEIGHT_MODES
@@ -41,6 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("src", metavar="SRC", help="checkpoint directory (with config.json)")
     p.add_argument("out", metavar="OUT.fgm", help="output file (replaced if it exists)")
     add_weight_options(p)
+    p.add_argument("--threads", type=positive_int, metavar="N",
+                   help="worker threads (default: the usable CPUs, at most 8); the output is the same")
     p.set_defaults(func=run)
 
 
@@ -48,6 +60,6 @@ def run(args) -> int:
     from splitgemma.fgm.convert import convert_checkpoint
 
     r = convert_checkpoint(args.src, args.out, weights=args.weights, group=args.group,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, threads=args.threads)
     print(f"wrote {r['path']}: {r['bytes']:,} bytes, {r['tensors']} tensors, {r['seconds']:.1f} s")
     return 0

@@ -24,7 +24,7 @@ from .hf_config import TextConfig, load_text_config
 from .inventory import (DEFAULT_GROUP, Linear, Plain, Rope, Table, build_inventory, check_options,
                         entries_of, layout_problems, probe_names, quant_bits)
 from .progress import byte_progress
-from .safetensors import Checkpoint
+from .safetensors import READABLE_DTYPES, Checkpoint
 from .writer import FgmWriter
 
 # Where the text decoder lives in the checkpoint: multimodal Gemma4ForConditionalGeneration
@@ -36,16 +36,14 @@ _PROBE_ELEMS = 1 << 24     # fastgemma measures quant_rel_err on its first chunk
 
 
 def default_threads() -> int:
-    """Worker threads for conversion: SPLITGEMMA_CONVERT_THREADS, else the usable CPUs (at most 8)."""
-    env = os.environ.get("SPLITGEMMA_CONVERT_THREADS")
-    if env:
-        return max(1, int(env))
+    """Worker threads when none are asked for: the usable CPUs, at most 8."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(8, cpus))
 
 
-def _rows_per_chunk(k: int, block: int) -> int:
-    return max(block, _CHUNK_ELEMS // k // block * block)
+def _rows_per_chunk(k: int, elems: int) -> int:
+    """Rows of a linear per chunk: whole 16-row tile blocks, about `elems` elements."""
+    return max(quant.TILE_N, elems // k // quant.TILE_N * quant.TILE_N)
 
 
 def _find_prefix(ckpt: Checkpoint) -> str:
@@ -76,8 +74,8 @@ def check_sources(items, ckpt: Checkpoint, prefix: str) -> list[str]:
                                      == tuple(d for d in want if d != 1))
         if not same:
             problems.append(f"misshapen: {name} is {list(ref.shape)}, expected {list(want)}")
-        if ref.dtype not in ("BF16", "F16", "F32"):
-            problems.append(f"unsupported dtype: {name} is {ref.dtype} (BF16, F16 or F32 needed)")
+        if ref.dtype not in READABLE_DTYPES:
+            problems.append(f"unsupported dtype: {name} is {ref.dtype} ({', '.join(READABLE_DTYPES)} needed)")
     return problems
 
 
@@ -139,10 +137,10 @@ class _Converter:
 
     def linear(self, it: Linear) -> None:
         src = self.prefix + it.source
-        step = _rows_per_chunk(it.k, quant.TILE_N)
+        step = _rows_per_chunk(it.k, _CHUNK_ELEMS)
         spans = [(r0, min(it.n, r0 + step)) for r0 in range(0, it.n, step)]
         probe = it.name in self.probes
-        probe_rows = max(quant.TILE_N, _PROBE_ELEMS // it.k // quant.TILE_N * quant.TILE_N)
+        probe_rows = _rows_per_chunk(it.k, _PROBE_ELEMS)
 
         def work(span):
             r0, r1 = span
@@ -189,17 +187,20 @@ class _Converter:
 
 
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: str = "dual",
-                       group: int = DEFAULT_GROUP, progress: bool = True) -> dict:
+                       group: int = DEFAULT_GROUP, progress: bool = True, threads: int | None = None) -> dict:
     """Convert the Hugging Face checkpoint directory ``src`` into the .fgm file ``out``.
 
     weights: "dual" (FFN int4 + int8 twins, fastgemma's ``--weights both``), "int4" (no twins) or
     "int8" (FFN stored int8). group: the int4 scale group along K of the FFN and LM head.
+    threads: worker threads (default: the usable CPUs, at most 8); the output does not depend on it.
     All problems with the input (config, missing or misshapen tensors, a group that does not
     divide some K) are found before anything is written and raised as one ConversionError; a
     failure never leaves a file at ``out``. Returns a summary dict (path, bytes, tensors, seconds).
     """
     t0 = time.perf_counter()
     check_options(weights, group)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConversionError(f"threads must be a positive integer, got {threads!r}")
     cfg = load_text_config(src)
     items = build_inventory(cfg, weights, group)
     problems = layout_problems(items)
@@ -218,7 +219,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
             writer.plan(entries, header_config)
             bar = byte_progress(writer.payload_bytes, f"convert {out.name}", progress)
             writer.on_write = bar.update
-            threads = default_threads()
+            threads = threads or default_threads()
             try:
                 # Parallelism comes from our chunk workers; BLAS threads on top (the rotation is a
                 # matrix product) would only oversubscribe the cores and spin.

@@ -26,7 +26,7 @@ import numpy as np
 from .errors import ConversionError
 
 # readable safetensors dtypes → bytes per element (all are widened to float32 on read)
-_DTYPES = {
+READABLE_DTYPES = {
     "BF16": 2,
     "F16": 2,
     "F32": 4,
@@ -156,7 +156,7 @@ class Checkpoint:
         if any(d < 0 for d in shape) or not 0 <= a <= b or data_start + b > size:
             problems.append(f"{path.name}: '{name}' has data_offsets [{a}, {b}) outside the file")
             return None
-        itemsize = _DTYPES.get(dtype)
+        itemsize = READABLE_DTYPES.get(dtype)
         if itemsize is not None and (b - a) != itemsize * int(np.prod(shape, dtype=np.int64)):
             problems.append(f"{path.name}: '{name}' is {b - a} bytes, but {dtype} {list(shape)} needs "
                             f"{itemsize * int(np.prod(shape, dtype=np.int64))}")
@@ -178,10 +178,10 @@ class Checkpoint:
         return m
 
     def _check_readable(self, ref: TensorRef) -> int:
-        itemsize = _DTYPES.get(ref.dtype)
+        itemsize = READABLE_DTYPES.get(ref.dtype)
         if itemsize is None:
             raise ConversionError(f"{ref.name}: unsupported safetensors dtype {ref.dtype} "
-                                  f"(supported: {', '.join(_DTYPES)})")
+                                  f"(supported: {', '.join(READABLE_DTYPES)})")
         return itemsize
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -211,7 +211,7 @@ class Checkpoint:
     def release(self, name: str, start: int = 0, stop: int | None = None) -> None:
         """Drop this process's mapped pages of rows [start, stop) of a tensor (they were read)."""
         ref = self.tensors[name]
-        itemsize = _DTYPES.get(ref.dtype, 1)
+        itemsize = READABLE_DTYPES.get(ref.dtype, 1)
         shape = ref.shape if ref.shape else (1,)
         stop = shape[0] if stop is None else stop
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
