@@ -14,18 +14,10 @@ import pytest
 from conftest import ALL_CHECKPOINTS, FASTGEMMA, FASTGEMMA_GROUP, OURS, fastgemma_fgm
 
 from tools.fgm_decode import LM_HEAD, Q4R_GROUP, FgmReader, hf_name, rotate_k
-from tools.reference_forward import HF_PREFIX, Structure, load_hf_checkpoint
+from tools.reference_forward import HF_PREFIX, Structure, live_weights, load_hf_checkpoint
 
 CASES = [("ours", name) for name in ALL_CHECKPOINTS] + [("fastgemma", name) for name in FASTGEMMA]
 INT4_REL_ERR = 0.12  # int4 with one scale per 64..256 weights: ~0.09-0.10 on Gaussian weights
-
-
-def live_weights(cfg, weights):
-    """The checkpoint minus the dead k/v/k_norm tensors of the KV-shared layers (never read, never converted)."""
-    s = Structure(cfg)
-    dead = {f"{HF_PREFIX}layers.{i}.self_attn.{p}.weight" for i in range(s.first_shared, s.n_layers)
-            for p in ("k_proj", "v_proj", "k_norm")}
-    return {k: v for k, v in weights.items() if k not in dead}
 
 
 def role(name: str) -> str:
@@ -90,7 +82,7 @@ def test_roundtrip(source, name, converted_fgm, report):
     else:
         path, group = fastgemma_fgm(name), FASTGEMMA_GROUP
     reader = FgmReader(path)
-    live = live_weights(cfg, weights)
+    live = live_weights(weights, cfg)
 
     # Inventory: every live tensor once (the embedding twice: gather table + LM head), FFN int8 twins present.
     decoded = {hf_name(n) for n in reader.names} - {None}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .reference_forward import HF_PREFIX, LM_HEAD, forward, load_hf_checkpoint, max_rel_err
+from .reference_forward import HF_PREFIX, LM_HEAD, forward, live_weights, load_hf_checkpoint, max_rel_err
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES_DIR = REPO / "tests" / "fixtures"
@@ -193,7 +193,8 @@ def random_checkpoint(spec: Spec, tc: dict) -> dict[str, np.ndarray]:
     first_shared = len(spec.layer_types) - spec.n_shared
     for i in range(first_shared, len(spec.layer_types)):
         hd = spec.global_head_dim if spec.layer_types[i] == F else spec.head_dim
-        shapes += [(f"model.layers.{i}.self_attn.{p}.weight", (spec.kv_heads * hd, spec.hidden)) for p in ("k_proj", "v_proj")]
+        for p in ("k_proj", "v_proj"):
+            shapes.append((f"model.layers.{i}.self_attn.{p}.weight", (spec.kv_heads * hd, spec.hidden)))
         shapes.append((f"model.layers.{i}.self_attn.k_norm.weight", (hd,)))
     out = {}
     for name, shape in shapes:
@@ -219,14 +220,6 @@ def save_checkpoint(out_dir: Path, spec: Spec, weights: dict[str, np.ndarray]) -
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in sorted(weights.items())}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-
-
-def live_weights(weights: dict[str, np.ndarray], tc: dict) -> dict[str, np.ndarray]:
-    """The checkpoint minus the dead k/v/k_norm tensors of the KV-shared layers (what transformers loads)."""
-    first_shared = tc["num_hidden_layers"] - tc["num_kv_shared_layers"]
-    dead = {f"{HF_PREFIX}layers.{i}.self_attn.{p}.weight" for i in range(first_shared, tc["num_hidden_layers"])
-            for p in ("k_proj", "v_proj", "k_norm")}
-    return {k: v for k, v in weights.items() if k not in dead}
 
 
 def run_logits(model, ids) -> np.ndarray:
@@ -319,7 +312,8 @@ def decoded_fgm(ckpt: Path, group: int, project_python: str, work: Path):
     cmd = [project_python, "-m", "tests.tools.make_fixtures", "--fgm-stage", str(ckpt), str(fgm), str(group), str(npz)]
     subprocess.run(cmd, cwd=REPO, check=True)
     data = np.load(npz)
-    weights = {ffn: {k.split(":", 1)[1]: data[k] for k in data.files if k.startswith(ffn + ":")} for ffn in ("int4", "int8")}
+    weights = {ffn: {k.split(":", 1)[1]: data[k] for k in data.files if k.startswith(ffn + ":")}
+               for ffn in ("int4", "int8")}
     return str(data["sha256"]), fgm.stat().st_size, weights
 
 
@@ -420,15 +414,18 @@ def write_readme(out: Path, name: str, spec: Spec, tc: dict, versions: str, sha:
         "dtype, shape, hadamard, group, bytes; not offsets or header meta): tests re-convert and compare, and a "
         "mismatch means the fgm_* arrays are stale",
     ))
-    text = f"""{name}: small random Gemma 4 text decoder + transformers reference logits (made by tests/tools/make_fixtures.py)
+    text = f"""{name}: small random Gemma 4 text decoder + transformers reference logits
+(made by tests/tools/make_fixtures.py)
 
 WHY: {spec.why}.
 
 MODEL
   vocab {spec.vocab} (PLE vocab {spec.vocab}), hidden {spec.hidden}, {len(types)} layers [{','.join(types)}],
-  {spec.heads} query heads, {spec.kv_heads} KV head(s), head_dim {spec.head_dim} (sliding) / global_head_dim {spec.global_head_dim} (full),
+  {spec.heads} query heads, {spec.kv_heads} KV head(s),
+  head_dim {spec.head_dim} (sliding) / global_head_dim {spec.global_head_dim} (full),
   intermediate {spec.intermediate}, use_double_wide_mlp {spec.double_wide} (per-layer MLP widths {widths}),
-  num_kv_shared_layers {spec.n_shared} (first shared layer {first_shared}; KV producers: sliding {producers.get(S)}, full {producers.get(F)}),
+  num_kv_shared_layers {spec.n_shared} (first shared layer {first_shared};
+  KV producers: sliding {producers.get(S)}, full {producers.get(F)}),
   hidden_size_per_layer_input {spec.ple_dim}, sliding_window {spec.window}, RoPE theta 1e4 (sliding, default) /
   1e6 proportional with partial_rotary_factor 0.25 (full), final_logit_softcapping 30.0, tied embeddings,
   attention scaling 1.0 (Gemma 4), q_norm/k_norm weights scaled by {spec.qk_scale}.

@@ -90,7 +90,8 @@ class Structure:
 
     def __init__(self, config: dict):
         cfg = text_config(config)
-        for key, bad in (("enable_moe_block", True), ("attention_k_eq_v", True), ("use_bidirectional_attention", "all")):
+        unsupported = (("enable_moe_block", True), ("attention_k_eq_v", True), ("use_bidirectional_attention", "all"))
+        for key, bad in unsupported:
             if cfg.get(key) == bad:
                 raise ValueError(f"unsupported Gemma 4 feature: {key}={bad!r}")
         if cfg.get("attention_bias"):
@@ -158,6 +159,15 @@ class Structure:
         freq = np.zeros(head_dim // 2)
         freq[:n_rot] = theta ** (-np.arange(0, 2 * n_rot, 2, dtype=np.float64) / head_dim)
         return freq / params.get("factor", 1.0)
+
+
+def live_weights(weights: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """The weights minus the dead k_proj/v_proj/k_norm of the KV-shared layers: the released checkpoint ships them,
+    but nothing reads them (transformers ignores them, a converter drops them)."""
+    s = Structure(config)
+    dead = {f"{HF_PREFIX}layers.{i}.self_attn.{p}.weight" for i in range(s.first_shared, s.n_layers)
+            for p in ("k_proj", "v_proj", "k_norm")}
+    return {k: v for k, v in weights.items() if k not in dead}
 
 
 # ---------------------------------------------------------------------------------------------------------------
