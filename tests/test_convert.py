@@ -338,6 +338,32 @@ def test_failure_mid_conversion_leaves_no_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["i.fgm"], "no partial file left behind"
 
 
+def test_writer_magic_only_at_the_end(tmp_path):
+    from splitgemma.fgm.writer import FgmWriter, TensorEntry
+
+    out = tmp_path / "w.fgm"
+    entries = [TensorEntry("a", "f32", (3,)), TensorEntry("b", "f16", (40,))]
+    with FgmWriter(out) as w:
+        w.plan(entries)
+        w.write("a", np.arange(3, dtype=np.float32))
+        w.write("b", np.zeros(20, np.float16))
+        (tmp,) = [p for p in tmp_path.iterdir()]
+        assert tmp.name.endswith(".partial") and tmp.read_bytes()[:12] == bytes(12), "no magic, no header yet"
+        with pytest.raises(RuntimeError, match="b: 40 of 80 bytes"):
+            w.finish({}, {})
+        with pytest.raises(ValueError, match="overflows"):
+            w.write("b", np.zeros(30, np.float16))
+        w.write("b", np.ones(20, np.float16))
+        w.finish({"x": 1}, {})
+    data = out.read_bytes()
+    assert data[:8] == MAGIC and len(data) == entries[1].offset + 80 and entries[1].offset % 64 == 0
+    assert entries[0].offset == BODY_START == 2_097_216
+    assert fgm_header(out)["tensors"]["b"] == {"dtype": "f16", "shape": [40], "offset": entries[1].offset,
+                                                "nbytes": 80, "meta": {}}
+    assert oct(out.stat().st_mode & 0o777) != oct(0o600)
+    assert [p.name for p in tmp_path.iterdir()] == ["w.fgm"]
+
+
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_weight_mode_inventories(ours, tmp_path, weights):
     from splitgemma._native import FgmFile

@@ -42,6 +42,17 @@ def blob_nbytes(dtype: str, shape) -> int:
     return int(numel * _ITEMSIZE[dtype])
 
 
+def _umask() -> int:
+    # Read it without os.umask(), which would change it process-wide for a moment.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def align_up(x: int, a: int = ALIGN) -> int:
     return -(-x // a) * a
 
@@ -94,7 +105,6 @@ class FgmWriter:
         self._by_name: dict[str, TensorEntry] = {}
         self._written: dict[str, int] = {}
         self.size = 0
-        self.bytes_written = 0
         self._fd: int | None = None
         self._tmp: Path | None = None
         self.on_write = None  # optional callable(nbytes), e.g. a progress bar's update
@@ -137,9 +147,7 @@ class FgmWriter:
             raise ConversionError(f"{self.path}: output directory {parent} does not exist")
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".partial", dir=parent)
         self._fd, self._tmp = fd, Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would survive the rename
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would survive the rename
         # Size the file now: the header area, padding gaps and unwritten regions read as zeros.
         os.ftruncate(fd, self.size)
 
@@ -162,7 +170,6 @@ class FgmWriter:
             n = os.pwrite(self._fd, buf, off)
             buf, off = buf[n:], off + n
             self._written[name] += n
-            self.bytes_written += n
         if self.on_write is not None:
             self.on_write(total)
 
