@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -213,15 +213,16 @@ def grpc_client_interceptors(tracer_provider=None) -> list:
 # ---------------------------------------------------------------------------------------------------------------
 # gen_ai spans
 
-@contextlib.contextmanager
-def gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_tokens: int | None = None,
-                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                seed: int | None = None, choice_count: int | None = None,
-                stop_sequences: Sequence[str] | None = None, stream: bool | None = None,
-                server_address: str | None = None, server_port: int | None = None,
-                kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
-    """An inference span named "{operation} {model}" (operation: chat, text_completion, …) with the request's
-    gen_ai.request.* attributes. An exception escaping the block sets error.type and an ERROR status."""
+def start_gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_tokens: int | None = None,
+                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                      seed: int | None = None, choice_count: int | None = None,
+                      stop_sequences: Sequence[str] | None = None, stream: bool | None = None,
+                      server_address: str | None = None, server_port: int | None = None,
+                      kind: SpanKind = SpanKind.INTERNAL) -> Span:
+    """Start (not make current) an inference span named "{operation} {model}" (operation: chat,
+    text_completion, …) with the request's gen_ai.request.* attributes, as a child of the current span. For
+    spans that outlive one block, e.g. across an HTTP streaming response: make it current only around the calls
+    that must see it (trace.use_span(span, end_on_exit=False)) and end it yourself."""
     attrs: dict[str, object] = {
         "gen_ai.operation.name": operation,
         "gen_ai.provider.name": PROVIDER_NAME,
@@ -242,11 +243,19 @@ def gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_tokens:
     if choice_count is not None and choice_count != 1:
         optional["gen_ai.request.choice.count"] = choice_count
     attrs.update({k: v for k, v in optional.items() if v is not None})
-    with tracer.start_as_current_span(f"{operation} {model}", kind=kind, attributes=attrs,
-                                      record_exception=True, set_status_on_exception=False) as span:
+    return tracer.start_span(f"{operation} {model}", kind=kind, attributes=attrs)
+
+
+@contextlib.contextmanager
+def gen_ai_span(tracer: trace.Tracer, operation: str, model: str, **request: Any) -> Iterator[Span]:
+    """start_gen_ai_span as the current span for a block (same keywords). An exception escaping the block is
+    recorded and sets error.type and an ERROR status."""
+    span = start_gen_ai_span(tracer, operation, model, **request)
+    with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=False):
         try:
             yield span
         except BaseException as e:
+            span.record_exception(e)
             set_gen_ai_error(span, type(e).__qualname__, str(e))
             raise
 

@@ -1,0 +1,693 @@
+"""The gateway's HTTP application: the OpenAI endpoints over the prefill/decode workers, plus operations.
+
+  POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
+  GET  /v1/models, /v1/models/{id}
+  GET  /health   liveness: answers as long as the event loop runs (inference never runs on it)
+  GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
+  GET  /metrics  Prometheus
+
+Client disconnects (the vLLM pattern): a request's handler runs beside a task that waits for the ASGI
+http.disconnect message, and is cancelled when it arrives; a streaming response listens the same way while it
+streams. Cancelling cancels the in-flight gRPC calls, so the decode worker frees the slot.
+
+Tracing: a SERVER span per API request (continuing the client's traceparent if it sent one), and inside it an
+INTERNAL gen_ai span "chat {model}" / "text_completion {model}" that is current around every gRPC call, so the
+workers' spans join the same trace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import AsyncIterator, Callable
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
+
+from splitgemma.serving import telemetry
+from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError
+from splitgemma.v1 import serving_pb2 as pb
+
+from .metrics import GatewayMetrics
+from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
+from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
+                       parse_request)
+from .workers import WorkerPool
+
+log = logging.getLogger("splitgemma.gateway")
+
+# OpenAI's legacy completions endpoint generates 16 tokens unless told otherwise; chat runs to the context.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass
+class GatewayConfig:
+    model_name: str
+    tokenizer: Tokenizer
+    prefill: list[str]
+    decode: list[str]
+    chat_template: ChatTemplate | None = None
+    no_chat_template_reason: str = "this model has no chat template"
+    max_body_bytes: int = 4 << 20
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    probe_interval: float = 0.5
+
+
+class _RequestState:
+    """Per-request bookkeeping shared by the streaming and non-streaming paths."""
+
+    def __init__(self, app: "Gateway", operation: str, request_id: str):
+        self.app = app
+        self.operation = operation
+        self.request_id = request_id
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.output_tokens = 0
+        self.span = None
+
+    def on_event(self, event: pb.GenerateEvent) -> None:
+        now = time.perf_counter()
+        if self.t_first is None:
+            self.t_first = now
+            self.app.metrics.ttft.observe(now - self.t0)
+        elif self.t_last is not None:
+            self.app.metrics.inter_token.observe(now - self.t_last)
+        self.t_last = now
+        self.output_tokens += len(event.tokens)
+        self.app.metrics.generation_tokens.inc(len(event.tokens))
+
+    def finish(self, error_type: str | None = None, *, response_id: str | None = None,
+               finish_reasons: list[str] | None = None, input_tokens: int | None = None) -> None:
+        duration = time.perf_counter() - self.t0
+        if error_type is None:
+            self.app.metrics.e2e.observe(duration)
+        self.app.genai.record(self.operation, self.app.config.model_name, duration_s=duration,
+                              ttft_s=None if self.t_first is None else self.t_first - self.t0,
+                              output_tokens=self.output_tokens, error_type=error_type)
+        if self.span is not None:
+            telemetry.set_gen_ai_response(self.span, response_id=response_id,
+                                          response_model=self.app.config.model_name,
+                                          finish_reasons=finish_reasons, input_tokens=input_tokens,
+                                          output_tokens=self.output_tokens)
+            if error_type is not None:
+                telemetry.set_gen_ai_error(self.span, error_type)
+            self.span.end()
+            self.span = None
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        tel = telemetry.setup_telemetry("splitgemma-gateway")
+        self.tracer = tel.tracer
+        self.genai = telemetry.GenAiServerMetrics(tel.meter)
+        self.pool = WorkerPool(config.prefill, config.decode, interval=config.probe_interval,
+                               on_stats=self.metrics.take_decode_stats)
+        self.pipelines = Pipelines(self.pool, config.timeouts, self.metrics)
+        self.created = int(time.time())
+        self.vocab_size = config.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    # -- tokenization ----------------------------------------------------------------------------------------
+
+    @lru_cache(maxsize=65536)
+    def token_text(self, token_id: int) -> str:
+        return self.config.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise invalid(f"token id {bad} is out of range: the vocabulary has {self.vocab_size} tokens",
+                          param=param, code="invalid_value")
+        return ids
+
+    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [p]
+        elif not p:
+            raise invalid("prompt must not be empty", param="prompt", code="invalid_value")
+        else:
+            prompts = p
+        out = []
+        for item in prompts:
+            if isinstance(item, str):
+                ids = self.config.tokenizer.encode(item, add_special_tokens=True).ids
+            elif isinstance(item, int):  # a single list of token ids
+                out = [self._check_ids(list(prompts), "prompt")]
+                break
+            else:
+                ids = self._check_ids(list(item), "prompt")
+            out.append(ids)
+        if any(not ids for ids in out):
+            raise invalid("prompt must not be empty (it encodes to no tokens)", param="prompt",
+                          code="invalid_value")
+        return out
+
+    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict]) -> list[int]:
+        ct = self.config.chat_template
+        if ct is None:
+            raise invalid(f"the chat endpoint is not available: {self.config.no_chat_template_reason}; use "
+                          "/v1/completions or start the gateway with --chat-template", param="messages",
+                          code="chat_template_missing")
+        try:
+            ids = ct.encode(raw_messages, add_generation_prompt=req.add_generation_prompt,
+                            **(req.chat_template_kwargs or {}))
+        except ChatTemplateError as e:
+            raise invalid(str(e), param="messages") from None
+        if not ids:
+            raise invalid("the messages render to an empty prompt", param="messages", code="invalid_value")
+        return ids
+
+    # -- sampling ------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def sampling(req, index: int, logprobs: bool, top_logprobs: int) -> pb.SamplingParams:
+        # With a seed, choice j samples with seed + j so that n choices differ but stay reproducible.
+        seed = (req.seed + index) % (1 << 64) if req.seed is not None else secrets.randbits(64)
+        return pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                 top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
+                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+
+    def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
+              param: str) -> list[ChoiceSpec]:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise invalid(f"{len(prompts)} prompts × n={req.n} is more than {MAX_CHOICES} choices per request",
+                          param="n", code="invalid_value")
+        out = []
+        for p_index, ids in enumerate(prompts):
+            for j in range(req.n):
+                index = p_index * req.n + j
+                out.append(ChoiceSpec(index=index, prompt_ids=ids, max_tokens=max_tokens,
+                                      sampling=self.sampling(req, index, logprobs, top_logprobs),
+                                      stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
+                                      ignore_eos=req.ignore_eos, prompt_param=param))
+        return out
+
+    # -- the request flow ----------------------------------------------------------------------------------------
+
+    async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],
+                  render: "_Renderer") -> Response:
+        """Admit, prefill, then answer: a JSON body, or an SSE stream."""
+        cfg = self.config
+        state.span = telemetry.start_gen_ai_span(
+            self.tracer, state.operation, cfg.model_name, max_tokens=specs[0].max_tokens,
+            temperature=specs[0].sampling.temperature, top_p=specs[0].sampling.top_p,
+            top_k=specs[0].sampling.top_k or None, seed=req.seed, choice_count=len(specs),
+            stop_sequences=req.stop_list, stream=req.stream)
+        render.input_tokens = sum(len(ids) for ids in {id(s.prompt_ids): s.prompt_ids for s in specs}.values())
+        runs: list[Run] = []
+        self.metrics.waiting.inc()
+        try:
+            with trace.use_span(state.span, end_on_exit=False, record_exception=False,
+                                set_status_on_exception=False):
+                runs = await self.pipelines.admit(state.request_id, specs)
+                self.metrics.waiting.dec()
+                self.metrics.in_flight.inc()
+                await asyncio.gather(*(self.pipelines.prefill(r) for r in runs))
+        except BaseException as e:
+            if not runs:
+                self.metrics.waiting.dec()
+            else:
+                self.metrics.in_flight.dec()
+                self.pipelines.release_all(runs)
+            state.finish(_error_type(e), response_id=render.id)
+            raise
+        self.metrics.prompt_tokens.inc(render.input_tokens)
+        if req.stream:
+            close = self._stream_closer(state, runs, render)
+            return _SseResponse(self._stream(state, runs, render, close), on_close=lambda: close("cancelled"),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Request-Id": state.request_id})
+        try:
+            async for index, event in self._events(state, runs):
+                render.add(index, event)
+        except BaseException as e:
+            state.finish(_error_type(e), response_id=render.id)
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+        state.finish(response_id=render.id, finish_reasons=render.finish_reasons(),
+                     input_tokens=render.input_tokens)
+        return JSONResponse(render.body(), headers={"X-Request-Id": state.request_id})
+
+    async def _events(self, state: _RequestState, runs: list[Run]) -> AsyncIterator[tuple[int, pb.GenerateEvent]]:
+        """The events of every choice as they come (index, event); an error in one choice ends all."""
+        if len(runs) == 1:
+            async for event in self._generate(state, runs[0]):
+                yield runs[0].spec.index, event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(run: Run):
+            try:
+                async for event in self._generate(state, run):
+                    await queue.put((run.spec.index, event))
+                await queue.put((run.spec.index, done))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises
+                await queue.put((run.spec.index, e))
+
+        tasks = [asyncio.create_task(pump(r)) for r in runs]
+        try:
+            remaining = len(runs)
+            while remaining:
+                index, item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _generate(self, state: _RequestState, run: Run):
+        with trace.use_span(state.span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            events = self.pipelines.generate(run)
+            # The first read opens the call: do it with the gen_ai span current so the worker joins the trace.
+            first = await events.__anext__()
+        try:
+            state.on_event(first)
+            yield first
+            async for event in events:
+                state.on_event(event)
+                yield event
+        finally:
+            await events.aclose()
+
+    async def _stream(self, state: _RequestState, runs: list[Run], render: "_Renderer",
+                      close: Callable[[str | None], None]) -> AsyncIterator[str]:
+        error_type = "cancelled"
+        try:
+            for chunk in render.stream_start():
+                yield _sse(chunk)
+            async for index, event in self._events(state, runs):
+                for chunk in render.stream_event(index, event):
+                    yield _sse(chunk)
+            if render.include_usage:
+                yield _sse(render.usage_chunk())
+            yield "data: [DONE]\n\n"
+            error_type = None
+        except ApiError as e:
+            error_type = str(e.status)
+            log.warning("stream failed", extra={"request_id": state.request_id, "error": e.message})
+            yield _sse(e.body())          # then close without [DONE]: the stream did not complete
+        except BaseException as e:
+            error_type = _error_type(e)
+            raise
+        finally:
+            close(error_type)
+
+    def _stream_closer(self, state: _RequestState, runs: list[Run], render: "_Renderer"):
+        """The end of a streamed request, run once: from the stream's own end, or from the response when the
+        stream never started (the client left before the first byte)."""
+        closed = False
+
+        def close(error_type: str | None) -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            self.metrics.in_flight.dec()
+            self.pipelines.release_all(runs)
+            state.finish(error_type, response_id=render.id,
+                         finish_reasons=None if error_type else render.finish_reasons(),
+                         input_tokens=render.input_tokens)
+
+        return close
+
+
+def _error_type(e: BaseException) -> str:
+    if isinstance(e, ApiError):
+        return str(e.status)
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled"
+    return type(e).__qualname__
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Response shapes
+
+
+class _Renderer:
+    """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
+
+    def __init__(self, gateway: Gateway, chat: bool, n_choices: int, *, logprobs: bool, top_logprobs: int,
+                 include_usage: bool):
+        self.gw = gateway
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.include_usage = include_usage
+        self.input_tokens = 0
+        self.text = [""] * n_choices
+        self.tokens = [0] * n_choices
+        self.finish: list[str | None] = [None] * n_choices
+        self.lp: list[list] = [[] for _ in range(n_choices)]
+
+    def finish_reasons(self) -> list[str]:
+        return [f or "stop" for f in self.finish]
+
+    def _usage(self) -> dict:
+        out = sum(self.tokens)
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": out,
+                "total_tokens": self.input_tokens + out}
+
+    def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, object]:
+        text = "".join(t.text for t in event.tokens)
+        self.text[index] += text
+        self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
+        if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")
+        lp = self._logprobs(event.tokens) if self.logprobs else None
+        if lp is not None:
+            self.lp[index].extend(lp)
+        return text, lp
+
+    def _logprobs(self, tokens) -> list:
+        out = []
+        for t in tokens:
+            text = self.gw.token_text(t.token_id)
+            tops = [(self.gw.token_text(a.token_id), a.logprob) for a in t.top_logprobs[:self.top_logprobs]]
+            out.append((text, t.logprob, tops, t.text))
+        return out
+
+    def _chat_logprobs(self, entries) -> dict:
+        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
+                                              for a, alp in tops]}
+                            for text, lp, tops, _ in entries], "refusal": None}
+
+    def _text_logprobs(self, entries, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for text, lp, alternatives, emitted in entries:
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append(dict(alternatives) if self.top_logprobs else None)
+            offsets.append(offset)
+            offset += len(emitted)
+        return {"tokens": tokens, "token_logprobs": token_lps,
+                "top_logprobs": tops if self.top_logprobs else None, "text_offset": offsets}
+
+    # non-streaming
+    def body(self) -> dict:
+        choices = []
+        for i in range(len(self.text)):
+            lp = None
+            if self.logprobs:
+                lp = self._chat_logprobs(self.lp[i]) if self.chat else self._text_logprobs(self.lp[i], 0)
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
+                                "logprobs": lp, "finish_reason": self.finish[i] or "stop"})
+            else:
+                choices.append({"index": i, "text": self.text[i], "logprobs": lp,
+                                "finish_reason": self.finish[i] or "stop"})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.gw.config.model_name, "choices": choices,
+                "usage": self._usage()}
+
+    # streaming
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.gw.config.model_name, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def stream_start(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(len(self.text))]
+
+    def stream_event(self, index: int, event: pb.GenerateEvent) -> list[dict]:
+        offset = len(self.text[index])
+        text, lp = self.add(index, event)
+        finish = self.finish[index] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
+        if not text and lp is None and finish is None:
+            return []  # e.g. a token whose bytes are held back until its character is complete
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text or finish is None else {},
+                      "logprobs": self._chat_logprobs(lp) if lp is not None else None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text,
+                      "logprobs": self._text_logprobs(lp, offset) if lp is not None else None,
+                      "finish_reason": finish}
+        return [self._chunk([choice])]
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self._usage()
+        return chunk
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ASGI plumbing
+
+
+class _SseResponse(StreamingResponse):
+    """A streaming response that always watches for the client going away (whatever ASGI spec version the server
+    reports) and then cancels the stream, which cancels the gRPC calls feeding it."""
+
+    def __init__(self, content, *, on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                log.info("client went away mid-stream")
+                tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
+
+
+async def _until_disconnect(request: Request, work: Callable[[], object]):
+    """Run work() (a coroutine function) and cancel it if the client disconnects first (vLLM #11190)."""
+    task = asyncio.ensure_future(work())
+
+    async def wait_disconnect():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        log.info("client went away; request cancelled")
+        return Response(status_code=499)  # nobody is listening; for the access log and metrics only
+    return task.result()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is {int(length)} bytes; the limit is {limit}",
+                       code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
+                           code="request_too_large")
+    return bytes(body)
+
+
+_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+
+
+class _ObserveMiddleware:
+    """SERVER span and request counter per API call (health, readiness and metrics probes are not traced)."""
+
+    def __init__(self, app, gateway: Gateway):
+        self.app = app
+        self.gw = gateway
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _TRACED or path.startswith("/v1/models/") else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        if endpoint.startswith("/v1/models/"):
+            endpoint = "/v1/models/{model}"
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        ctx = propagate.extract(headers)
+        status = {"code": 500}
+
+        async def send_observed(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        method = scope["method"]
+        with self.gw.tracer.start_as_current_span(
+                f"{method} {endpoint}", context=ctx, kind=SpanKind.SERVER,
+                attributes={"http.request.method": method, "url.path": path, "http.route": endpoint,
+                            "url.scheme": scope.get("scheme", "http")},
+                record_exception=False, set_status_on_exception=False) as span:
+            try:
+                await self.app(scope, receive, send_observed)
+            finally:
+                span.set_attribute("http.response.status_code", status["code"])
+                if status["code"] >= 500:
+                    span.set_status(Status(StatusCode.ERROR))
+                self.gw.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+def _request_id(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    gw = Gateway(config)
+
+    async def lifespan(app):
+        await gw.pool.start()
+        try:
+            yield
+        finally:
+            await gw.pipelines.drain()
+            await gw.pool.close()
+            telemetry.setup_telemetry("splitgemma-gateway").shutdown()
+
+    extra = {}
+    if "telemetry" in inspect.signature(FastAPI).parameters:
+        # FastAPI >= 0.165 traces requests itself: a second SERVER span beside ours, and operation spans that end
+        # when a streaming handler returns while its gen_ai span goes on. The gateway's own spans are the ones
+        # above (same HTTP conventions, on every FastAPI version).
+        extra["telemetry"] = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+    app = FastAPI(title="splitgemma gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, **extra)
+    app.state.gateway = gw
+    app.add_middleware(_ObserveMiddleware, gateway=gw)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
+        err = ApiError(e.status_code, str(message), code="not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception):
+        log.exception("unexpected error")
+        err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
+        return JSONResponse(err.body(), status_code=500)
+
+    def check_model(name: str) -> None:
+        if name != config.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{config.model_name}'",
+                           param="model", code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        raw = await _read_body(request, config.max_body_bytes)
+        req, _ = parse_request(CompletionRequest, raw)
+        check_model(req.model)
+        rid = _request_id(request)
+
+        async def work():
+            state = _RequestState(gw, "text_completion", rid)
+            prompts = await asyncio.to_thread(gw.completion_prompts, req)
+            max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+            top = req.logprobs or 0
+            specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None, top, "prompt")
+            render = _Renderer(gw, False, len(specs), logprobs=req.logprobs is not None, top_logprobs=top,
+                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
+            return await gw.run(state, req, specs, render)
+
+        return await _until_disconnect(request, work)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        raw = await _read_body(request, config.max_body_bytes)
+        req, data = parse_request(ChatCompletionRequest, raw)
+        check_model(req.model)
+        rid = _request_id(request)
+
+        async def work():
+            state = _RequestState(gw, "chat", rid)
+            ids = await asyncio.to_thread(gw.chat_prompt, req, data["messages"])
+            top = req.top_logprobs or 0
+            specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages")
+            render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,
+                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
+            return await gw.run(state, req, specs, render)
+
+        return await _until_disconnect(request, work)
+
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": gw.created, "owned_by": "splitgemma"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        check_model(model)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        body = {"status": "ready" if gw.pool.ready else "not ready", "workers": gw.pool.describe()}
+        return JSONResponse(body, status_code=200 if gw.pool.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        for w in gw.pool.prefill + gw.pool.decode:
+            gw.metrics.worker_up.labels(kind=w.kind, worker=w.address).set(1 if w.healthy else 0)
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

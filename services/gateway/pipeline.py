@@ -1,0 +1,294 @@
+"""One generation through the workers: Decode.Reserve → Prefill.Prefill(lease) → Decode.Generate(lease) stream.
+
+A request with n choices (or several prompts) runs one pipeline per choice. Admission is all or nothing: every
+choice reserves its slot first, and if one cannot, the leases already taken are released and the request is
+answered 429/503 before any compute is spent. Every RPC has a deadline; the Generate stream has an idle deadline
+between events, so a stalled worker turns into an error instead of a hang. Whatever ends a pipeline (an error, the
+client going away, cancellation), its lease is released or its Generate call cancelled, which frees the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from splitgemma.v1 import serving_pb2 as pb
+
+from .protocol import ApiError
+from .workers import Worker, WorkerPool
+
+log = logging.getLogger("splitgemma.gateway")
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass
+class Timeouts:
+    reserve: float = 5.0
+    prefill: float = 300.0          # a whole prompt; the worker checks for cancellation between chunks
+    first_event: float = 30.0       # Generate: admission into the batch (checks the slot header) to the first event
+    idle: float = 60.0              # Generate: between two events
+    release: float = 2.0
+
+
+@dataclass
+class ChoiceSpec:
+    """What one choice asks for; max_tokens None = the rest of the context."""
+
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int | None
+    sampling: pb.SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected; the pipeline was cancelled."""
+
+
+def context_error(prompt_tokens: int, max_tokens: int | None, context: int, param: str) -> ApiError:
+    where = "messages" if param == "messages" else "prompt"
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {context} tokens. However, your {where} has "
+                   f"{prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of "
+                   f"the {where}.")
+    else:
+        message = (f"This model's maximum context length is {context} tokens. However, you requested "
+                   f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, {max_tokens} in the "
+                   f"completion). Please reduce the length of the {where} or completion.")
+    return ApiError(400, message, param=param, code="context_length_exceeded")
+
+
+def check_context(spec: ChoiceSpec, context: int) -> None:
+    """Raise 400 context_length_exceeded unless prompt + max_tokens fits in `context` (0 = not known)."""
+    if not context:
+        return
+    n = len(spec.prompt_ids)
+    if spec.max_tokens is None:
+        if n >= context:
+            raise context_error(n, None, context, spec.prompt_param)
+    elif n + spec.max_tokens > context:
+        raise context_error(n, spec.max_tokens, context, spec.prompt_param)
+
+
+_RETRY_RE = re.compile(r"retry[-_ ]after[^0-9]*([0-9]+(?:\.[0-9]+)?)", re.I)
+
+
+def _retry_after(details: str | None, default: float = 1.0) -> float:
+    m = _RETRY_RE.search(details or "")
+    return float(m.group(1)) if m else default
+
+
+@dataclass(eq=False)
+class Run:
+    """The state of one choice's pipeline."""
+
+    spec: ChoiceSpec
+    request_id: str
+    decode: Worker | None = None
+    lease: pb.Lease | None = None
+    prefill_result: pb.PrefillResponse | None = None
+    max_tokens: int = 0              # resolved (spec.max_tokens or the rest of the context)
+    finished: bool = False           # Generate ended (the slot is the decode worker's to free)
+    released: bool = False
+
+
+class Pipelines:
+    def __init__(self, pool: WorkerPool, timeouts: Timeouts, metrics):
+        self.pool = pool
+        self.timeouts = timeouts
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    # -- admission -----------------------------------------------------------------------------------------------
+
+    async def admit(self, request_id: str, specs: list[ChoiceSpec]) -> list[Run]:
+        """Reserve a slot for every choice, or none (ApiError 400/429/503)."""
+        context = self.pool.known_context()
+        for spec in specs:
+            check_context(spec, context)
+        runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
+        try:
+            for run in runs:
+                await self._reserve(run)
+        except BaseException:
+            self.release_all(runs)
+            raise
+        return runs
+
+    async def _reserve(self, run: Run) -> None:
+        spec = run.spec
+        candidates = self.pool.decode_candidates()
+        if not candidates:
+            self.metrics.rejections.labels(reason="no_decode_worker").inc()
+            raise ApiError(503, "no decode worker is available", retry_after=1.0)
+        exhausted_hint = None
+        unavailable = 0
+        for w in candidates:
+            if w.max_context:
+                check_context(spec, w.max_context)
+            # Unknown context and no max_tokens: reserve the minimum; the lease tells the context.
+            want = spec.max_tokens if spec.max_tokens is not None else \
+                (w.max_context - len(spec.prompt_ids) if w.max_context else 1)
+            try:
+                lease = await w.stub.Reserve(pb.ReserveRequest(request_id=run.request_id,
+                                                               prompt_tokens=len(spec.prompt_ids),
+                                                               max_tokens=want), timeout=self.timeouts.reserve)
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted_hint = _retry_after(e.details())
+                    continue
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ApiError(400, e.details() or "the decode worker rejected the request",
+                                   param=spec.prompt_param,
+                                   code="context_length_exceeded" if "context" in (e.details() or "") else None)
+                self.pool.mark_failed(w, e)
+                unavailable += 1
+                continue
+            w.pending_reserves += 1
+            run.decode, run.lease = w, lease
+            if lease.max_context and lease.max_context != w.max_context:
+                w.max_context = lease.max_context
+            try:
+                check_context(spec, lease.max_context)
+            except ApiError:
+                self.release(run)
+                raise
+            run.max_tokens = spec.max_tokens if spec.max_tokens is not None else \
+                lease.max_context - len(spec.prompt_ids)
+            return
+        if exhausted_hint is not None:
+            self.metrics.rejections.labels(reason="no_free_slot").inc()
+            raise ApiError(429, "all decode slots are busy; retry later", retry_after=exhausted_hint,
+                           code="no_free_slot")
+        self.metrics.rejections.labels(reason="decode_unavailable").inc()
+        raise ApiError(503, f"no decode worker answered ({unavailable} unavailable)", retry_after=1.0)
+
+    # -- prefill -------------------------------------------------------------------------------------------------
+
+    async def prefill(self, run: Run) -> None:
+        """Prefill into the leased slot; on any failure (or cancellation) the lease is released."""
+        w = self.pool.pick_prefill()
+        try:
+            if w is None:
+                self.metrics.rejections.labels(reason="no_prefill_worker").inc()
+                raise ApiError(503, "no prefill worker is available", retry_after=1.0)
+            w.in_flight += 1
+            t0 = time.perf_counter()
+            try:
+                run.prefill_result = await w.stub.Prefill(
+                    pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
+                                      lease=run.lease, sampling=run.spec.sampling),
+                    timeout=self.timeouts.prefill)
+            except grpc.aio.AioRpcError as e:
+                self.pool.mark_failed(w, e)
+                raise _prefill_error(e) from None
+            finally:
+                w.in_flight -= 1
+            self.metrics.prefill_latency.observe(time.perf_counter() - t0)
+        except BaseException:
+            self.release(run)
+            raise
+
+    # -- generate ------------------------------------------------------------------------------------------------
+
+    async def generate(self, run: Run):
+        """Yield the GenerateEvents of one choice until its finish; raises ApiError on a worker failure. Closing
+        the generator early (client gone) cancels the call, which frees the slot in the decode worker."""
+        spec, w = run.spec, run.decode
+        request = pb.GenerateRequest(
+            request_id=run.request_id, lease=run.lease, prompt_tokens=len(spec.prompt_ids),
+            first_token=run.prefill_result.first_token, sampling=spec.sampling, max_tokens=run.max_tokens,
+            stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
+            rng_state=run.prefill_result.rng_state)
+        w.in_flight += 1
+        call = w.stub.Generate(request)
+        timeout = self.timeouts.first_event
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(call.read(), timeout)
+                except asyncio.TimeoutError:
+                    raise ApiError(504, f"the decode worker {w.address} sent nothing for {timeout:.0f} s") from None
+                except grpc.aio.AioRpcError as e:
+                    self.pool.mark_failed(w, e)
+                    raise _generate_error(e, w) from None
+                if event is grpc.aio.EOF:
+                    raise ApiError(502, f"the decode worker {w.address} ended the stream without a finish reason")
+                timeout = self.timeouts.idle
+                if event.finish_reason == pb.FINISH_REASON_ERROR:
+                    raise ApiError(502, f"the decode worker failed this sequence: {event.stop_reason or 'error'}")
+                if event.finish_reason == pb.FINISH_REASON_CANCELLED:
+                    raise ApiError(503, "the decode worker cancelled this sequence", retry_after=1.0)
+                if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    run.finished = True
+                yield event
+                if run.finished:
+                    # Read the stream to its end so the call (and its client span) completes.
+                    await asyncio.wait_for(call.read(), self.timeouts.release)
+                    return
+        finally:
+            w.in_flight -= 1
+            if not run.finished:
+                # Cancelled or failed: make sure the worker drops the sequence (frees the slot).
+                call.cancel()
+
+    # -- cleanup -------------------------------------------------------------------------------------------------
+
+    def release(self, run: Run) -> None:
+        """Give the lease back in the background: it must happen even when the caller is being cancelled."""
+        if run.lease is None or run.released or run.finished:
+            return
+        run.released = True
+        task = asyncio.get_running_loop().create_task(self._release(run))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def release_all(self, runs: list[Run]) -> None:
+        for run in runs:
+            self.release(run)
+
+    async def _release(self, run: Run) -> None:
+        try:
+            await run.decode.stub.Release(pb.ReleaseRequest(request_id=run.request_id, lease=run.lease),
+                                          timeout=self.timeouts.release)
+        except grpc.aio.AioRpcError as e:
+            # The lease expires on its own; the worker may also be gone.
+            log.info("release failed", extra={"request_id": run.request_id, "error": e.code().name})
+
+    async def drain(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _prefill_error(e: grpc.aio.AioRpcError) -> ApiError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, f"the prefill worker rejected the prompt: {details}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, f"the prefill worker is unavailable: {details}", retry_after=1.0)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ApiError(429, f"the prefill worker is overloaded: {details}", retry_after=_retry_after(details))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, "the prefill did not finish in time")
+    return ApiError(502, f"prefill failed ({code.name}): {details}")
+
+
+def _generate_error(e: grpc.aio.AioRpcError, w: Worker) -> ApiError:
+    code, details = e.code(), e.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ApiError(503, f"the decode worker {w.address} is unavailable: {details}", retry_after=1.0)
+    if code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
+        return ApiError(502, f"the KV handoff was refused by the decode worker ({code.name}): {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(504, f"the decode worker's lease or deadline expired: {details}")
+    return ApiError(502, f"generation failed ({code.name}): {details}")
+

@@ -1,0 +1,256 @@
+"""The OpenAI request shapes the gateway accepts, its error envelope, and the mapping of validation failures to it.
+
+Requests are validated with pydantic in strict mode (a string where a number belongs is an error, not a
+conversion) and every failure becomes `{"error": {"message", "type", "param", "code"}}` with status 400, never
+FastAPI's 422. Fields OpenAI defines that this server does not implement are rejected with a 400 naming them when
+they ask for something (tools, response_format other than text, echo, penalties, logit_bias, best_of > n) rather
+than silently ignored; unknown fields are ignored, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_N = 16               # choices per prompt
+MAX_CHOICES = 64         # choices per request (prompts × n)
+MAX_STOP = 16            # stop strings per request
+MAX_TOP_LOGPROBS = 20    # as the workers' SamplingParams.top_logprobs
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI envelope. `code` is a string or None, as OpenAI's own."""
+
+    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 499: "invalid_request_error", 500: "server_error", 502: "server_error",
+             503: "service_unavailable_error", 504: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None, type_: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+        self.type = type_ or self.TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is None:
+            return {}
+        # Retry-After takes whole seconds; round up so a client never comes back too early.
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Requests
+
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None          # extension (vLLM, llama-server); -1 or 0 = no cut
+    seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
+    ignore_eos: bool = False                                   # extension: for benchmarks
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise _Unsupported(name, f"{name} is not supported by this server (use 0 or leave it out)")
+        if self.logit_bias:
+            raise _Unsupported("logit_bias", "logit_bias is not supported by this server")
+        if self.stream_options is not None and not self.stream:
+            raise _Unsupported("stream_options", "stream_options is only allowed when stream is true",
+                               code="invalid_value")
+        if isinstance(self.stop, list) and any(not s for s in self.stop) or self.stop == "":
+            raise _Unsupported("stop", "stop strings must not be empty", code="invalid_value")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_SamplingRequest):
+    # A string, a list of strings (a batch: one set of choices per prompt), a list of token ids, or a list of
+    # lists of token ids. Order matters for the union: strict mode keeps each shape to its own member.
+    prompt: Union[str, list[str], list[Annotated[int, Field(ge=0)]], list[list[Annotated[int, Field(ge=0)]]]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Field(ge=1)] | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_checks(self):
+        if self.echo:
+            raise _Unsupported("echo", "echo is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _Unsupported("best_of", "best_of must equal n (server-side ranking is not supported)")
+        if self.suffix:
+            raise _Unsupported("suffix", "suffix is not supported by this model")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """Validated for shape; the template receives the message exactly as the client sent it (tool_calls,
+    tool_call_id, name, reasoning_content, … pass through)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _media(cls, data: Any):
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            for part in data["content"]:
+                if isinstance(part, dict) and part.get("type") not in ("text", None):
+                    raise _Unsupported("messages", f"content parts of type {part.get('type')!r} are not "
+                                       "supported: this server takes text only")
+        return data
+
+    @model_validator(mode="after")
+    def _content_required(self):
+        if self.content is None and self.role != "assistant":
+            raise _Unsupported("messages", f"a {self.role} message needs content", code="invalid_value")
+        return self
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: ResponseFormat | None = None
+    add_generation_prompt: bool = True                         # extension (vLLM)
+    chat_template_kwargs: dict[str, Any] | None = None         # extension (vLLM), e.g. {"enable_thinking": true}
+
+    @model_validator(mode="after")
+    def _chat_checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true", code="invalid_value")
+        if self.tools:
+            raise _Unsupported("tools", "tool calling is not supported by this server yet")
+        if self.tool_choice not in (None, "none"):
+            raise _Unsupported("tool_choice", "tool calling is not supported by this server yet")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise _Unsupported("response_format", f"response_format {self.response_format.type!r} is not "
+                               "supported (only 'text')")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise _Unsupported("max_completion_tokens", "max_tokens and max_completion_tokens disagree",
+                               code="invalid_value")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class _Unsupported(ValueError):
+    """Raised inside validators: becomes a 400 naming the parameter (pydantic wraps it in ValidationError)."""
+
+    def __init__(self, param: str, message: str, code: str | None = "unsupported_parameter"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+        self.message = message
+
+
+def parse_request(model: type[BaseModel], raw: bytes) -> tuple[BaseModel, dict]:
+    """The validated request and the decoded JSON object, or ApiError(400) for malformed JSON and bad fields."""
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise invalid("the request body is not valid UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data), data
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    err = e.errors(include_url=False)[0]
+    ctx_error = (err.get("ctx") or {}).get("error")
+    if isinstance(ctx_error, _Unsupported):
+        return invalid(ctx_error.message, param=ctx_error.param, code=ctx_error.code)
+    loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+    param = _param_path(loc)
+    kind = err["type"]
+    if kind == "missing":
+        return invalid(f"missing required parameter: '{param}'", param=param, code="missing_required_parameter")
+    value = err.get("input")
+    shown = json.dumps(value)[:80] if _jsonable(value) else repr(value)[:80]
+    return invalid(f"invalid value for '{param}': {err['msg']} (got {shown})", param=param,
+                   code="invalid_type" if kind.endswith("_type") or kind.startswith("union") else "invalid_value")
+
+
+def _is_union_tag(part) -> bool:
+    # pydantic names union members in error locations ("str", "list[int]", "function-after[...]"); drop them.
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+
+
+def _param_path(loc: list[str]) -> str:
+    out = ""
+    for p in loc:
+        out += f"[{p}]" if p.isdigit() else (("." if out else "") + p)
+    return out or "body"
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,86 @@
+"""Running the gateway: build its configuration from command-line options and serve it with uvicorn.
+
+Shutdown (SIGTERM or SIGINT): uvicorn stops accepting connections, waits up to `drain_timeout` seconds for the
+requests in flight (streams included) to finish, then cancels what is left (which cancels their gRPC calls and so
+frees their decode slots), and the app closes its worker channels and flushes telemetry.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
+    special_token_strings
+from splitgemma.serving.tokenizer import load_tokenizer
+
+from .app import GatewayConfig, create_app
+from .pipeline import Timeouts
+
+log = logging.getLogger("splitgemma.gateway")
+
+
+@dataclass
+class ServeOptions:
+    host: str
+    port: int
+    drain_timeout: float = 30.0
+    log_level: str = "INFO"
+
+
+def parse_addresses(text: str, option: str) -> list[str]:
+    """HOST:PORT[,HOST:PORT…] → a list, or ValueError naming the option and the bad entry."""
+    out = []
+    for item in (p.strip() for p in text.split(",")):
+        host, sep, port = item.rpartition(":")
+        if not item or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{option}: {item!r} is not HOST:PORT")
+        out.append(item)
+    return out
+
+
+def build_config(*, model_name: str | None, model: str | None, tokenizer: str | None, chat_template: str | None,
+                 prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None) -> GatewayConfig:
+    if model is None and tokenizer is None:
+        raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
+    if model_name is None:
+        if model is None:
+            raise ValueError("give --model-name NAME (the name clients send as 'model')")
+        model_name = Path(model).stem
+    tok = load_tokenizer(model or tokenizer, tokenizer)
+    # Files beside the model (or beside the tokenizer when no model is given) hold the template.
+    beside = model or tokenizer
+    try:
+        source, where = find_chat_template(beside, chat_template)
+        template = ChatTemplate(source, tok, special_token_strings(tok, beside))
+        reason = ""
+        log.info("chat template loaded", extra={"path": str(where)})
+    except ChatTemplateNotFound as e:
+        if chat_template is not None:
+            raise
+        template, reason = None, str(e)
+        log.info("no chat template: the chat endpoint answers 400", extra={"reason": reason})
+    return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template,
+                         no_chat_template_reason=reason or "no chat template",
+                         prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
+                         max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts())
+
+
+def serve(config: GatewayConfig, options: ServeOptions) -> None:
+    import uvicorn
+
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=options.host, port=options.port, log_level=options.log_level.lower(), access_log=False,
+        timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None))
+    log.info("gateway starting", extra={"host": options.host, "port": options.port, "model": config.model_name,
+                                        "prefill": config.prefill, "decode": config.decode})
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain), then re-raises the signal to the handler it
+    # found at start. A no-op handler there makes a drained shutdown end with status 0 instead of death by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server.run()
+    if not server.started:
+        raise OSError(f"the gateway could not start on {options.host}:{options.port}")

@@ -1,0 +1,197 @@
+"""The gateway's view of its prefill and decode workers: channels, health, load, and which one to use next.
+
+A monitor task asks every worker for its grpc.health.v1 status (and every decode worker for its Stats) each
+`interval` seconds. A worker is usable while it answers SERVING; a call that fails with UNAVAILABLE marks it
+unusable at once, so a dead worker drops out of routing (and /ready) without waiting for the next probe.
+
+Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
+made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals.
+
+Geometry: when a decode worker first answers (and whenever its worker id changes, i.e. it restarted), the gateway
+learns its slot context from a lease: a one-token Reserve released at once. Requests are then checked against
+the context before any reservation; until it is known they are checked against the lease they get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitgemma.serving import telemetry
+from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pbg
+
+log = logging.getLogger("splitgemma.gateway")
+
+_CHANNEL_OPTIONS = [
+    # Find a restarted worker quickly instead of after grpc's default backoff (up to 2 minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+_SERVICE = {"prefill": "splitgemma.v1.Prefill", "decode": "splitgemma.v1.Decode"}
+
+
+@dataclass(eq=False)
+class Worker:
+    kind: str                       # "prefill" | "decode"
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    status: str = "unknown"         # the last probe's result, for /ready
+    in_flight: int = 0              # calls from this gateway
+    stats: pb.DecodeStats | None = None
+    pending_reserves: int = 0       # decode: leases taken since the last Stats
+    worker_id: str = ""
+    max_context: int = 0            # decode: slot context from a lease (0 = not known yet)
+    _geometry_task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def free_slots(self) -> int:
+        if self.stats is None:
+            return 0
+        used = self.stats.slots_leased + self.stats.slots_running + self.stats.slots_quarantined + \
+            self.pending_reserves
+        return max(0, self.stats.slots_total - used)
+
+    def describe(self) -> dict:
+        out = {"address": self.address, "healthy": self.healthy, "status": self.status,
+               "in_flight": self.in_flight}
+        if self.worker_id:
+            out["worker_id"] = self.worker_id
+        if self.kind == "decode" and self.stats is not None:
+            out.update(slots_total=self.stats.slots_total, slots_leased=self.stats.slots_leased,
+                       slots_running=self.stats.slots_running, max_context=self.max_context or None)
+        return out
+
+
+class WorkerPool:
+    def __init__(self, prefill: list[str], decode: list[str], *, interval: float = 0.5, probe_timeout: float = 1.0,
+                 on_stats=None):
+        if not prefill or not decode:
+            raise ValueError("the gateway needs at least one prefill and one decode worker address")
+        self.interval = interval
+        self.probe_timeout = probe_timeout
+        self.on_stats = on_stats          # callback(worker) after each decode Stats (metrics)
+        self._addresses = {"prefill": prefill, "decode": decode}
+        self.prefill: list[Worker] = []
+        self.decode: list[Worker] = []
+        self._rr = itertools.count()
+        self._monitor: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Open the channels (inside the serving event loop) and start the monitor."""
+        interceptors = telemetry.grpc_client_interceptors()
+        for kind, addresses in self._addresses.items():
+            for address in addresses:
+                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=interceptors)
+                stub = pbg.PrefillStub(channel) if kind == "prefill" else pbg.DecodeStub(channel)
+                getattr(self, kind).append(Worker(kind, address, channel, stub, health_pb2_grpc.HealthStub(channel)))
+        self._monitor = asyncio.create_task(self._monitor_loop(), name="worker-monitor")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        for w in self.prefill + self.decode:
+            if w._geometry_task is not None:
+                w._geometry_task.cancel()
+            await w.channel.close(grace=None)
+
+    @property
+    def ready(self) -> bool:
+        return any(w.healthy for w in self.prefill) and any(w.healthy for w in self.decode)
+
+    def describe(self) -> dict:
+        return {"prefill": [w.describe() for w in self.prefill], "decode": [w.describe() for w in self.decode]}
+
+    # -- health --------------------------------------------------------------------------------------------------
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(w) for w in self.prefill + self.decode))
+            await asyncio.sleep(self.interval)
+
+    async def _probe(self, w: Worker) -> None:
+        try:
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=_SERVICE[w.kind]),
+                                        timeout=self.probe_timeout)
+            serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+            w.status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+            if serving and w.kind == "decode":
+                stats = await w.stub.Stats(pb.StatsRequest(), timeout=self.probe_timeout)
+                self._take_stats(w, stats)
+        except grpc.aio.AioRpcError as e:
+            serving = False
+            w.status = f"{e.code().name}: {e.details()}"
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a probe must never kill the monitor
+            serving = False
+            w.status = f"probe failed: {type(e).__name__}: {e}"
+        if serving != w.healthy:
+            log.info("worker %s", "up" if serving else "down",
+                     extra={"worker": w.address, "kind": w.kind, "status": w.status})
+        w.healthy = serving
+        if serving:
+            if w.kind == "decode" and not w.max_context and w._geometry_task is None:
+                w._geometry_task = asyncio.create_task(self._learn_geometry(w))
+
+    def _take_stats(self, w: Worker, stats: pb.DecodeStats) -> None:
+        if stats.worker_id != w.worker_id:
+            if w.worker_id:  # restarted: its context may have changed
+                w.max_context = 0
+            w.worker_id = stats.worker_id
+        w.stats = stats
+        w.pending_reserves = 0
+        if self.on_stats is not None:
+            self.on_stats(w)
+
+    async def _learn_geometry(self, w: Worker) -> None:
+        try:
+            lease = await w.stub.Reserve(pb.ReserveRequest(request_id=f"gateway-geometry-{w.address}",
+                                                           prompt_tokens=1, max_tokens=1),
+                                         timeout=self.probe_timeout)
+            w.max_context = lease.max_context
+            await w.stub.Release(pb.ReleaseRequest(request_id=f"gateway-geometry-{w.address}", lease=lease),
+                                 timeout=self.probe_timeout)
+        except grpc.aio.AioRpcError as e:
+            # Busy (no free slot) or going away: the first real lease will tell.
+            log.info("slot geometry not learnt yet", extra={"worker": w.address, "error": e.code().name})
+        finally:
+            w._geometry_task = None
+
+    def mark_failed(self, w: Worker, error: grpc.aio.AioRpcError) -> None:
+        """A call to w failed; UNAVAILABLE means the process is gone or unreachable: stop routing to it now."""
+        if error.code() == grpc.StatusCode.UNAVAILABLE and w.healthy:
+            w.healthy = False
+            w.status = f"UNAVAILABLE: {error.details()}"
+            log.warning("worker unreachable", extra={"worker": w.address, "kind": w.kind})
+
+    # -- routing -------------------------------------------------------------------------------------------------
+
+    def decode_candidates(self) -> list[Worker]:
+        """Healthy decode workers, most free slots first."""
+        healthy = [w for w in self.decode if w.healthy]
+        return sorted(healthy, key=lambda w: (-w.free_slots, w.in_flight))
+
+    def pick_prefill(self) -> Worker | None:
+        healthy = [w for w in self.prefill if w.healthy]
+        if not healthy:
+            return None
+        least = min(w.in_flight for w in healthy)
+        tied = [w for w in healthy if w.in_flight == least]
+        return tied[next(self._rr) % len(tied)]
+
+    def known_context(self) -> int:
+        """The smallest slot context among healthy decode workers that told us theirs (0 = none known)."""
+        contexts = [w.max_context for w in self.decode if w.healthy and w.max_context]
+        return min(contexts) if contexts else 0

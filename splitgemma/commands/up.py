@@ -1,0 +1,166 @@
+"""splitgemma up: a decode worker, a prefill worker and a gateway on this machine, as three processes."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from splitgemma.commands import CommandError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "up", help="start a decode worker, a prefill worker and a gateway for one model",
+        description="Start the three splitgemma processes on loopback (free ports for the workers), wait until "
+                    "the gateway is ready, print its URL, and run until Ctrl-C or SIGTERM. Stopping is ordered: "
+                    "the gateway first (it stops accepting and lets requests in flight finish), then the "
+                    "workers. If any of the three exits on its own, the others are stopped and up fails.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the file name)")
+    p.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
+    p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside the model)")
+    p.add_argument("--chat-template", metavar="FILE.jinja", help="chat template (default: beside the model)")
+    p.add_argument("--slots", type=int, default=8, help="KV slots = concurrent sequences (default: 8)")
+    p.add_argument("--max-context", type=int, default=4096, metavar="C", help="positions per slot (default: 4096)")
+    p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill rows per pass (default: 256)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads per worker (default: the workers' own default)")
+    p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on stop, how long requests in flight may finish (default: 30)")
+    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+                   help="how long to wait for the gateway to become ready (default: 300)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.set_defaults(func=run)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: its own session (a terminal's Ctrl-C reaches only `up`, which stops the
+    # children in order) and SIGTERM if `up` itself dies, so no worker outlives it.
+    os.setsid()
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Child:
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, timeout: float) -> int:
+        """SIGTERM, then SIGKILL after `timeout` seconds; the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"splitgemma up: {self.name} did not stop in {timeout:.0f} s; killing it", file=sys.stderr)
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def run(args) -> int:
+    for name in ("slots", "max_context", "chunk"):
+        if getattr(args, name) < 1:
+            raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    if not os.path.isfile(args.model):
+        raise CommandError(f"model file {args.model} does not exist")
+    exe = [sys.executable, "-m", "splitgemma"]
+    decode_port, prefill_port = _free_port(), _free_port()
+    port = args.port or _free_port(args.host)
+    geometry = ["--model", args.model, "--host", "127.0.0.1", "--max-context", str(args.max_context),
+                "--chunk", str(args.chunk), "--shm-dir", args.shm_dir, "--log-level", args.log_level]
+    if args.threads:
+        geometry += ["--threads", str(args.threads)]
+    decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--slots", str(args.slots),
+                         "--drain-seconds", str(args.drain_timeout)]
+    if args.tokenizer:
+        decode_argv += ["--tokenizer", args.tokenizer]
+    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout)]
+    gateway_argv = exe + ["gateway", "--model", args.model, "--prefill", f"127.0.0.1:{prefill_port}",
+                          "--decode", f"127.0.0.1:{decode_port}", "--host", args.host, "--port", str(port),
+                          "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
+    for opt in ("model_name", "tokenizer", "chat_template"):
+        if getattr(args, opt):
+            gateway_argv += ["--" + opt.replace("_", "-"), getattr(args, opt)]
+
+    stop_requested: list[str] = []
+
+    def on_signal(signum, frame):
+        stop_requested.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    children: list[_Child] = []
+    failure = None
+    try:
+        children.append(_Child("decode worker", decode_argv))
+        children.append(_Child("prefill worker", prefill_argv))
+        children.append(_Child("gateway", gateway_argv))
+        shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
+        url = f"http://{shown_host}:{port}"
+        deadline = time.monotonic() + args.start_timeout
+        ready = False
+        while not stop_requested and failure is None:
+            failure = _dead_child(children)
+            if failure is None and not ready:
+                if _ready(url):
+                    ready = True
+                    print(f"splitgemma: serving {args.model_name or Path(args.model).stem} at {url}/v1 "
+                          f"(Ctrl-C to stop)", flush=True)
+                elif time.monotonic() > deadline:
+                    failure = f"the gateway was not ready after {args.start_timeout:.0f} s"
+            time.sleep(0.2)
+    finally:
+        # The gateway first: it stops accepting and drains; then the workers have nothing left in flight.
+        statuses = {}
+        for child in sorted(children, key=lambda c: c.name != "gateway"):
+            statuses[child.name] = child.stop(args.drain_timeout + 10)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if failure is not None:
+        raise CommandError(failure)
+    unclean = {n: s for n, s in statuses.items() if s not in (0, -signal.SIGTERM)}
+    if unclean:
+        raise CommandError("stopped, but not cleanly: " + ", ".join(f"{n} exited with {s}" for n, s in unclean.items()))
+    print(f"splitgemma: stopped ({stop_requested[0]})", file=sys.stderr)
+    return 0
+
+
+def _dead_child(children: list[_Child]) -> str | None:
+    for child in children:
+        status = child.exited()
+        if status is not None:
+            how = f"signal {signal.Signals(-status).name}" if status < 0 else f"status {status}"
+            return f"the {child.name} exited unexpectedly ({how})"
+    return None
