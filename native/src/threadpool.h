@@ -17,6 +17,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace sg {
@@ -39,8 +40,9 @@ class ThreadPool {
   // Convenience for lambdas: the lambda lives on the caller's stack, nothing is allocated.
   template <class F>
   void parallel_for(int n_tasks, F&& f) {
-    auto tramp = [](void* c, int task, int worker) { (*static_cast<F*>(c))(task, worker); };
-    run(n_tasks, tramp, static_cast<void*>(&f));
+    using Fn = std::remove_reference_t<F>;
+    auto tramp = [](void* c, int task, int worker) { (*static_cast<Fn*>(c))(task, worker); };
+    run(n_tasks, tramp, const_cast<void*>(static_cast<const void*>(&f)));
   }
 
  private:

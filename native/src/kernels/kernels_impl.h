@@ -32,14 +32,13 @@ extern std::atomic<int> g_amx_guard;  // -1 undecided, 0 off, 1 on
 extern std::atomic<uint64_t> g_amx_recoveries;
 
 // Runs f(task, worker) for task in [0, n) on the pool, or inline when pool is null.
-// (Calls ThreadPool::run directly: parallel_for cannot take an lvalue lambda.)
 template <class F>
 void run_tasks(ThreadPool* pool, int n, F& f) {
   if (!pool) {
     for (int t = 0; t < n; ++t) f(t, 0);
     return;
   }
-  pool->run(n, [](void* c, int t, int w) { (*static_cast<F*>(c))(t, w); }, &f);
+  pool->parallel_for(n, f);
 }
 
 // Block-sizing shared by the backends: a task is this many 16-column blocks.
