@@ -9,11 +9,15 @@ import sys
 from splitgemma import __version__
 from splitgemma.commands import CommandError
 from splitgemma.commands import convert, inspect, random_model
+from splitgemma.commands import gateway
+from splitgemma.commands import up
 
 COMMANDS = (
     convert,
     inspect,
     random_model,
+    gateway,
+    up,
 )
 
 DESCRIPTION = """\

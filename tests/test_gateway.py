@@ -262,29 +262,41 @@ def _value(v):
 
 
 class Stack:
-    """decode + prefill + gateway processes on loopback. Logs go to files in `folder`."""
+    """decode + prefill + gateway processes on loopback (more workers on request: "decode-2", "prefill-2", …).
+    Logs go to files in `folder`."""
 
-    def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS):
+    def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS,
+                 n_decode: int = 1, n_prefill: int = 1):
         self.folder = folder
         self.shm = Path("/dev/shm") / f"sg-gateway-test-{os.getpid()}-{folder.name}"
         self.shm.mkdir()
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.env.update(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
-        dport, pport, self.port = _free_port(), _free_port(), _free_port()
-        self.decode_addr, self.prefill_addr = f"127.0.0.1:{dport}", f"127.0.0.1:{pport}"
+        self.port = _free_port()
         common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(CHUNK),
                   "--threads", "1", "--shm-dir", str(self.shm)]
-        self._spawn("decode", ["decode", *common, "--port", str(dport), "--weights", DECODE_WEIGHTS,
-                               "--slots", str(slots), "--lease-grace-ms", "100"])
-        self._spawn("prefill", ["prefill", *common, "--port", str(pport), "--weights", PREFILL_WEIGHTS])
-        self.gateway_args = ["--model", str(MODEL), "--prefill", self.prefill_addr, "--decode", self.decode_addr,
+        self.addresses: dict[str, str] = {}
+        for i in range(n_decode):
+            name = "decode" if i == 0 else f"decode-{i + 1}"
+            self.addresses[name] = f"127.0.0.1:{_free_port()}"
+            self._spawn(name, ["decode", *common, "--port", self.addresses[name].split(":")[1],
+                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), "--lease-grace-ms", "100"])
+        for i in range(n_prefill):
+            name = "prefill" if i == 0 else f"prefill-{i + 1}"
+            self.addresses[name] = f"127.0.0.1:{_free_port()}"
+            self._spawn(name, ["prefill", *common, "--port", self.addresses[name].split(":")[1],
+                               "--weights", PREFILL_WEIGHTS])
+        self.decode_addr, self.prefill_addr = self.addresses["decode"], self.addresses["prefill"]
+        joined = {kind: ",".join(a for n, a in self.addresses.items() if n.startswith(kind))
+                  for kind in ("decode", "prefill")}
+        self.gateway_args = ["--model", str(MODEL), "--prefill", joined["prefill"], "--decode", joined["decode"],
                              "--port", str(self.port), *gateway_args]
         self._spawn("gateway", ["gateway", *self.gateway_args])
         self.url = f"http://127.0.0.1:{self.port}"
         self.wait_ready()
-        self.channel = grpc.insecure_channel(self.decode_addr)
-        self.decode = pbg.DecodeStub(self.channel)
+        self.channels = {n: grpc.insecure_channel(a) for n, a in self.addresses.items()}
+        self.decode = pbg.DecodeStub(self.channels["decode"])
 
     def _spawn(self, name, argv):
         log = open(self.folder / f"{name}.log", "wb")
@@ -311,8 +323,9 @@ class Stack:
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
 
-    def stats(self) -> pb.DecodeStats:
-        return self.decode.Stats(pb.StatsRequest(), timeout=5)
+    def stats(self, name: str = "decode"):
+        stub = (pbg.DecodeStub if name.startswith("decode") else pbg.PrefillStub)(self.channels[name])
+        return stub.Stats(pb.StatsRequest(), timeout=5)
 
     def wait_idle(self, timeout=10.0) -> pb.DecodeStats:
         """Until no slot is leased, running or quarantined."""
@@ -330,12 +343,15 @@ class Stack:
         self.procs[name].wait(10)
 
     def stop(self):
-        if hasattr(self, "channel"):
-            self.channel.close()
-        for name in ("gateway", "prefill", "decode"):
-            p = self.procs.get(name)
-            if p is not None and p.poll() is None:
+        for ch in getattr(self, "channels", {}).values():
+            ch.close()
+        # The gateway first, then the workers.
+        for name in sorted(self.procs, key=lambda n: n != "gateway"):
+            p = self.procs[name]
+            if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+            if name == "gateway":
+                p.wait(20)
         for p in self.procs.values():
             try:
                 p.wait(20)
@@ -510,6 +526,25 @@ def test_chat_greedy_equals_engine(stack, ref, stream):
         assert r.usage.prompt_tokens == len(ref.chat_ids(messages)) and r.usage.completion_tokens == 16
     assert tokens == [f"w{t}" for t in want]
     assert text == ref.text(want)
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 42)])
+def test_gateway_equals_splitgemma_generate(stack, temperature, seed):
+    """The split service and the in-process `splitgemma generate` give the same tokens, greedy and seeded (the
+    seed travels to the prefill worker, the sampler state on to the decode worker)."""
+    prompt = _words(21, 30)
+    argv = [sys.executable, "-m", "splitgemma", "generate", "--model", str(MODEL), "--prompt", prompt,
+            "--max-tokens", "20", "--ignore-eos", "--json", "--weights", PREFILL_WEIGHTS, "--threads", "1",
+            "--max-context", str(MAX_CONTEXT), "--temperature", str(temperature), "--logprobs", "1"]
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    out = json.loads(subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout)
+    r = stack.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=temperature,
+                                          seed=seed, logprobs=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f"w{t}" for t in out["tokens"]]
+    assert r.choices[0].text == out["text"]
+    assert lp.token_logprobs == pytest.approx([x["logprob"] for x in out["logprobs"]], abs=1e-5)
 
 
 def test_stop_strings_seed_and_n(stack, ref):
@@ -796,5 +831,38 @@ def test_prefill_worker_killed(tmp_path):
         while httpx.get(s.url + "/ready").status_code != 503:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+    finally:
+        s.stop()
+
+
+def test_routing_over_two_decode_and_two_prefill_workers(tmp_path):
+    s = Stack(tmp_path, slots=2, n_decode=2, n_prefill=2)
+    try:
+        c = s.client()
+        prompts = [_words(300 + i, 10) for i in range(4)]
+
+        def run(p):
+            r = c.completions.create(model=MODEL_NAME, prompt=p, max_tokens=300, temperature=0,
+                                     extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        # Four concurrent sequences, two slots per decode worker: they fit only if the gateway spreads them.
+        with ThreadPoolExecutor(4) as ex:
+            assert list(ex.map(run, prompts)) == [300] * 4
+        assert all(s.stats(n).tokens_generated > 0 for n in ("decode", "decode-2"))
+        # Sequential requests alternate between the (idle) prefill workers.
+        before = [s.stats(n).requests for n in ("prefill", "prefill-2")]
+        for p in prompts:
+            assert run(p) == 300
+        after = [s.stats(n).requests for n in ("prefill", "prefill-2")]
+        assert [a - b for a, b in zip(after, before)] == [2, 2]
+        # A dead worker of each kind: requests keep succeeding on the survivors, at once (a failed call is
+        # retried on another worker before any health probe has noticed).
+        s.kill("decode")
+        s.kill("prefill")
+        assert [run(p) for p in prompts] == [300] * 4
+        ready = httpx.get(s.url + "/ready").json()
+        assert ready["status"] == "ready"
+        assert [w["healthy"] for w in ready["workers"]["decode"]] == [False, True]
     finally:
         s.stop()

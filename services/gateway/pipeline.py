@@ -175,25 +175,36 @@ class Pipelines:
     # -- prefill -------------------------------------------------------------------------------------------------
 
     async def prefill(self, run: Run) -> None:
-        """Prefill into the leased slot; on any failure (or cancellation) the lease is released."""
-        w = self.pool.pick_prefill()
+        """Prefill into the leased slot; on any failure (or cancellation) the lease is released.
+
+        A worker that is UNAVAILABLE (gone, or not accepting calls) has not written into the slot, so the prefill
+        is tried again on another healthy prefill worker, once per worker."""
+        tried: set[Worker] = set()
         try:
-            if w is None:
-                self.metrics.rejections.labels(reason="no_prefill_worker").inc()
-                raise ApiError(503, "no prefill worker is available", retry_after=1.0)
-            w.in_flight += 1
-            t0 = time.perf_counter()
-            try:
-                run.prefill_result = await w.stub.Prefill(
-                    pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
-                                      lease=run.lease, sampling=run.spec.sampling),
-                    timeout=self.timeouts.prefill)
-            except grpc.aio.AioRpcError as e:
-                self.pool.mark_failed(w, e)
-                raise _prefill_error(e) from None
-            finally:
-                w.in_flight -= 1
-            self.metrics.prefill_latency.observe(time.perf_counter() - t0)
+            while True:
+                w = self.pool.pick_prefill(exclude=tried)
+                if w is None:
+                    self.metrics.rejections.labels(reason="no_prefill_worker").inc()
+                    raise ApiError(503, "no prefill worker is available", retry_after=1.0)
+                tried.add(w)
+                w.in_flight += 1
+                t0 = time.perf_counter()
+                try:
+                    run.prefill_result = await w.stub.Prefill(
+                        pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
+                                          lease=run.lease, sampling=run.spec.sampling),
+                        timeout=self.timeouts.prefill)
+                except grpc.aio.AioRpcError as e:
+                    self.pool.mark_failed(w, e)
+                    if e.code() == grpc.StatusCode.UNAVAILABLE and self.pool.pick_prefill(exclude=tried):
+                        log.warning("prefill worker unavailable; trying another",
+                                    extra={"request_id": run.request_id, "worker": w.address})
+                        continue
+                    raise _prefill_error(e) from None
+                finally:
+                    w.in_flight -= 1
+                self.metrics.prefill_latency.observe(time.perf_counter() - t0)
+                return
         except BaseException:
             self.release(run)
             raise

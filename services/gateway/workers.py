@@ -183,8 +183,8 @@ class WorkerPool:
         healthy = [w for w in self.decode if w.healthy]
         return sorted(healthy, key=lambda w: (-w.free_slots, w.in_flight))
 
-    def pick_prefill(self) -> Worker | None:
-        healthy = [w for w in self.prefill if w.healthy]
+    def pick_prefill(self, exclude: set[Worker] = frozenset()) -> Worker | None:
+        healthy = [w for w in self.prefill if w.healthy and w not in exclude]
         if not healthy:
             return None
         least = min(w.in_flight for w in healthy)

@@ -146,6 +146,10 @@ def run(args) -> int:
         statuses = {}
         for child in sorted(children, key=lambda c: c.name != "gateway"):
             statuses[child.name] = child.stop(args.drain_timeout + 10)
+        if children:
+            # A decode worker that died cannot unlink its arena: remove the files no live process owns.
+            from splitgemma.serving.shm_arena import sweep
+            sweep(args.shm_dir)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if failure is not None:

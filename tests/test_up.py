@@ -1,0 +1,111 @@
+"""splitgemma up: three processes start, serve a request, and stop cleanly on SIGTERM (gateway first), leaving
+no process and no shared-memory file; a child that dies takes the others down and up fails."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+FIX = Path(__file__).parent / "fixtures"
+MODEL = FIX / "fastgemma" / "mini-e2b-tame" / "mini-e2b-tame.fgm"
+TEMPLATE = FIX / "chat" / "chat-template-e2b.jinja"
+
+
+def _children(pid: int) -> dict[int, str]:
+    """pid → command line of every process whose parent is pid."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out[int(entry)] = cmdline
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def shm_dir():
+    d = Path("/dev/shm") / f"sg-up-test-{os.getpid()}-{time.monotonic_ns()}"
+    d.mkdir()
+    yield d
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+
+
+def _start(shm_dir: Path, tmp_path: Path):
+    log = open(tmp_path / "up.log", "wb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    p = subprocess.Popen([sys.executable, "-m", "splitgemma", "up", "--model", str(MODEL), "--port", "0",
+                          "--max-context", "512", "--chunk", "64", "--slots", "2", "--threads", "1",
+                          "--shm-dir", str(shm_dir), "--chat-template", str(TEMPLATE), "--drain-timeout", "5"],
+                         stdout=subprocess.PIPE, stderr=log, env=env)
+    deadline = time.monotonic() + 90
+    line = b""
+    while not line.endswith(b"\n"):
+        assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        if select.select([p.stdout], [], [], 0.2)[0]:
+            line += os.read(p.stdout.fileno(), 4096)
+    m = re.search(rb"serving mini-e2b-tame at (http://\S+/v1)", line)
+    assert m, line
+    return p, m.group(1).decode()
+
+
+def test_up_serves_and_stops_cleanly(shm_dir, tmp_path):
+    p, url = _start(shm_dir, tmp_path)
+    try:
+        children = _children(p.pid)
+        assert sorted(cmd.split()[3] for cmd in children.values()) == ["decode", "gateway", "prefill"]
+        assert any(f.name.startswith("splitgemma-kv-") for f in shm_dir.iterdir())
+        c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+        r = c.chat.completions.create(model="mini-e2b-tame", messages=[{"role": "user", "content": "w5 w6"}],
+                                      max_tokens=4, temperature=0)
+        assert r.choices[0].message.content and r.usage.completion_tokens <= 4
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0, (tmp_path / "up.log").read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    log = (tmp_path / "up.log").read_text()
+    assert "stopped (SIGTERM)" in log
+    assert not any(_alive(pid) for pid in children), "a child outlived splitgemma up"
+    assert list(shm_dir.iterdir()) == []
+    # Ordered: the gateway finished before the workers were asked to stop.
+    assert log.index("Application shutdown complete") < log.index('"msg": "draining"')
+
+
+def test_up_fails_when_a_child_dies(shm_dir, tmp_path):
+    p, url = _start(shm_dir, tmp_path)
+    try:
+        children = _children(p.pid)
+        decode = next(pid for pid, cmd in children.items() if cmd.split()[3] == "decode")
+        os.kill(decode, signal.SIGKILL)
+        assert p.wait(60) == 1
+    finally:
+        if p.poll() is None:
+            p.kill()
+    log = (tmp_path / "up.log").read_text()
+    assert "the decode worker exited unexpectedly (signal SIGKILL)" in log
+    assert not any(_alive(pid) for pid in children)
+    assert list(shm_dir.iterdir()) == [], "the dead worker's arena was swept"
