@@ -438,6 +438,7 @@ def _words(rng_seed: int, n: int) -> str:
 
 def test_models_health_ready_metrics(stack):
     c = stack.client()
+    c.completions.create(model=MODEL_NAME, prompt="w5", max_tokens=1)  # the first lease tells the slot context
     models = c.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert c.models.retrieve(MODEL_NAME).id == MODEL_NAME
@@ -568,6 +569,26 @@ def test_stop_strings_seed_and_n(stack, ref):
     assert a.usage.completion_tokens == 36 and a.usage.prompt_tokens == 10
 
 
+def test_chat_stream_with_n_choices_and_usage(stack, ref):
+    c = stack.client()
+    messages = [{"role": "user", "content": _words(12, 6)}]
+    want = ref.text(ref.greedy(ref.chat_ids(messages), 7, ignore_eos=True))
+    chunks = list(c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=7, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    text = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        text[choice.index] += choice.delta.content or ""
+        assert ch.usage is None
+    roles = [ch.choices[0].index for ch in chunks[:-1] if ch.choices[0].delta.role == "assistant"]
+    finishes = [ch.choices[0].index for ch in chunks[:-1] if ch.choices[0].finish_reason == "length"]
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+    assert text == {0: want, 1: want}   # greedy: both choices are the engine's answer
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 14
+    assert chunks[-1].usage.prompt_tokens == len(ref.chat_ids(messages))
+
+
 def test_eight_concurrent_streams_are_batched_and_equal_solo(stack, ref):
     prompts = [_words(100 + i, 12 + 3 * i) for i in range(8)]
     want = [ref.text(ref.greedy(ref.encode(p), 48, ignore_eos=True)) for p in prompts]
@@ -627,7 +648,8 @@ def test_all_slots_busy_is_429_with_retry_after(stack):
     try:
         r = httpx.post(stack.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "w5", "max_tokens": 2})
         assert r.status_code == 429
-        assert int(r.headers["Retry-After"]) >= 1
+        # The worker's hint (retry-after-ms), in whole seconds: no later than the leases holding the slots expire.
+        assert 1 <= int(r.headers["Retry-After"]) <= 30
         assert r.json()["error"]["type"] == "rate_limit_error"
         with pytest.raises(openai.RateLimitError):
             stack.client().chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "w5"}],
@@ -864,5 +886,28 @@ def test_routing_over_two_decode_and_two_prefill_workers(tmp_path):
         ready = httpx.get(s.url + "/ready").json()
         assert ready["status"] == "ready"
         assert [w["healthy"] for w in ready["workers"]["decode"]] == [False, True]
+    finally:
+        s.stop()
+
+
+def test_gateway_drains_in_flight_streams_on_sigterm(tmp_path):
+    s = Stack(tmp_path)
+    try:
+        body = {"model": MODEL_NAME, "prompt": _words(13, 8), "max_tokens": 2000, "stream": True,
+                "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        with httpx.Client(timeout=60) as h:
+            with h.stream("POST", s.url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: {")
+                s.procs["gateway"].send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                # Stopping: no new connections, while the stream in flight runs to its end.
+                with pytest.raises(httpx.ConnectError):
+                    httpx.get(s.url + "/health", timeout=2)
+                rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        tokens = sum(len(json.loads(line[6:])["choices"][0]["logprobs"]["tokens"]) for line in rest[:-1])
+        assert tokens == 2000 - 1  # every token but the one before the signal
+        assert s.procs["gateway"].wait(20) == 0
     finally:
         s.stop()

@@ -218,7 +218,7 @@ class Gateway:
                 runs = await self.pipelines.admit(state.request_id, specs)
                 self.metrics.waiting.dec()
                 self.metrics.in_flight.inc()
-                await asyncio.gather(*(self.pipelines.prefill(r) for r in runs))
+                await self.pipelines.prefill_all(runs)
         except BaseException as e:
             if not runs:
                 self.metrics.waiting.dec()

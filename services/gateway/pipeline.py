@@ -78,12 +78,18 @@ def check_context(spec: ChoiceSpec, context: int) -> None:
         raise context_error(n, spec.max_tokens, context, spec.prompt_param)
 
 
-_RETRY_RE = re.compile(r"retry[-_ ]after[^0-9]*([0-9]+(?:\.[0-9]+)?)", re.I)
+_RETRY_RE = re.compile(r"retry-after(-ms)?[=: ]+([0-9]+(?:\.[0-9]+)?)", re.I)
 
 
-def _retry_after(details: str | None, default: float = 1.0) -> float:
-    m = _RETRY_RE.search(details or "")
-    return float(m.group(1)) if m else default
+def _retry_after(e: grpc.aio.AioRpcError, default: float = 1.0) -> float:
+    """Seconds to wait, from the worker's "retry-after-ms" trailer or a "retry-after[-ms]=N" in its message."""
+    for key, value in e.trailing_metadata() or ():
+        if key == "retry-after-ms" and value.isdigit():
+            return int(value) / 1000
+    m = _RETRY_RE.search(e.details() or "")
+    if m is None:
+        return default
+    return float(m.group(2)) / (1000 if m.group(1) else 1)
 
 
 @dataclass(eq=False)
@@ -134,9 +140,9 @@ class Pipelines:
         for w in candidates:
             if w.max_context:
                 check_context(spec, w.max_context)
-            # Unknown context and no max_tokens: reserve the minimum; the lease tells the context.
-            want = spec.max_tokens if spec.max_tokens is not None else \
-                (w.max_context - len(spec.prompt_ids) if w.max_context else 1)
+                want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
+            else:
+                want = 1  # this worker's context is not known before its first lease, which is checked below
             try:
                 lease = await w.stub.Reserve(pb.ReserveRequest(request_id=run.request_id,
                                                                prompt_tokens=len(spec.prompt_ids),
@@ -144,7 +150,7 @@ class Pipelines:
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted_hint = _retry_after(e.details())
+                    exhausted_hint = _retry_after(e)
                     continue
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ApiError(400, e.details() or "the decode worker rejected the request",
@@ -207,6 +213,18 @@ class Pipelines:
                 return
         except BaseException:
             self.release(run)
+            raise
+
+    async def prefill_all(self, runs: list[Run]) -> None:
+        """Prefill every choice concurrently. When one fails the others are cancelled, and waited for, before the
+        error goes up: each then releases its own lease, after its Prefill call has ended."""
+        tasks = [asyncio.ensure_future(self.prefill(r)) for r in runs]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
     # -- generate ------------------------------------------------------------------------------------------------
@@ -287,7 +305,7 @@ def _prefill_error(e: grpc.aio.AioRpcError) -> ApiError:
     if code == grpc.StatusCode.UNAVAILABLE:
         return ApiError(503, f"the prefill worker is unavailable: {details}", retry_after=1.0)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ApiError(429, f"the prefill worker is overloaded: {details}", retry_after=_retry_after(details))
+        return ApiError(429, f"the prefill worker is overloaded: {details}", retry_after=_retry_after(e))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ApiError(504, "the prefill did not finish in time")
     return ApiError(502, f"prefill failed ({code.name}): {details}")

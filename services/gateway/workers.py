@@ -7,9 +7,9 @@ unusable at once, so a dead worker drops out of routing (and /ready) without wai
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
 made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals.
 
-Geometry: when a decode worker first answers (and whenever its worker id changes, i.e. it restarted), the gateway
-learns its slot context from a lease: a one-token Reserve released at once. Requests are then checked against
-the context before any reservation; until it is known they are checked against the lease they get.
+Geometry: a decode worker's slot context is learnt from the leases it grants (and forgotten when its worker id
+changes, i.e. it restarted). Requests are checked against it before any reservation once it is known, and against
+the lease they get until then.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,7 +52,6 @@ class Worker:
     pending_reserves: int = 0       # decode: leases taken since the last Stats
     worker_id: str = ""
     max_context: int = 0            # decode: slot context from a lease (0 = not known yet)
-    _geometry_task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
     def free_slots(self) -> int:
@@ -102,8 +101,6 @@ class WorkerPool:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
         for w in self.prefill + self.decode:
-            if w._geometry_task is not None:
-                w._geometry_task.cancel()
             await w.channel.close(grace=None)
 
     @property
@@ -141,9 +138,6 @@ class WorkerPool:
             log.info("worker %s", "up" if serving else "down",
                      extra={"worker": w.address, "kind": w.kind, "status": w.status})
         w.healthy = serving
-        if serving:
-            if w.kind == "decode" and not w.max_context and w._geometry_task is None:
-                w._geometry_task = asyncio.create_task(self._learn_geometry(w))
 
     def _take_stats(self, w: Worker, stats: pb.DecodeStats) -> None:
         if stats.worker_id != w.worker_id:
@@ -154,20 +148,6 @@ class WorkerPool:
         w.pending_reserves = 0
         if self.on_stats is not None:
             self.on_stats(w)
-
-    async def _learn_geometry(self, w: Worker) -> None:
-        try:
-            lease = await w.stub.Reserve(pb.ReserveRequest(request_id=f"gateway-geometry-{w.address}",
-                                                           prompt_tokens=1, max_tokens=1),
-                                         timeout=self.probe_timeout)
-            w.max_context = lease.max_context
-            await w.stub.Release(pb.ReleaseRequest(request_id=f"gateway-geometry-{w.address}", lease=lease),
-                                 timeout=self.probe_timeout)
-        except grpc.aio.AioRpcError as e:
-            # Busy (no free slot) or going away: the first real lease will tell.
-            log.info("slot geometry not learnt yet", extra={"worker": w.address, "error": e.code().name})
-        finally:
-            w._geometry_task = None
 
     def mark_failed(self, w: Worker, error: grpc.aio.AioRpcError) -> None:
         """A call to w failed; UNAVAILABLE means the process is gone or unreachable: stop routing to it now."""

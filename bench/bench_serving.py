@@ -1,0 +1,175 @@
+"""Serving benchmark: time to first token and tokens/s through the gateway (the official openai client, SSE
+streaming) for 1 and N concurrent clients, beside the in-process engine on the same prompt and batch sizes.
+
+    python bench/bench_serving.py --model m.fgm [--tokenizer tokenizer.json] [--concurrency 1,8]
+                                  [--prompt-tokens 128] [--gen-tokens 64] [--requests 2] [--threads 2]
+    python bench/bench_serving.py --url http://127.0.0.1:8000/v1 --model m.fgm ...   (a stack already running)
+
+Without --url the stack is started with `splitgemma up` (decode + prefill + gateway on loopback) and stopped at
+the end. Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
+--gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
+
+Per request: TTFT = request sent → first token chunk; decode rate = (tokens − 1) / (last chunk − first chunk).
+Aggregate = all tokens generated / wall time of the whole round. The engine rows run the same model in this
+process: TTFT = prefill of the prompt + sampling; decode = Model.decode steps at batch 1 and N. The machine is
+shared: the load average is printed, and a loaded machine lowers every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def start_stack(args, shm_dir: str) -> tuple[subprocess.Popen, str]:
+    argv = [sys.executable, "-m", "splitgemma", "up", "--model", args.model, "--port", "0",
+            "--slots", str(max(args.concurrency)), "--max-context", str(args.max_context),
+            "--shm-dir", shm_dir, "--log-level", "WARNING"]
+    if args.tokenizer:
+        argv += ["--tokenizer", args.tokenizer]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE)
+    line, deadline = b"", time.monotonic() + 600
+    while not line.endswith(b"\n"):
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"splitgemma up did not start (status {p.poll()})")
+        if select.select([p.stdout], [], [], 0.5)[0]:
+            line += os.read(p.stdout.fileno(), 4096)
+    m = re.search(rb"at (http://\S+/v1)", line)
+    if not m:
+        raise SystemExit(f"unexpected output from splitgemma up: {line!r}")
+    return p, m.group(1).decode()
+
+
+def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0, stream=True,
+                                       logprobs=0, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:
+            if first is None:
+                first = now
+            last = now
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens,
+            "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")}
+
+
+def gateway_round(url: str, model: str, concurrency: int, requests: int, prompts, gen: int) -> dict:
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def worker(k: int):
+        for r in range(requests):
+            res = one_request(client, model, prompts[(k * requests + r) % len(prompts)], gen)
+            with lock:
+                results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {"ttft": [r["ttft"] for r in results], "decode": [r["decode_tok_s"] for r in results],
+            "aggregate": sum(r["tokens"] for r in results) / wall, "n": len(results)}
+
+
+def engine_figures(args, prompts, batch: int, gen: int) -> dict:
+    from splitgemma.engine import Model, open_arena, sample
+    kw = dict(max_context=args.max_context, chunk=256, max_batch=max(args.concurrency), threads=args.threads)
+    prefill_model = Model(args.model, weights="auto:16", **kw)
+    decode_model = Model(args.model, weights="int4", **kw)
+    arena = open_arena(prefill_model, batch)
+    prefill_model.prefill(arena, 0, prompts[0])  # warm-up, as the gateway rows have
+    decode_model.decode(arena, [0], [5], [len(prompts[0])])
+    ttft, toks = [], []
+    for slot in range(batch):
+        t0 = time.perf_counter()
+        logits = prefill_model.prefill(arena, slot, prompts[slot % len(prompts)])
+        toks.append(sample(logits, temperature=0).token)
+        ttft.append(time.perf_counter() - t0)
+    pos = [len(prompts[s % len(prompts)]) for s in range(batch)]
+    t0 = time.perf_counter()
+    for _ in range(gen - 1):
+        logits = decode_model.decode(arena, list(range(batch)), toks, pos)
+        toks = [sample(logits[b], temperature=0).token for b in range(batch)]
+        pos = [p + 1 for p in pos]
+    dt = time.perf_counter() - t0
+    return {"ttft": ttft, "decode_per_seq": (gen - 1) / dt, "aggregate": batch * (gen - 1) / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the .fgm file (served, and run in process for comparison)")
+    ap.add_argument("--tokenizer", help="tokenizer.json for the stack (default: beside the model)")
+    ap.add_argument("--url", help="an already running gateway's /v1 URL (default: start splitgemma up)")
+    ap.add_argument("--model-name", help="model id to request (default: the file name without .fgm)")
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated client counts (default: 1,8)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=2, help="requests per client per round (default: 2)")
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=1024, help="prompt ids are drawn from [4, vocab) (default: 1024)")
+    ap.add_argument("--threads", type=int, default=None, help="compute threads per worker and in process")
+    ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine rows")
+    args = ap.parse_args()
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    name = args.model_name or Path(args.model).stem
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, args.vocab) for _ in range(args.prompt_tokens)] for _ in range(16)]
+
+    print(f"model {args.model}; prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated per request; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    rows = []
+    proc, shm = None, None
+    try:
+        url = args.url
+        if url is None:
+            shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
+            proc, url = start_stack(args, shm)
+        one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
+                    name, prompts[0], 4)  # warm-up: first-touch of the weights in both workers
+        for c in args.concurrency:
+            r = gateway_round(url, name, c, args.requests, prompts, args.gen_tokens)
+            rows.append((f"gateway, {c} client{'s' if c > 1 else ''}", r["n"], statistics.mean(r["ttft"]),
+                         statistics.median(r["ttft"]), statistics.mean(r["decode"]), r["aggregate"]))
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+        if shm is not None:
+            os.rmdir(shm)
+    if not args.no_engine:
+        for c in args.concurrency:
+            e = engine_figures(args, prompts, c, args.gen_tokens)
+            rows.append((f"engine in process, batch {c}", c, statistics.mean(e["ttft"]), statistics.median(e["ttft"]),
+                         e["decode_per_seq"], e["aggregate"]))
+    print(f"{'':32} {'requests':>8} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s/seq':>17} {'aggregate tok/s':>16}")
+    for label, n, mean, p50, dec, agg in rows:
+        print(f"{label:32} {n:8d} {mean * 1000:8.1f}ms {p50 * 1000:7.1f}ms {dec:17.1f} {agg:16.1f}")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
