@@ -1,0 +1,367 @@
+"""splitgemma bench: the engine's own throughput benchmark (as llama-bench is llama.cpp's), beside this machine's
+limits measured in the same run.
+
+* Prefill: tok/s per prompt length, synthetic ids, one Model.prefill per prompt (chunked as the engine does, the
+  KV-shared shortcut on: the layers that write no K/V run on the last row only).
+* Decode: aggregate tok/s per batch size at a context: the context is prefilled once and copied into every
+  sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included.
+* Limits: int8 peak TOPS of the backend's multiply-accumulate instruction and streaming DRAM read bandwidth, on the
+  model's threads (splitgemma._native.kernels probes). Prefill is compared with the peak (the model's GEMM
+  multiply-adds per prompt), decode with the bandwidth (the weight bytes one step streams).
+
+Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
+multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+from splitgemma.commands.convert import positive_int
+
+LOAD_FACTOR = 0.5  # refuse when the 1-minute load average exceeds this × CPUs (fastgemma's bench used 0.35)
+_LAYER = re.compile(r"l(\d+)\.")
+
+# Published figures of the engine we match (fastgemma, reference/fastgemma-notes.md §7) and the issue's floors.
+ANCHORS = {
+    "fastgemma_amx": {"host": "4 cores of Sapphire Rapids @ 2.1 GHz, DRAM 33 GB/s",
+                      "prefill_tok_s": {"1024": 280.3, "8192": 168.5},
+                      "decode_b1_tok_s": {"1024": 14.2, "8192": 13.8},
+                      "decode_b8_tok_s": {"512": 58.7}},
+    "fastgemma_vnni": {"host": "AVX-512 VNNI host (no AMX)",
+                       "prefill_tok_s": {"512": 124.6, "2048": 113.9},
+                       "decode_b1_tok_s_range": [7.4, 7.9]},
+    "floors_amx": {"note": "the issue's acceptance floors, set for an AMX host",
+                   "prefill_1024_tok_s": 500, "decode_b1_tok_s": 8, "decode_b8_tok_s": 35},
+}
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = [positive_int(t.strip()) for t in text.split(",")]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return sorted(set(values))
+
+
+def register(subparsers) -> None:
+    from splitgemma.commands.generate import add_engine_options
+    p = subparsers.add_parser(
+        "bench", help="benchmark prefill and decode throughput against this machine's limits",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_options(p)
+    p.add_argument("--prompt-lens", type=int_list, default=[512, 1024, 8192], metavar="N,N,…",
+                   help="prefill prompt lengths (default: 512,1024,8192)")
+    p.add_argument("--batches", type=int_list, default=[1, 8, 32], metavar="B,B,…",
+                   help="decode batch sizes (default: 1,8,32)")
+    p.add_argument("--context", type=positive_int, default=1024, metavar="C",
+                   help="positions each sequence holds when decode is timed (default: 1024)")
+    p.add_argument("--steps", type=positive_int, default=32, metavar="N",
+                   help="decode steps timed per repeat (default: 32)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported "
+                                                                   "(default: 3)")
+    p.add_argument("--chunk", type=positive_int, default=256, help="prefill rows per pass (default: 256)")
+    p.add_argument("--ignore-load", action="store_true",
+                   help=f"run even when the 1-minute load average is above {LOAD_FACTOR} × CPUs (figures are "
+                        f"then lower bounds)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The model's work: GEMM multiply-adds per prefill and weight bytes per decode step, from the file's tensor table.
+
+def _linears(f) -> list[dict]:
+    """Every quantised linear of the file: name, layer (None for global ones), N, K, and the bytes (codes +
+    scales) of its own copy and of its int8 twin when the file has one."""
+    names = set(f.tensor_names)
+
+    def nbytes(name: str) -> int:
+        return f.tensor_info(name)["nbytes"] + (f.tensor_info(name + ".scale")["nbytes"]
+                                                if name + ".scale" in names else 0)
+
+    out = []
+    for name in f.tensor_names:
+        info = f.tensor_info(name)
+        if info["dtype"] not in ("q8c", "q4g") or name.endswith(".i8"):
+            continue
+        m = _LAYER.match(name)
+        n, k = info["shape"]
+        out.append({"name": name, "layer": int(m.group(1)) if m else None, "n": n, "k": k, "bytes": nbytes(name),
+                    "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None})
+    return out
+
+
+def prefill_macs(linears: list[dict], config: dict, tokens: int) -> int:
+    """GEMM multiply-adds of one prefill of `tokens` tokens with the KV-shared shortcut: layers from
+    first_shared_layer on, the LM head and those layers' rows of per_layer_model_projection run on the last row
+    only (attention's own products are not counted)."""
+    layers = config["num_hidden_layers"]
+    shared_from = config.get("first_shared_layer", layers)
+    total = 0
+    for w in linears:
+        if w["name"] == "lm_head":
+            rows_nk = w["n"] * w["k"]
+        elif w["name"] == "per_layer_model_projection":
+            per_layer = w["n"] // layers  # [layers · P, D]
+            rows_nk = (tokens - 1) * shared_from * per_layer * w["k"] + w["n"] * w["k"]
+        elif w["layer"] is not None and w["layer"] >= shared_from:
+            rows_nk = w["n"] * w["k"]
+        else:
+            rows_nk = tokens * w["n"] * w["k"]
+        total += rows_nk
+    return total
+
+
+def _twin_from_rows(policy: str):
+    """rows -> whether a pass of that many rows uses the int8 twins, for a Model.weights string."""
+    if policy == "int8":
+        return lambda rows: True
+    if policy == "int4":
+        return lambda rows: False
+    threshold = int(policy.split(":", 1)[1])  # auto:M
+    return lambda rows: rows >= threshold
+
+
+def decode_step_bytes(linears: list[dict], policy: str, batch: int, max_rows: int) -> int:
+    """Weight bytes (codes + scales) one decode step of `batch` rows streams: every linear once per pass of at
+    most max_rows rows, in the copy the policy picks for that pass (the gathered embedding rows and the KV cache are
+    not counted)."""
+    use_twin = _twin_from_rows(policy)
+    total = 0
+    for start in range(0, batch, max_rows):
+        twin = use_twin(min(max_rows, batch - start))
+        total += sum(w["twin_bytes"] if twin and w["twin_bytes"] is not None else w["bytes"] for w in linears)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def warm_page_cache(path: str) -> tuple[int, float]:
+    """Read the whole file once so that the weights are in the page cache. Returns (bytes, seconds)."""
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    total = 0
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            total += n
+    return total, time.perf_counter() - t0
+
+
+class LoadWatch:
+    """The 1-minute load average against LOAD_FACTOR × CPUs: checked at the start and after every figure."""
+
+    def __init__(self, ignore: bool):
+        self.cpus = os.cpu_count() or 1
+        self.limit = LOAD_FACTOR * self.cpus
+        self.start = os.getloadavg()[0]
+        self.max = self.start
+        self.warned = False
+        if self.start > self.limit:
+            if not ignore:
+                from splitgemma.commands import CommandError
+                raise CommandError(
+                    f"the 1-minute load average is {self.start:.2f}, above {LOAD_FACTOR} × {self.cpus} CPUs = "
+                    f"{self.limit:.2f}: other work would distort the figures. Wait for a quiet machine, or pass "
+                    f"--ignore-load (the figures are then lower bounds)")
+            self._warn(f"running on a loaded machine (load average {self.start:.2f} > {self.limit:.2f}, "
+                       f"--ignore-load): the figures are lower bounds")
+
+    def _warn(self, message: str) -> None:
+        self.warned = True
+        print(f"splitgemma bench: warning: {message}", file=sys.stderr, flush=True)
+
+    def check(self, what: str) -> None:
+        load = os.getloadavg()[0]
+        self.max = max(self.max, load)
+        if load > self.limit and not self.warned:
+            self._warn(f"the load average rose to {load:.2f} (> {self.limit:.2f}) during {what}: this and later "
+                       f"figures may be low")
+
+    def summary(self) -> dict:
+        return {"start": self.start, "max": self.max, "end": os.getloadavg()[0], "limit": self.limit,
+                "cpus": self.cpus}
+
+
+def _spread(tokens: float, seconds: list[float]) -> dict:
+    med = statistics.median(seconds)
+    return {"tok_s": tokens / med, "tok_s_min": tokens / max(seconds), "tok_s_max": tokens / min(seconds),
+            "seconds": seconds}
+
+
+def _synthetic(rng, n: int, vocab: int):
+    # ids well inside the vocabulary, clear of the special tokens at its start (fastgemma used ids >= 1000)
+    return rng.integers(min(1000, vocab // 2), vocab, n, dtype="int32")
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from splitgemma._native import FgmFile
+    from splitgemma._native import kernels as K
+    from splitgemma.commands.generate import open_model
+    from splitgemma.engine import open_arena
+
+    watch = LoadWatch(args.ignore_load)
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
+
+    fgm = FgmFile(args.model)
+    config = json.loads(fgm.header_json)["config"]
+    linears = _linears(fgm)
+    say(f"reading {args.model} into the page cache …")
+    file_bytes, warm_s = warm_page_cache(args.model)
+
+    max_batch = max(args.batches)
+    model = open_model(args, max_context=max(max(args.prompt_lens), args.context + args.steps),
+                       max_batch=max_batch, chunk=args.chunk)
+    threads, backend = model.threads, model.backend
+    arena = open_arena(model, max_batch + 1)  # slot max_batch keeps the decode context, copied into the others
+    pristine = max_batch
+    rng = np.random.default_rng(0)
+
+    say(f"measuring the {backend} int8 peak and DRAM read bandwidth on {threads} threads …")
+    peak = statistics.median(K.peak_tops(backend, threads, 0.2) for _ in range(3))
+    dram = statistics.median(K.read_bandwidth(1 << 28, threads) for _ in range(3))
+    watch.check("the probes")
+
+    # Warm-up, untimed: the first touch of every weight page through the mapping, both weight copies.
+    model.prefill(arena, 0, _synthetic(rng, min(args.chunk, min(args.prompt_lens)), model.vocab_size))
+    model.decode(arena, [0], [int(_synthetic(rng, 1, model.vocab_size)[0])], [1])
+
+    prefill = []
+    for n in args.prompt_lens:
+        ids = _synthetic(rng, n, model.vocab_size)
+        say(f"prefill {n} tokens × {args.repeats} …")
+        seconds = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            model.prefill(arena, 0, ids)
+            seconds.append(time.perf_counter() - t0)
+        r = {"prompt_len": n, **_spread(n, seconds)}
+        macs = prefill_macs(linears, config, n)
+        r["gemm_macs"] = macs
+        r["int8_tops"] = 2 * macs / statistics.median(seconds) / 1e12
+        r["ratio_to_peak"] = r["int8_tops"] / peak
+        prefill.append(r)
+        watch.check(f"prefill {n}")
+
+    decode = []
+    if args.batches:
+        say(f"prefill of the decode context ({args.context} tokens) …")
+        model.prefill(arena, pristine, _synthetic(rng, args.context, model.vocab_size))
+    for b in args.batches:
+        slots = list(range(b))
+        steps = [[int(t) for t in _synthetic(rng, b, model.vocab_size)] for _ in range(args.steps)]
+        say(f"decode batch {b} at context {args.context}: {args.steps} steps × {args.repeats} …")
+
+        def start() -> None:
+            for s in slots:
+                arena.copy_slot(s, arena, pristine)
+
+        start()
+        model.decode(arena, slots, steps[0], [args.context] * b)  # warm-up step (rewound by the next copy)
+        seconds = []
+        for _ in range(args.repeats):
+            start()
+            t0 = time.perf_counter()
+            for i, toks in enumerate(steps):
+                model.decode(arena, slots, toks, [args.context + i] * b)
+            seconds.append(time.perf_counter() - t0)
+        r = {"batch": b, "context": args.context, "steps": args.steps, **_spread(args.steps * b, seconds)}
+        step_bytes = decode_step_bytes(linears, model.weights, b, model.max_rows)
+        r["weight_bytes_per_step"] = step_bytes
+        r["weight_read_gbs"] = step_bytes * args.steps / statistics.median(seconds) / 1e9
+        r["ratio_to_dram"] = r["weight_read_gbs"] / dram
+        decode.append(r)
+        watch.check(f"decode batch {b}")
+
+    result = {
+        "model": args.model, "file_bytes": file_bytes, "layers": config["num_hidden_layers"],
+        "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
+                    "backends": {b: K.cpu_supports(b) for b in ("amx", "vnni", "avx2")}},
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "backend": backend, "threads": threads, "weights": model.weights, "chunk": model.chunk,
+        "repeats": args.repeats, "page_cache_read_s": warm_s,
+        "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram},
+        "prefill": prefill, "decode": decode, "load": watch.summary(), "anchors": ANCHORS,
+    }
+    print(json.dumps(result, indent=1) if args.json else render(result))
+    return 0
+
+
+def _anchor_text(kind: str, key: int) -> str:
+    a, v, f = ANCHORS["fastgemma_amx"], ANCHORS["fastgemma_vnni"], ANCHORS["floors_amx"]
+    parts = []
+    if kind == "prefill":
+        if str(key) in a["prefill_tok_s"]:
+            parts.append(f"fastgemma AMX {a['prefill_tok_s'][str(key)]}")
+        if str(key) in v["prefill_tok_s"]:
+            parts.append(f"fastgemma VNNI {v['prefill_tok_s'][str(key)]}")
+        if key == 1024:
+            parts.append(f"floor ≥{f['prefill_1024_tok_s']} (AMX)")
+    elif key == 1:
+        lo, hi = v["decode_b1_tok_s_range"]
+        parts += [f"fastgemma AMX {a['decode_b1_tok_s']['1024']} @1024", f"VNNI {lo}–{hi}",
+                  f"floor ≥{f['decode_b1_tok_s']} (AMX)"]
+    elif key == 8:
+        parts += [f"fastgemma AMX {a['decode_b8_tok_s']['512']} @512 ctx", f"floor ≥{f['decode_b8_tok_s']} (AMX)"]
+    return "; ".join(parts)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def render(r: dict) -> str:
+    m, lim = r["machine"], r["limits"]
+    peak = lim[f"{r['backend']}_int8_tops"]
+    load = r["load"]
+    out = [f"splitgemma bench  {r['model']}  ({r['file_bytes'] / 1e9:.2f} GB, {r['layers']} layers)  {r['date']}",
+           f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
+           f"(amx {'yes' if m['backends']['amx'] else 'no'}, vnni {'yes' if m['backends']['vnni'] else 'no'}); "
+           f"{r['threads']} threads; weights {r['weights']}; chunk {r['chunk']}",
+           f"limits, measured now: {r['backend']} int8 peak {peak:.3f} TOPS, DRAM read {lim['dram_read_gbs']:.1f} GB/s"
+           f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
+           f"load average: {load['start']:.2f} at start, {load['max']:.2f} max (limit {load['limit']:.2f})", ""]
+    rows = [["test", "tok/s", "range", "vs limit", "published / floor"]]
+    for p in r["prefill"]:
+        rows.append([f"prefill {p['prompt_len']}", f"{p['tok_s']:.2f}", f"{p['tok_s_min']:.2f}–{p['tok_s_max']:.2f}",
+                     f"{p['int8_tops']:.3f} TOPS = {p['ratio_to_peak']:.0%} of peak", _anchor_text("prefill", p["prompt_len"])])
+    for d in r["decode"]:
+        rows.append([f"decode B={d['batch']} @{d['context']}", f"{d['tok_s']:.2f}",
+                     f"{d['tok_s_min']:.2f}–{d['tok_s_max']:.2f}",
+                     f"{_size(d['weight_bytes_per_step'])}/step → {d['weight_read_gbs']:.1f} GB/s = "
+                     f"{d['ratio_to_dram']:.0%} of DRAM", _anchor_text("decode", d["batch"])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        out.append("  ".join(c.rjust(w) if j in (1, 2) else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths)))
+                   .rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
+                f"the batch. Prefill TOPS count the GEMM multiply-adds (×2) of the prompt with the KV-shared "
+                f"shortcut; decode GB/s count the weight bytes one step streams.",
+            f"Published: fastgemma on an AMX host ({ANCHORS['fastgemma_amx']['host']}) and an AVX-512 VNNI host; "
+            f"the floors are the issue's, set for AMX. Compare like with like: this {r['backend']} host with "
+            f"{r['threads']} threads is neither of those machines."]
+    return "\n".join(out)

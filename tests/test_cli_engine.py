@@ -1,0 +1,285 @@
+"""The engine's command-line tools: splitgemma generate, score and bench (splitgemma/commands/)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FASTGEMMA, fastgemma_fgm
+from splitgemma.cli import main
+
+TAME = FASTGEMMA["mini-e2b-tame"]
+FGM = str(fastgemma_fgm("mini-e2b-tame"))
+REF = np.load(TAME / "reference.npz")
+PROMPT = [int(t) for t in REF["prompt_ids"][:12]]
+
+
+def cli(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def generate_json(capsys, *argv):
+    rc, out, err = cli(capsys, "generate", "--model", FGM, "--json", *argv)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from splitgemma._native import Model
+    return Model(FGM, max_context=4096)  # generate's defaults: context 4096, chunk 256
+
+
+def engine_greedy(model, ids, n):
+    """n greedy tokens, the engine driven directly (argmax of its logits, no stop tokens)."""
+    from splitgemma.engine import open_arena
+    arena = open_arena(model, 1)
+    logits = model.prefill(arena, 0, ids)
+    out = []
+    for i in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = model.decode(arena, [0], [out[-1]], [len(ids) + i])[0]
+    return out
+
+
+def engine_sampled(model, ids, n, seed, **kw):
+    from splitgemma.engine import open_arena, sample
+    arena = open_arena(model, 1)
+    logits = model.prefill(arena, 0, ids)
+    out, state = [], seed
+    for i in range(n):
+        s = sample(logits, rng_state=state, **kw)
+        out.append(s.token)
+        state = s.rng_state
+        logits = model.decode(arena, [0], [s.token], [len(ids) + i])[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- generate
+
+def test_generate_greedy_equals_engine(capsys, engine):
+    want = engine_greedy(engine, PROMPT, 24)
+    got = generate_json(capsys, "--tokens", ",".join(map(str, PROMPT)), "--max-tokens", 24, "--ignore-eos")
+    assert got["tokens"] == want
+    assert got["finish_reason"] == "length"
+
+
+def test_generate_json_shape(capsys):
+    got = generate_json(capsys, "--tokens", ",".join(map(str, PROMPT)), "--max-tokens", 5, "--logprobs", 3,
+                        "--ignore-eos")
+    assert set(got) >= {"tokens", "text", "logprobs", "finish_reason", "timings", "prompt_tokens"}
+    assert got["prompt_tokens"] == len(PROMPT) and len(got["tokens"]) == 5
+    assert all(isinstance(t, int) for t in got["tokens"])
+    # the tokenizer beside the model decodes the ids: its synthetic vocabulary names id i "w<i>"
+    assert got["text"] == " ".join(f"w{t}" for t in got["tokens"])
+    assert [lp["token"] for lp in got["logprobs"]] == got["tokens"]
+    for lp in got["logprobs"]:
+        assert lp["logprob"] <= 0 and len(lp["top_logprobs"]) == 3
+        # greedy: the chosen token is the likeliest
+        assert lp["top_logprobs"][0] == {"token": lp["token"], "logprob": lp["logprob"]}
+    t = got["timings"]
+    assert t["prefill_s"] > 0 and t["decode_steps"] == 4 and t["decode_tok_s"] > 0
+
+
+def test_generate_sampling_is_seeded(capsys, engine):
+    args = ("--tokens", ",".join(map(str, PROMPT)), "--max-tokens", 16, "--ignore-eos", "--temperature", "1.5",
+            "--top-k", "50", "--top-p", "0.9")
+    a = generate_json(capsys, *args, "--seed", 1234)
+    b = generate_json(capsys, *args, "--seed", 1234)
+    c = generate_json(capsys, *args, "--seed", 1235)
+    assert a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
+    assert a["tokens"] != c["tokens"]
+    assert a["tokens"] == engine_sampled(engine, PROMPT, 16, 1234, temperature=1.5, top_k=50, top_p=0.9)
+    assert a["tokens"] != engine_greedy(engine, PROMPT, 16)
+
+
+def test_generate_tokens_from_npy(capsys, tmp_path):
+    path = tmp_path / "ids.npy"
+    np.save(path, np.array(PROMPT, dtype=np.int64))
+    a = generate_json(capsys, "--tokens", path, "--max-tokens", 6)
+    b = generate_json(capsys, "--tokens", ",".join(map(str, PROMPT)), "--max-tokens", 6)
+    assert a["tokens"] == b["tokens"] and a["prompt_tokens"] == len(PROMPT)
+
+
+def test_generate_prompt_with_fixture_tokenizer(capsys, engine):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(TAME / "tokenizer.json"))
+    prompt = "w5 w17 w300 w42 w999 w8"
+    ids = tok.encode(prompt).ids
+    assert ids == [5, 17, 300, 42, 999, 8]
+    want = engine_greedy(engine, ids, 10)
+    got = generate_json(capsys, "--prompt", prompt, "--max-tokens", 10, "--ignore-eos")
+    assert got["tokens"] == want and got["prompt_tokens"] == 6
+    assert got["text"] == tok.decode(want)
+    # plain mode streams the same text, then a newline; the summary goes to stderr
+    rc, out, err = cli(capsys, "generate", "--model", FGM, "--prompt", prompt, "--max-tokens", 10, "--ignore-eos")
+    assert rc == 0 and out == got["text"] + "\n" and "finish: length" in err
+
+
+def test_generate_stops_at_stop_token(capsys, tmp_path, engine):
+    """The stop tokens come from the config beside the model: name a later greedy token as eos."""
+    prompt = [int(t) for t in REF["prompt_ids"]]  # chosen (README) for its many distinct greedy tokens
+    want = engine_greedy(engine, prompt, 8)
+    j = next(i for i in range(1, 8) if want[i] not in want[:i])  # the first new token after the first
+    stop = want[j]
+    model = tmp_path / "m.fgm"
+    shutil.copy(FGM, model)
+    shutil.copy(TAME / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [stop, 1]}))
+    ids = ",".join(map(str, prompt))
+    rc, out, err = cli(capsys, "generate", "--model", model, "--tokens", ids, "--max-tokens", 8, "--json")
+    got = json.loads(out)
+    assert got["tokens"] == want[:j + 1] and got["finish_reason"] == "stop" and got["stop_token"] == stop
+    assert got["text"] == " ".join(f"w{t}" for t in want[:j])  # the stop token's text is not emitted
+    got = json.loads(cli(capsys, "generate", "--model", model, "--tokens", ids, "--max-tokens", 8, "--json",
+                         "--ignore-eos")[1])
+    assert got["tokens"] == want and got["finish_reason"] == "length"
+
+
+def test_generate_stops_at_the_context(capsys, engine):
+    got = generate_json(capsys, "--tokens", ",".join(map(str, PROMPT)), "--max-tokens", 50, "--ignore-eos",
+                        "--max-context", len(PROMPT) + 3)
+    # positions len..len+2 are written by feeding tokens back; the 4th token needs no position of its own
+    assert got["finish_reason"] == "context" and len(got["tokens"]) == 4
+    assert got["tokens"] == engine_greedy(engine, PROMPT, 4)
+
+
+def test_generate_without_tokenizer(capsys, tmp_path):
+    model = tmp_path / "alone.fgm"
+    shutil.copy(FGM, model)
+    rc, out, err = cli(capsys, "generate", "--model", model, "--tokens", "2,5,9", "--max-tokens", 3, "--ignore-eos")
+    assert rc == 0 and len(out.split()) == 3 and all(t.isdigit() for t in out.split())  # ids, streamed
+    rc, out, err = cli(capsys, "generate", "--model", model, "--prompt", "w5", "--max-tokens", 3)
+    assert rc == 1 and "no tokenizer found" in err and "--tokenizer" in err
+    rc, out, err = cli(capsys, "generate", "--model", model, "--prompt", "w5 w6", "--max-tokens", 2, "--tokenizer",
+                       TAME / "tokenizer.json", "--ignore-eos", "--json")
+    assert rc == 0 and json.loads(out)["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "/nonexistent/model.fgm", "--tokens", "1,2"], "cannot open"),
+    (["--model", FGM, "--tokens", "1,x,3"], "'x' is not an integer token id"),
+    (["--model", FGM, "--tokens", "1,,3"], "is not an integer token id"),
+    (["--model", FGM, "--tokens", "5,1024"], "token id 1024 at index 1 is outside the vocabulary [0, 1024)"),
+    (["--model", FGM, "--tokens", "-3"], "token id -3 at index 0 is outside the vocabulary"),
+    (["--model", FGM, "--tokens", "99999999999999999999999"], "outside the vocabulary"),
+    (["--model", FGM, "--tokens", "/nonexistent/ids.npy"], "cannot read token ids"),
+    (["--model", FGM, "--tokens", ",".join(["7"] * 20), "--max-context", "16"],
+     "the prompt has 20 tokens, more than the context of 16"),
+    (["--model", FGM, "--tokens", "1,2", "--temperature", "-1"], "--temperature must be"),
+    (["--model", FGM, "--tokens", "1,2", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--model", FGM, "--tokens", "1,2", "--logprobs", "2000"], "--logprobs must be in [0, 1024]"),
+    (["--model", FGM, "--tokens", "1,2", "--weights", "int5"], "weights policy"),
+])
+def test_generate_errors(capsys, argv, message):
+    rc, out, err = cli(capsys, "generate", "--max-tokens", 4, *argv)
+    assert rc == 1 and out == ""
+    assert err.startswith("splitgemma: error: ") and message in err
+
+
+def test_generate_npy_of_floats_refused(capsys, tmp_path):
+    path = tmp_path / "f.npy"
+    np.save(path, np.array([1.0, 2.0]))
+    rc, _, err = cli(capsys, "generate", "--model", FGM, "--tokens", path, "--max-tokens", 2)
+    assert rc == 1 and "expected a 1-D integer array" in err
+
+
+def test_errors_from_the_command_line_have_no_traceback(tmp_path):
+    for argv in (["generate", "--model", str(tmp_path / "missing.fgm"), "--tokens", "1", "--max-tokens", "1"],
+                 ["generate", "--model", FGM, "--tokens", "4096", "--max-tokens", "1"]):
+        p = subprocess.run([sys.executable, "-m", "splitgemma", *argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and "Traceback" not in p.stderr and "splitgemma: error:" in p.stderr, p.stderr
+
+
+# --------------------------------------------------------------------------------------------------- score
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_score_matches_reference(capsys, tmp_path, monkeypatch, report, weights):
+    """Logits of every prompt position against transformers run on the weights decoded from the .fgm."""
+    ids = tmp_path / "ids.npy"
+    np.save(ids, REF["prompt_ids"])
+    out = tmp_path / "logits.npy"
+    monkeypatch.setenv("FGM_WEIGHTS", weights)
+    rc, stdout, err = cli(capsys, "score", "--model", FGM, "--tokens", ids, "--out", out)
+    assert rc == 0, err
+    got = np.load(out)
+    want = REF[f"fgm_{weights}_logits"]
+    assert got.dtype == np.float32 and got.shape == want.shape == (40, 1024)
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    report(f"score mini-e2b-tame {weights}: cosine min {cos.min():.5f} mean {cos.mean():.5f}, argmax agreement "
+           f"{(got.argmax(1) == want.argmax(1)).mean():.3f}")
+    assert cos.min() >= 0.995
+
+
+def test_score_equals_engine_and_keeps_the_file_name(capsys, tmp_path):
+    from splitgemma.engine import open_arena
+    out = tmp_path / "scores.bin"  # not .npy: the name is kept as given
+    rc, _, err = cli(capsys, "score", "--model", FGM, "--tokens", ",".join(map(str, PROMPT)), "--out", out,
+                     "--weights", "int8")
+    assert rc == 0, err
+    from splitgemma._native import Model
+    m = Model(FGM, max_context=len(PROMPT), weights="int8")
+    want = m.prefill(open_arena(m, 1), 0, PROMPT, all_logits=True)
+    np.testing.assert_array_equal(np.load(out), want)
+    rc, _, err = cli(capsys, "score", "--model", FGM, "--tokens", "3,1024", "--out", out)
+    assert rc == 1 and "outside the vocabulary" in err
+
+
+# --------------------------------------------------------------------------------------------------- bench
+
+def test_bench_json_shape(capsys):
+    rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "24,48", "--batches", "1,3",
+                       "--context", 20, "--steps", 3, "--repeats", 2, "--threads", 2, "--ignore-load", "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    backend = r["backend"]
+    assert backend in ("amx", "vnni", "avx2") and r["threads"] == 2
+    assert set(r["limits"]) == {f"{backend}_int8_tops", "dram_read_gbs"}
+    assert all(v > 0 for v in r["limits"].values())
+    assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
+    assert [(d["batch"], d["context"]) for d in r["decode"]] == [(1, 20), (3, 20)]
+    for row in r["prefill"] + r["decode"]:
+        assert row["tok_s_min"] <= row["tok_s"] <= row["tok_s_max"] and len(row["seconds"]) == 2
+    assert all(0 < p["ratio_to_peak"] and p["gemm_macs"] > 0 for p in r["prefill"])
+    assert all(0 < d["ratio_to_dram"] and d["weight_bytes_per_step"] > 0 for d in r["decode"])
+    assert {"start", "max", "limit"} <= set(r["load"])
+
+
+def test_bench_refuses_a_loaded_machine(capsys, monkeypatch):
+    import os
+    monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 1.0, 1.0))
+    rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "8", "--batches", "1", "--json")
+    assert rc == 1 and out == "" and "load average" in err and "--ignore-load" in err
+
+
+def test_bench_work_model():
+    """GEMM multiply-adds and decode bytes from the tensor table: one token runs every linear on one row; each
+    further token adds the same cost (the layers before the first KV-shared one); decode bytes follow the weight
+    policy's choice of copy."""
+    from splitgemma._native import FgmFile
+    from splitgemma.commands.bench import _linears, decode_step_bytes, prefill_macs
+    f = FgmFile(FGM)
+    cfg = json.loads(f.header_json)["config"]
+    lin = _linears(f)
+    all_nk = sum(f.tensor_info(n)["shape"][0] * f.tensor_info(n)["shape"][1] for n in f.tensor_names
+                 if f.tensor_info(n)["dtype"] in ("q8c", "q4g") and not n.endswith(".i8"))
+    assert prefill_macs(lin, cfg, 1) == all_nk
+    step = prefill_macs(lin, cfg, 2) - prefill_macs(lin, cfg, 1)
+    assert prefill_macs(lin, cfg, 10) == all_nk + 9 * step
+    assert 0 < step < all_nk  # the shortcut skips layers 4 and 5, the LM head and their projection rows
+    int4 = decode_step_bytes(lin, "int4", 8, 8)
+    int8 = decode_step_bytes(lin, "int8", 8, 8)
+    assert int4 < int8
+    assert decode_step_bytes(lin, "auto:16", 8, 8) == int4 and decode_step_bytes(lin, "auto:16", 16, 16) == int8
+    assert decode_step_bytes(lin, "int4", 8, 4) == 2 * int4  # two passes
+    i8 = sum(f.tensor_info(n)["nbytes"] for n in f.tensor_names if n.endswith(".i8") or n.endswith(".i8.scale"))
+    q4 = sum(f.tensor_info(n[: -len(".i8")])["nbytes"] + f.tensor_info(n[: -len(".i8")] + ".scale")["nbytes"]
+             for n in f.tensor_names if n.endswith(".i8"))
+    assert int8 - int4 == i8 - q4
