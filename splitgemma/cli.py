@@ -9,6 +9,7 @@ import sys
 from splitgemma import __version__
 from splitgemma.commands import CommandError
 from splitgemma.commands import convert, inspect, random_model
+from splitgemma.commands import generate, score, bench
 from splitgemma.commands import gateway
 from splitgemma.commands import up
 
@@ -16,6 +17,7 @@ COMMANDS = (
     convert,
     inspect,
     random_model,
+    generate, score, bench,
     gateway,
     up,
 )
