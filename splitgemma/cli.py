@@ -10,6 +10,8 @@ from splitgemma import __version__
 from splitgemma.commands import CommandError
 from splitgemma.commands import convert, inspect, random_model
 from splitgemma.commands import generate, score, bench
+from splitgemma.commands import decode
+from splitgemma.commands import prefill
 from splitgemma.commands import gateway
 from splitgemma.commands import up
 
@@ -18,6 +20,8 @@ COMMANDS = (
     inspect,
     random_model,
     generate, score, bench,
+    prefill,
+    decode,
     gateway,
     up,
 )

@@ -1,0 +1,366 @@
+"""The decode worker: owns the shared-memory KV arena and its slot leases, verifies each prefill handoff and
+decodes every running sequence in one continuous batch (protos/splitgemma/v1/serving.proto, service Decode).
+
+Threads: the gRPC server runs on one asyncio loop; the batch loop runs on its own thread (services/decode/batch.py)
+and the engine releases the GIL while it computes, so the loop keeps answering (health, Reserve, Stats) during a
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+import grpc
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
+from splitgemma.services.decode.slots import Claim, SlotTable
+from splitgemma.engine import Sample
+from splitgemma.serving import telemetry
+from splitgemma.serving.detokenize import TextStream
+from splitgemma.serving.shm_arena import ShmArena, request_key
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, on_signals,
+                                       open_model, sampling_kwargs, setup_logging, start_metrics, worker_id)
+from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitgemma.decode")
+
+# Gemma 4's stop tokens (<eos>, <turn|>, <|tool_response>) when no config beside the model file names them.
+GEMMA4_STOP_TOKENS = (1, 106, 50)
+MAX_LEASE_MS = 3_600_000
+_FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
+
+
+def model_stop_tokens(model_path: str) -> tuple[tuple[int, ...], str]:
+    """The model's stop token ids and where they came from: eos_token_id of generation_config.json, else of
+    config.json (top level or text_config) beside the model file, else Gemma 4's."""
+    folder = Path(model_path).parent
+    for name in ("generation_config.json", "config.json"):
+        f = folder / name
+        try:
+            cfg = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for c in (cfg, cfg.get("text_config") or {}):
+            eos = c.get("eos_token_id") if isinstance(c, dict) else None
+            if isinstance(eos, int):
+                eos = [eos]
+            if isinstance(eos, list) and eos and all(isinstance(t, int) and t >= 0 for t in eos):
+                return tuple(eos), str(f)
+    return GEMMA4_STOP_TOKENS, "Gemma 4 default"
+
+
+class DecodeMetrics:
+    def __init__(self, registry: CollectorRegistry, table: SlotTable):
+        self.requests = Counter("splitgemma_decode_requests", "Generate calls by outcome", ["outcome"],
+                                registry=registry)
+        self.tokens = Counter("splitgemma_decode_tokens", "tokens generated (first tokens included)",
+                              registry=registry)
+        self.batch = Histogram("splitgemma_decode_batch_size", "sequences per decode step",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+        self.step_seconds = Histogram("splitgemma_decode_step_seconds", "Model.decode time per step",
+                                      buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
+                                      registry=registry)
+        self.verify_seconds = Histogram("splitgemma_decode_handoff_verify_seconds",
+                                        "slot header + checksum verification per admitted handoff",
+                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1),
+                                        registry=registry)
+        self.leases_expired = Counter("splitgemma_decode_leases_expired", "leases revoked unclaimed",
+                                      registry=registry)
+        slots = Gauge("splitgemma_decode_slots", "KV slots by state", ["state"], registry=registry)
+        for state in ("free", "leased", "running", "quarantine"):
+            slots.labels(state=state).set_function(lambda st=state: table.counts()[st])
+
+    def step(self, seconds: float, batch: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.batch.observe(batch)
+        self.tokens.inc(batch)
+
+
+class DecodeServicer(pb_grpc.DecodeServicer):
+    def __init__(self, *, model, arena: ShmArena, table: SlotTable, batch: BatchLoop, metrics: DecodeMetrics,
+                 worker: str, tokenizer, stop_tokens, lease_ms: int, tracer):
+        self.model = model
+        self.shm = arena
+        self.table = table
+        self.batch = batch
+        self.metrics = metrics
+        self.worker_id = worker
+        self.tokenizer = tokenizer
+        self.stop_tokens = frozenset(stop_tokens)
+        self.lease_ms = lease_ms
+        self.tracer = tracer
+        self.model_name = Path(model.path).stem
+        self.draining = False
+        self.admissions_refused = 0
+        self.streams = 0  # Generate calls in progress
+
+    # --------------------------------------------------------------------------------------------------------
+
+    async def Reserve(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
+        ctx = self.model.max_context
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if request.prompt_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be at least 1")
+        if request.prompt_tokens + request.max_tokens > ctx:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt_tokens {request.prompt_tokens} + max_tokens {request.max_tokens} exceeds "
+                                f"the slot context {ctx}")
+        if request.lease_ms > MAX_LEASE_MS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lease_ms {request.lease_ms} exceeds the maximum {MAX_LEASE_MS}")
+        lease_ms = request.lease_ms or self.lease_ms
+        s = self.table.reserve(request.request_id, request.max_tokens, lease_ms / 1000, time.time())
+        if s is None:
+            counts = self.table.counts()
+            # Half a lease is a fair guess of when a slot frees up when all are merely leased; running
+            # sequences free theirs much sooner.
+            retry_ms = 200 if counts["running"] else max(200, lease_ms // 2)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"no free KV slot ({counts['leased']} leased, {counts['running']} running, "
+                                f"{counts['quarantine']} quarantined of {self.table.n_slots}); "
+                                f"retry-after-ms={retry_ms}",
+                                trailing_metadata=(("retry-after-ms", str(retry_ms)),))
+        log.info("reserved", extra={"request_id": request.request_id, "slot": s.index, "generation": s.generation})
+        return self._lease(s)
+
+    def _lease(self, s) -> pb.Lease:
+        return pb.Lease(worker_id=self.worker_id, arena_path=self.shm.path, slot=s.index, generation=s.generation,
+                        deadline_unix_ms=int(s.deadline * 1000), layout_signature=self.model.layout_signature,
+                        n_slots=self.shm.n_slots, slot_bytes=self.shm.slot_bytes,
+                        max_context=self.model.max_context, chunk=self.model.chunk)
+
+    async def Release(self, request, context):
+        lease = request.lease
+        if lease.worker_id != self.worker_id or lease.slot >= self.table.n_slots:
+            return pb.ReleaseResponse(released=False)
+        released = self.table.release(lease.slot, lease.generation, request.request_id, time.time())
+        log.info("release", extra={"request_id": request.request_id, "slot": lease.slot, "released": released})
+        return pb.ReleaseResponse(released=released)
+
+    async def Stats(self, request, context):
+        c = self.table.counts()
+        st = self.batch.stats
+        return pb.DecodeStats(worker_id=self.worker_id, slots_total=self.table.n_slots, slots_leased=c["leased"],
+                              slots_running=c["running"], slots_quarantined=c["quarantine"], steps=st.steps,
+                              tokens_generated=st.tokens, max_batch_seen=st.max_batch_seen,
+                              leases_expired=self.table.leases_expired,
+                              admissions_refused=self.admissions_refused, backend=self.model.backend,
+                              model=self.model.path, layout_signature=self.model.layout_signature)
+
+    # --------------------------------------------------------------------------------------------------------
+
+    async def Generate(self, request, context):
+        rid = request.request_id
+        span = self.tracer.start_span("decode.generate", attributes={
+            **gen_ai_request_attributes(self.model_name, rid, request.sampling, request.max_tokens),
+            "gen_ai.usage.input_tokens": request.prompt_tokens})
+        seq = None
+        self.streams += 1
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                seq = await self._admit(request, context)
+            while True:
+                item = await seq.queue.get()
+                if isinstance(item, StreamError):
+                    telemetry.set_gen_ai_error(span, item.code, str(item))
+                    self.metrics.requests.labels(outcome="error").inc()
+                    await context.abort(getattr(grpc.StatusCode, item.code), str(item))
+                yield item
+                if item.finish_reason:
+                    name = _FINISH_NAMES[item.finish_reason]
+                    self.metrics.requests.labels(outcome=name).inc()
+                    telemetry.set_gen_ai_response(span, finish_reasons=[name], output_tokens=item.completion_tokens)
+                    log.info("generate finished", extra={"request_id": rid, "slot": seq.slot, "finish": name,
+                                                         "completion_tokens": item.completion_tokens})
+                    return
+        finally:
+            if seq is not None and not seq.done:
+                # The caller went away (cancelled the stream): the sequence leaves the batch at the next step.
+                self.batch.cancel(seq)
+                self.metrics.requests.labels(outcome="cancelled").inc()
+                log.info("generate cancelled by the caller", extra={"request_id": rid, "slot": seq.slot})
+            self.streams -= 1
+            span.end()
+
+    async def _admit(self, request, context) -> Sequence:
+        rid, lease = request.request_id, request.lease
+        with self.tracer.start_as_current_span("decode.admit", attributes={"gen_ai.response.id": rid}) as span:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
+            if lease.worker_id != self.worker_id or lease.arena_path != self.shm.path:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"the lease is for worker {lease.worker_id!r} ({lease.arena_path}); this is "
+                                    f"{self.worker_id!r} ({self.shm.path})")
+            if lease.slot >= self.table.n_slots:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"slot {lease.slot} out of range (0..{self.table.n_slots - 1})")
+            verdict, slot = self.table.claim(lease.slot, lease.generation, rid, time.time())
+            if verdict is Claim.UNKNOWN:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"no live lease on slot {lease.slot} with generation {lease.generation} for "
+                                    f"request {rid!r} (released, finished or never issued)")
+            if verdict is Claim.EXPIRED:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"the lease on slot {lease.slot} (generation {lease.generation}) expired")
+            if verdict is Claim.MISMATCH:
+                self.admissions_refused += 1
+                self.metrics.requests.labels(outcome="refused").inc()
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"slot {lease.slot} is held by another lease (the presented generation "
+                                    f"{lease.generation} / request id do not match it): stale or forged lease")
+            try:
+                seq = await self._build(request, slot, context)
+            except BaseException:
+                self.table.refuse(lease.slot, time.time())
+                raise
+            span.set_attribute("splitgemma.slot", lease.slot)
+        self.table.attach(lease.slot, seq)
+        try:
+            self.batch.admit(seq)
+        except StreamError as e:
+            self.table.refuse(lease.slot, time.time())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        log.info("admitted", extra={"request_id": rid, "slot": lease.slot, "prompt_tokens": request.prompt_tokens})
+        return seq
+
+    async def _build(self, request, slot, context) -> Sequence:
+        rid, lease = request.request_id, request.lease
+        try:
+            sampling = sampling_kwargs(request.sampling)
+            if request.first_token.token_id >= self.model.vocab_size:
+                raise InvalidRequest(f"first_token {request.first_token.token_id} is outside the vocabulary "
+                                     f"(0..{self.model.vocab_size - 1})")
+            if request.stop and self.tokenizer is None:
+                raise InvalidRequest("stop strings need a tokenizer; this decode worker runs without one "
+                                     "(start it with --tokenizer)")
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            # Off the event loop: the checksum reads every live K/V row (milliseconds for a long E2B prompt).
+            seconds = await asyncio.to_thread(self._verify, lease.slot, request_key(rid), lease.generation)
+            n = self.shm.arena.n_tokens(lease.slot)
+            if n != request.prompt_tokens:
+                raise ValueError(f"slot {lease.slot}: the header holds {n} positions, the request says "
+                                 f"prompt_tokens {request.prompt_tokens}")
+        except ValueError as e:
+            self.admissions_refused += 1
+            self.metrics.requests.labels(outcome="refused").inc()
+            log.warning("handoff refused", extra={"request_id": rid, "slot": lease.slot, "reason": str(e)})
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handoff refused: {e}")
+        self.metrics.verify_seconds.observe(seconds)
+        first = request.first_token
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self.stop_tokens
+        return Sequence(
+            request_id=rid, slot=lease.slot, prompt_tokens=request.prompt_tokens,
+            first=Sample(first.token_id, request.rng_state, first.logprob,
+                         [(t.token_id, t.logprob) for t in first.top_logprobs]),
+            sampling=sampling, rng_state=request.rng_state, max_tokens=request.max_tokens or slot.max_tokens,
+            max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
+            text=TextStream(self.tokenizer, request.stop) if self.tokenizer is not None else None,
+            token_name=self._token_name, queue=asyncio.Queue())
+
+    def _verify(self, slot: int, key: int, generation: int) -> float:
+        t0 = time.perf_counter()
+        self.shm.arena.verify(slot, key, generation)
+        return time.perf_counter() - t0
+
+    def _token_name(self, token_id: int) -> str:
+        name = self.tokenizer.id_to_token(token_id) if self.tokenizer is not None else None
+        return name if name is not None else str(token_id)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+async def _sweep_leases(table: SlotTable, metrics: DecodeMetrics, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        for s in table.tick(time.time()):
+            metrics.leases_expired.inc()
+            log.info("lease expired", extra={"request_id": s.request_id, "slot": s.index,
+                                             "generation": s.generation})
+
+
+def _load_tokenizer(args):
+    from splitgemma.serving.tokenizer import TokenizerNotFound, load_tokenizer
+    try:
+        return load_tokenizer(args.model, args.tokenizer)
+    except TokenizerNotFound as e:
+        if args.tokenizer is not None:
+            raise
+        log.warning("running without a tokenizer: token texts stay empty and stop strings are refused",
+                    extra={"reason": str(e)})
+        return None
+
+
+async def serve(args) -> int:
+    wid = args.worker_id or worker_id("decode")
+    setup_logging("decode", wid, args.log_level)
+    tel = telemetry.setup_telemetry("splitgemma-decode")
+    loop = asyncio.get_running_loop()
+    model = open_model(args, max_batch=args.max_batch)
+    tokenizer = _load_tokenizer(args)
+    stop_tokens, stop_source = model_stop_tokens(args.model)
+    shm = ShmArena.create(model, args.slots, wid, args.shm_dir)
+    task = None
+    try:
+        table = SlotTable(args.slots, args.lease_grace_ms / 1000)
+        registry = CollectorRegistry()
+        metrics = DecodeMetrics(registry, table)
+        batch = BatchLoop(model, shm.arena, table, loop, metrics)
+        servicer = DecodeServicer(model=model, arena=shm, table=table, batch=batch, metrics=metrics, worker=wid,
+                                  tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
+                                  tracer=tel.tracer)
+        server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
+                            lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv))
+        start_metrics(args.metrics_port, args.host, registry)
+        await server.server.start()
+        batch.start()
+        tick = min(args.lease_ms, args.lease_grace_ms or args.lease_ms) / 4000
+        task = asyncio.create_task(_sweep_leases(table, metrics, min(0.5, max(0.01, tick))))
+        await server.set_serving(True)
+        log.info("decode worker ready", extra={
+            "port": server.port, "arena": shm.path, "slots": args.slots, "slot_bytes": shm.slot_bytes,
+            "max_context": model.max_context, "chunk": model.chunk, "backend": model.backend,
+            "weights": model.weights, "threads": model.threads, "model": model.path,
+            "layout_signature": f"{model.layout_signature:016x}", "stop_tokens": list(stop_tokens),
+            "stop_tokens_from": stop_source, "tokenizer": tokenizer is not None})
+
+        stop = asyncio.Event()
+        signals: list[str] = []
+
+        def on_signal(name: str) -> None:
+            signals.append(name)
+            stop.set()
+
+        on_signals(loop, on_signal)
+        await stop.wait()
+        log.info("draining", extra={"signal": signals[0], "streams": servicer.streams})
+        servicer.draining = True
+        await server.set_serving(False)
+        # Finish the running streams, bounded; a second signal cuts the wait short.
+        deadline = time.monotonic() + args.drain_seconds
+        while servicer.streams and time.monotonic() < deadline and len(signals) < 2:
+            await asyncio.sleep(0.02)
+        batch.stop()
+        await server.server.stop(grace=1.0)
+    finally:
+        if task is not None:
+            task.cancel()
+        shm.close()
+        tel.shutdown()
+    log.info("decode worker stopped")
+    return 0

@@ -1,0 +1,169 @@
+"""The decode worker's slot leases: which KV slot is free, leased (reserved, waiting for its prefill and
+Generate), running (in the decode batch) or quarantined.
+
+A lease is (slot, generation). Every reservation takes a new generation from one counter that starts at a random
+value per process, so a lease from an earlier reservation of the slot, or from an earlier run of a worker with
+the same id, never matches.
+
+Quarantine: a slot whose lease ends without a verified handoff (released, expired, refused) may still have a
+prefill writing into it: the prefill worker checks the lease deadline and its caller's cancellation only between
+chunks. Such a slot is held back for `grace_s` before it can be leased again, so a late chunk cannot land in
+the next owner's K/V. A slot freed after a verified run has no writer but us and is free at once.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import threading
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+
+class State(enum.Enum):
+    FREE = "free"
+    LEASED = "leased"
+    RUNNING = "running"  # claimed by a Generate (being verified, or in the batch)
+    QUARANTINE = "quarantine"
+
+
+class Claim(enum.Enum):
+    OK = "ok"
+    UNKNOWN = "unknown"  # no such live lease (never issued, released, finished)
+    EXPIRED = "expired"
+    MISMATCH = "mismatch"  # the slot is leased or running under another generation or request id
+
+
+@dataclass
+class Slot:
+    index: int
+    state: State = State.FREE
+    generation: int = 0
+    request_id: str = ""
+    deadline: float = 0.0  # unix seconds: the lease is revoked after this unless claimed
+    max_tokens: int = 0  # as reserved
+    free_at: float = 0.0  # unix seconds: end of quarantine
+    sequence: object = None  # the running sequence (cancel() on Release)
+    released: bool = False  # Release came while the Generate was still being admitted
+
+
+_EXPIRED_MEMORY = 4096  # expired leases remembered, to answer DEADLINE_EXCEEDED rather than NOT_FOUND
+
+
+class SlotTable:
+    def __init__(self, n_slots: int, grace_s: float):
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._slots = [Slot(i) for i in range(n_slots)]
+        # Free slots in the order they were freed: the longest-free is leased first.
+        self._free = deque(range(n_slots))
+        self._generation = secrets.randbits(48)
+        self._expired: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.leases_expired = 0
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    def reserve(self, request_id: str, max_tokens: int, lease_s: float, now: float) -> Slot | None:
+        """Lease the longest-free slot; a copy of its lease, or None when every slot is taken."""
+        with self._lock:
+            if not self._free:
+                return None
+            s = self._slots[self._free.popleft()]
+            self._generation += 1
+            s.state, s.generation, s.request_id = State.LEASED, self._generation, request_id
+            s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
+            return Slot(**vars(s))
+
+    def claim(self, slot: int, generation: int, request_id: str, now: float) -> tuple[Claim, Slot | None]:
+        """Move a live lease to RUNNING for its Generate. Returns the verdict and a copy of the slot."""
+        with self._lock:
+            s = self._slots[slot]
+            if s.state is State.LEASED and s.generation == generation and s.request_id == request_id:
+                if now > s.deadline:
+                    self._expire(s, now)
+                    return Claim.EXPIRED, None
+                s.state = State.RUNNING
+                return Claim.OK, Slot(**vars(s))
+            if (slot, generation) in self._expired:
+                return Claim.EXPIRED, None
+            if s.state in (State.LEASED, State.RUNNING):
+                return Claim.MISMATCH, Slot(**vars(s))
+            return Claim.UNKNOWN, None
+
+    def attach(self, slot: int, sequence) -> None:
+        """Record the admitted sequence of a claimed slot (so that Release can cancel it)."""
+        with self._lock:
+            s = self._slots[slot]
+            s.sequence = sequence
+            if s.released:
+                sequence.cancel()
+
+    def release(self, slot: int, generation: int, request_id: str, now: float) -> bool:
+        """Give a lease back. A running sequence is cancelled (the batch loop frees its slot). False when the
+        lease is not live."""
+        with self._lock:
+            s = self._slots[slot]
+            if s.generation != generation or s.request_id != request_id:
+                return False
+            if s.state is State.LEASED:
+                self._retire(s, now)
+                return True
+            if s.state is State.RUNNING:
+                if s.sequence is not None:
+                    s.sequence.cancel()
+                else:
+                    s.released = True
+                return True
+            return False
+
+    def refuse(self, slot: int, now: float) -> None:
+        """A claimed slot whose Generate was refused (bad header or request): quarantine it."""
+        with self._lock:
+            s = self._slots[slot]
+            if s.state is State.RUNNING:
+                self._retire(s, now)
+
+    def finish(self, slot: int) -> None:
+        """A running sequence ended: the slot is free at once (only the batch loop wrote it since the handoff)."""
+        with self._lock:
+            s = self._slots[slot]
+            if s.state is State.RUNNING:
+                s.state, s.sequence = State.FREE, None
+                self._free.append(s.index)
+
+    def tick(self, now: float) -> list[Slot]:
+        """Revoke leases past their deadline and end quarantines that are over. Returns the revoked leases."""
+        expired = []
+        with self._lock:
+            for s in self._slots:
+                if s.state is State.LEASED and now > s.deadline:
+                    expired.append(Slot(**vars(s)))
+                    self._expire(s, now)
+                elif s.state is State.QUARANTINE and now >= s.free_at:
+                    s.state = State.FREE
+                    self._free.append(s.index)
+        return expired
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            out = {st.value: 0 for st in State}
+            for s in self._slots:
+                out[s.state.value] += 1
+            return out
+
+    def _expire(self, s: Slot, now: float) -> None:
+        self.leases_expired += 1
+        self._expired[(s.index, s.generation)] = None
+        while len(self._expired) > _EXPIRED_MEMORY:
+            self._expired.popitem(last=False)
+        self._retire(s, now)
+
+    def _retire(self, s: Slot, now: float) -> None:
+        s.sequence = None
+        if self.grace_s > 0:
+            s.state, s.free_at = State.QUARANTINE, now + self.grace_s
+        else:
+            s.state = State.FREE
+            self._free.append(s.index)

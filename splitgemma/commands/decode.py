@@ -1,0 +1,46 @@
+"""splitgemma decode: run a decode worker (services/decode): the KV arena owner and continuous-batching decoder."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 50052
+
+
+def register(subparsers) -> None:
+    from splitgemma.commands.prefill import add_worker_options, positive_int
+    p = subparsers.add_parser(
+        "decode", help="run a decode worker (gRPC service splitgemma.v1.Decode)",
+        description="Run a decode worker: it creates the shared-memory KV arena (--slots slots under --shm-dir), "
+                    "leases its slots (Reserve), verifies each slot a prefill worker filled (Generate) and decodes "
+                    "every running sequence in one continuous batch, streaming the tokens. Also serves "
+                    "grpc.health.v1 and server reflection. SIGTERM/SIGINT: stop admitting, finish the running "
+                    "streams (at most --drain-seconds), unlink the arena.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_worker_options(p, DEFAULT_PORT, default_weights="int4")
+    p.add_argument("--slots", type=positive_int, default=8, help="KV slots in the arena (default: 8)")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="decode rows per forward pass; a larger batch runs in several passes (default: 8)")
+    p.add_argument("--lease-ms", type=positive_int, default=30000,
+                   help="how long a reserved slot waits for its Generate (default: 30000)")
+    p.add_argument("--lease-grace-ms", type=int, default=2000,
+                   help="how long a slot whose lease ended unclaimed is held back before it is leased again, "
+                        "so that a prefill chunk still in flight cannot reach the next owner (default: 2000)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json for token texts and stop strings (default: beside the model file; "
+                        "without one, texts stay empty and stop strings are refused)")
+    p.add_argument("--worker-id", default=None,
+                   help="names the arena file (default: decode-<pid>-<random>, unique per start)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import asyncio
+
+    from splitgemma.commands import CommandError
+    from splitgemma.commands.prefill import check_worker_options
+    from splitgemma.services.decode.server import serve
+
+    check_worker_options(args)
+    if args.lease_grace_ms < 0:
+        raise CommandError(f"--lease-grace-ms must be >= 0, got {args.lease_grace_ms}")
+    return asyncio.run(serve(args))

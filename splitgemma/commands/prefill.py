@@ -1,0 +1,82 @@
+"""splitgemma prefill: run a prefill worker (services/prefill): prompts into decode workers' shared-memory slots.
+
+Also defines the options both workers take (splitgemma decode imports them from here)."""
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_PORT = 50051
+
+
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def port_number(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {v}")
+    return v
+
+
+def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_weights: str) -> None:
+    """The options of both workers: the model, its slot geometry and threads, the addresses, the arena folder."""
+    p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=port_number, default=default_port,
+                   help=f"gRPC port (default: {default_port}; 0 = any free port, logged at start)")
+    p.add_argument("--max-context", type=positive_int, default=4096, metavar="C",
+                   help="positions per KV slot (default: 4096); prefill and decode workers must agree")
+    p.add_argument("--chunk", type=positive_int, default=256, metavar="N",
+                   help="prefill rows per pass, part of the slot layout (default: 256); workers must agree")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="compute threads (default: FGM_THREADS, else every CPU this process may use)")
+    p.add_argument("--weights", default=default_weights,
+                   help=f"int4, int8 or auto:M: which copy of the FFN weights with an int8 twin to use "
+                        f"(default: {default_weights})")
+    p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
+                   help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
+    p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR",
+                   help="folder of the shared-memory KV arenas; prefill and decode workers must agree "
+                        "(default: /dev/shm)")
+    p.add_argument("--metrics-port", type=port_number, default=None,
+                   help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long the work in flight may take to finish (default: 30)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def check_worker_options(args) -> None:
+    from splitgemma.commands import CommandError
+    if args.drain_seconds < 0:
+        raise CommandError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "prefill", help="run a prefill worker (gRPC service splitgemma.v1.Prefill)",
+        description="Run a prefill worker: for each Prefill call it maps the decode worker's arena named in the "
+                    "lease (a splitgemma-kv-* file directly under --shm-dir), runs the prompt into the leased slot, "
+                    "seals the slot header and returns the first token. Also serves grpc.health.v1 and server "
+                    "reflection. --max-context and --chunk must match the decode workers'.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_worker_options(p, DEFAULT_PORT, default_weights="auto:16")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import asyncio
+
+    from splitgemma.services.prefill.server import serve
+
+    check_worker_options(args)
+    return asyncio.run(serve(args))

@@ -1,0 +1,158 @@
+"""Plumbing shared by the prefill and decode workers: the model, JSON logs, the Prometheus endpoint, the gRPC
+server with health and reflection, shutdown on signals, sampling parameters. (Their command-line options are in
+splitgemma/commands/prefill.py, which `splitgemma --help` imports without loading any of this.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitgemma.serving import telemetry
+from splitgemma.v1 import serving_pb2 as pb
+
+MAX_TOP_LOGPROBS = 20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process setup
+
+
+def worker_id(kind: str) -> str:
+    """Unique per process start, also across containers where every worker is pid 1."""
+    return f"{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def open_model(args, max_batch: int):
+    from splitgemma.engine import Model
+    return Model(args.model, threads=args.threads, max_context=args.max_context, chunk=args.chunk,
+                 max_batch=max_batch, weights=args.weights, backend=args.backend)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logs: one JSON object per line on stderr, with the request id and other context as fields.
+
+_STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str, worker: str):
+        super().__init__()
+        self.service = service
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+               "level": record.levelname, "service": self.service, "worker_id": self.worker,
+               "logger": record.name, "msg": record.getMessage()}
+        for k, v in vars(record).items():
+            if k not in _STANDARD_ATTRS and not k.startswith("_"):
+                out[k] = v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(service: str, worker: str, level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service, worker))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def start_metrics(port: int | None, host: str, registry) -> None:
+    if port is None:
+        return
+    from prometheus_client import start_http_server
+    start_http_server(port, addr=host, registry=registry)
+    logging.getLogger("splitgemma.worker").info("metrics endpoint up", extra={"port": port})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gRPC server
+
+
+class GrpcServer:
+    """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`."""
+
+    def __init__(self, host: str, port: int, services: Sequence[str],
+                 add_servicers: Callable[[grpc.aio.Server], None]):
+        self.server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors())
+        add_servicers(self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.services = list(services)
+        reflection.enable_server_reflection([*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                            self.server)
+        try:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as e:  # grpc reports a failed bind this way
+            raise OSError(f"cannot listen on {host}:{port} ({e})") from None
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.services):
+            await self.health.set(name, status)
+
+
+def on_signals(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> None:
+    """Call callback(signal name) on SIGTERM and SIGINT (a second signal while stopping is the same call)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback, sig.name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sampling parameters (proto SamplingParams → splitgemma.engine.sample keywords)
+
+
+class InvalidRequest(ValueError):
+    """A request field is out of range: the message names it; the RPC answers INVALID_ARGUMENT."""
+
+
+def sampling_kwargs(p) -> dict:
+    """The sample() keywords for a proto SamplingParams (the rng state is the caller's)."""
+    if not math.isfinite(p.temperature) or p.temperature < 0:
+        raise InvalidRequest(f"sampling.temperature must be a finite number >= 0, got {p.temperature}")
+    if p.top_k < 0:
+        raise InvalidRequest(f"sampling.top_k must be >= 0, got {p.top_k}")
+    if not math.isfinite(p.top_p) or not 0 <= p.top_p <= 1:
+        raise InvalidRequest(f"sampling.top_p must be in [0, 1] (0 = no cut), got {p.top_p}")
+    if not 0 <= p.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"sampling.top_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {p.top_logprobs}")
+    return {"temperature": float(p.temperature), "top_k": int(p.top_k),
+            "top_p": float(p.top_p) if p.top_p > 0 else 1.0, "n_logprobs": int(p.top_logprobs)}
+
+
+def token_message(s) -> pb.Token:
+    """A splitgemma.engine.Sample as a proto Token (its text is the decode worker's to fill)."""
+    return pb.Token(token_id=s.token, logprob=s.logprob,
+                    top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs])
+
+
+def gen_ai_request_attributes(model: str, request_id: str, p, max_tokens: int | None = None) -> dict:
+    """gen_ai.* attributes of a worker span for one request."""
+    attrs = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": telemetry.PROVIDER_NAME,
+             "gen_ai.request.model": model, "gen_ai.response.id": request_id,
+             "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_k": p.top_k,
+             "gen_ai.request.top_p": p.top_p if p.top_p > 0 else 1.0}
+    if p.HasField("seed"):
+        attrs["gen_ai.request.seed"] = p.seed
+    if max_tokens:
+        attrs["gen_ai.request.max_tokens"] = max_tokens
+    return attrs
