@@ -64,6 +64,7 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20
     timeouts: Timeouts = field(default_factory=Timeouts)
     probe_interval: float = 0.5
+    vocab_size: int | None = None   # the model's (from its file); else the tokenizer's bounds token-id prompts
 
 
 class _RequestState:
@@ -120,7 +121,7 @@ class Gateway:
                                on_stats=self.metrics.take_decode_stats)
         self.pipelines = Pipelines(self.pool, config.timeouts, self.metrics)
         self.created = int(time.time())
-        self.vocab_size = config.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = config.vocab_size or config.tokenizer.get_vocab_size(with_added_tokens=True)
 
     # -- tokenization ----------------------------------------------------------------------------------------
 
@@ -237,6 +238,8 @@ class Gateway:
             async for index, event in self._events(state, runs):
                 render.add(index, event)
         except BaseException as e:
+            # Choices whose Generate never opened still hold their lease.
+            self.pipelines.release_all(runs)
             state.finish(_error_type(e), response_id=render.id)
             raise
         finally:

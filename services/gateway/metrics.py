@@ -34,7 +34,8 @@ class GatewayMetrics:
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.kv_slots_total = Gauge(p + "kv_slots_total", "KV slots of a decode worker (from its Stats)",
                                     ["worker"], registry=r)
-        self.kv_slots_in_use = Gauge(p + "kv_slots_in_use", "KV slots leased or running on a decode worker",
+        self.kv_slots_in_use = Gauge(p + "kv_slots_in_use",
+                                     "KV slots not free on a decode worker (leased, running or quarantined)",
                                      ["worker"], registry=r)
         self.worker_up = Gauge(p + "worker_up", "1 while a worker answers its health check SERVING",
                                ["kind", "worker"], registry=r)
@@ -42,4 +43,4 @@ class GatewayMetrics:
     def take_decode_stats(self, worker) -> None:
         s = worker.stats
         self.kv_slots_total.labels(worker=worker.address).set(s.slots_total)
-        self.kv_slots_in_use.labels(worker=worker.address).set(s.slots_leased + s.slots_running)
+        self.kv_slots_in_use.labels(worker=worker.address).set(s.slots_leased + s.slots_running + s.slots_quarantined)

@@ -7,6 +7,7 @@ frees their decode slots), and the app closes its worker channels and flushes te
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 from dataclasses import dataclass
@@ -62,7 +63,11 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
             raise
         template, reason = None, str(e)
         log.info("no chat template: the chat endpoint answers 400", extra={"reason": reason})
-    return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template,
+    vocab = None
+    if model is not None:
+        from splitgemma._native import FgmFile  # validates the file; FgmError is a ValueError
+        vocab = json.loads(FgmFile(model).header_json)["config"]["vocab_size"]
+    return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts())
