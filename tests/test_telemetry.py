@@ -46,6 +46,9 @@ class _StreamingDecode(pbg.DecodeServicer):
     async def Stats(self, request, context):
         return pb.DecodeStats(worker_id="w")
 
+    async def Release(self, request, context):
+        return pb.ReleaseResponse(released=True)
+
 
 def _serve_in_thread(server_provider, ready: threading.Event, stop: threading.Event, port_box: list):
     """The server runs on its own thread and event loop so nothing can reach it but the gRPC metadata."""
@@ -84,14 +87,15 @@ async def _call(port: int, client_provider, *, propagate: bool):
             ids = [ev.tokens[0].token_id async for ev in stub.Generate(pb.GenerateRequest(request_id="r"),
                                                                         timeout=10)]
             stats = await stub.Stats(pb.StatsRequest(), timeout=10)
-    return ids, stats
+            released = await stub.Release(pb.ReleaseRequest(request_id="r"), timeout=10)
+    return ids, stats, released
 
 
 def test_server_streaming_call_stays_in_one_trace(decode_server):
     port, server_spans = decode_server
     client_provider, client_spans = _provider()
-    ids, stats = asyncio.run(_call(port, client_provider, propagate=True))
-    assert ids == [10, 11, 12] and stats.worker_id == "w"
+    ids, stats, released = asyncio.run(_call(port, client_provider, propagate=True))
+    assert ids == [10, 11, 12] and stats.worker_id == "w" and released.released
     client_provider.force_flush()
 
     client = {s.name: s for s in client_spans.get_finished_spans()}
@@ -108,7 +112,10 @@ def test_server_streaming_call_stays_in_one_trace(decode_server):
         step = server[f"step {i}"]
         assert step.context.trace_id == trace_id
         assert step.parent.span_id == gen_server.context.span_id
-    assert server["/splitgemma.v1.Decode/Stats"].parent.span_id == client["/splitgemma.v1.Decode/Stats"].context.span_id
+    # A unary call the same way; the Stats probe is not traced on either side.
+    assert server["/splitgemma.v1.Decode/Release"].parent.span_id == \
+        client["/splitgemma.v1.Decode/Release"].context.span_id
+    assert "/splitgemma.v1.Decode/Stats" not in client and "/splitgemma.v1.Decode/Stats" not in server
     assert {s.context.trace_id for s in [*client.values(), *server.values()]} == {trace_id}
     # The client span ends only when the stream has been drained, after every server step.
     assert gen_client.end_time >= server["step 2"].end_time

@@ -191,23 +191,26 @@ def setup_telemetry(service_name: str) -> Telemetry:
 # ---------------------------------------------------------------------------------------------------------------
 # gRPC (grpc.aio)
 
-def _health_filter():
-    # Health probes (the gateway polls them) would otherwise flood the trace store with one root trace each.
-    from opentelemetry.instrumentation.grpc.filters import negate, service_name
-    return negate(service_name("grpc.health.v1.Health"))
+def _probe_filter():
+    # Health checks and Stats (the gateway polls both every half second) would otherwise flood the trace store
+    # with one root trace each.
+    from opentelemetry.instrumentation.grpc.filters import any_of, full_method_name, negate, service_name
+    return negate(any_of(service_name("grpc.health.v1.Health"), full_method_name("/splitgemma.v1.Decode/Stats"),
+                         full_method_name("/splitgemma.v1.Prefill/Stats")))
 
 
 def grpc_server_interceptors(tracer_provider=None) -> list:
-    """Interceptors for grpc.aio.server(interceptors=…): a SERVER span per RPC, child of the caller's traceparent."""
+    """Interceptors for grpc.aio.server(interceptors=…): a SERVER span per RPC, child of the caller's traceparent
+    (health checks and Stats are not traced)."""
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
-    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=_health_filter())]
+    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=_probe_filter())]
 
 
 def grpc_client_interceptors(tracer_provider=None) -> list:
     """Interceptors for grpc.aio.insecure_channel(…, interceptors=…): a CLIENT span per RPC and the current
     context injected as traceparent/tracestate/baggage metadata (all four call shapes, streaming included)."""
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
-    return aio_client_interceptors(tracer_provider=tracer_provider, filter_=_health_filter())
+    return aio_client_interceptors(tracer_provider=tracer_provider, filter_=_probe_filter())
 
 
 # ---------------------------------------------------------------------------------------------------------------
