@@ -185,10 +185,23 @@ def test_valid_requests_parse():
 # ---------------------------------------------------------------------------------------------------------------
 # Process stack
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# `python -m splitgemma ARGS` that gets SIGTERM when the test process dies (PR_SET_PDEATHSIG survives exec), so a
+# killed test run leaves no servers behind. Not a preexec_fn: forking a process that runs gRPC threads and then
+# running Python in the child before exec aborts in gRPC's fork handlers.
+SPLITGEMMA = [sys.executable, "-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
+              "os.execv(sys.executable, [sys.executable, '-m', 'splitgemma', *sys.argv[1:]])"]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open while choosing, so no port is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class _Collector:
@@ -273,18 +286,19 @@ class Stack:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.env.update(env or {})
         self.procs: dict[str, subprocess.Popen] = {}
-        self.port = _free_port()
+        ports = _free_ports(1 + n_decode + n_prefill)
+        self.port = ports.pop()
         common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(CHUNK),
                   "--threads", "1", "--shm-dir", str(self.shm)]
         self.addresses: dict[str, str] = {}
         for i in range(n_decode):
             name = "decode" if i == 0 else f"decode-{i + 1}"
-            self.addresses[name] = f"127.0.0.1:{_free_port()}"
+            self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["decode", *common, "--port", self.addresses[name].split(":")[1],
                                "--weights", DECODE_WEIGHTS, "--slots", str(slots), "--lease-grace-ms", "100"])
         for i in range(n_prefill):
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
-            self.addresses[name] = f"127.0.0.1:{_free_port()}"
+            self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["prefill", *common, "--port", self.addresses[name].split(":")[1],
                                "--weights", PREFILL_WEIGHTS])
         self.decode_addr, self.prefill_addr = self.addresses["decode"], self.addresses["prefill"]
@@ -294,14 +308,18 @@ class Stack:
                              "--port", str(self.port), *gateway_args]
         self._spawn("gateway", ["gateway", *self.gateway_args])
         self.url = f"http://127.0.0.1:{self.port}"
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()  # no process or shared-memory folder outlives a failed start
+            raise
         self.channels = {n: grpc.insecure_channel(a) for n, a in self.addresses.items()}
         self.decode = pbg.DecodeStub(self.channels["decode"])
 
     def _spawn(self, name, argv):
         log = open(self.folder / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "splitgemma", *argv], env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[name] = subprocess.Popen([*SPLITGEMMA, *argv], env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def log(self, name) -> str:
         return (self.folder / f"{name}.log").read_text(errors="replace")
@@ -729,9 +747,9 @@ def test_context_length_exceeded(stack):
 
 def test_chat_without_a_template_is_400(stack, tmp_path):
     """A second gateway on the same workers, for a model with no chat template."""
-    port = _free_port()
+    (port,) = _free_ports(1)
     log = open(tmp_path / "gw.log", "wb")
-    p = subprocess.Popen([sys.executable, "-m", "splitgemma", "gateway", "--model", str(MODEL), "--port", str(port),
+    p = subprocess.Popen([*SPLITGEMMA, "gateway", "--model", str(MODEL), "--port", str(port),
                           "--prefill", stack.prefill_addr, "--decode", stack.decode_addr], stdout=log,
                          stderr=subprocess.STDOUT, env=stack.env)
     try:

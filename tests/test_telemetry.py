@@ -227,3 +227,24 @@ def test_bad_environment_is_a_precise_error(env, message):
     r = _setup_in_subprocess(env)
     assert r.returncode != 0
     assert "TelemetryConfigError" in r.stderr and message in r.stderr
+
+
+def test_shutdown_is_bounded_when_the_collector_is_unreachable():
+    """A stopping service must not hang on exports to a collector that is gone."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = sock.getsockname()[1]   # nothing listens here once the socket is closed
+    r = _setup_in_subprocess({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
+                              "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                              "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}"}, """
+        import time
+        with t.tracer.start_as_current_span("lost"):
+            pass
+        t0 = time.monotonic()
+        flushed = t.shutdown(timeout_s=1.0)
+        print("flushed" if flushed else "gave-up", round(time.monotonic() - t0, 1))
+    """)
+    assert r.returncode == 0, r.stderr
+    verdict, seconds = r.stdout.splitlines()[-1].split()
+    assert verdict == "gave-up" and float(seconds) < 2.0

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from test_gateway import SPLITGEMMA  # up gets SIGTERM (and stops its children) if the tests die
 
 FIX = Path(__file__).parent / "fixtures"
 MODEL = FIX / "fastgemma" / "mini-e2b-tame" / "mini-e2b-tame.fgm"
@@ -57,7 +58,7 @@ def shm_dir():
 def _start(shm_dir: Path, tmp_path: Path):
     log = open(tmp_path / "up.log", "wb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    p = subprocess.Popen([sys.executable, "-m", "splitgemma", "up", "--model", str(MODEL), "--port", "0",
+    p = subprocess.Popen([*SPLITGEMMA, "up", "--model", str(MODEL), "--port", "0",
                           "--max-context", "512", "--chunk", "64", "--slots", "2", "--threads", "1",
                           "--shm-dir", str(shm_dir), "--chat-template", str(TEMPLATE), "--drain-timeout", "5"],
                          stdout=subprocess.PIPE, stderr=log, env=env)

@@ -43,7 +43,9 @@ gen_ai.server.request.duration with the buckets the conventions recommend.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
@@ -78,14 +80,27 @@ class Telemetry:
     _meter_provider: object = None
     _shut: bool = field(default=False, repr=False)
 
-    def shutdown(self) -> None:
-        """Flush and stop the exporters (idempotent). Call it before the process exits."""
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Flush and stop the exporters (idempotent), waiting at most timeout_s. Call it before the process exits.
+
+        An unreachable collector makes the SDK retry each export for up to OTEL_EXPORTER_OTLP_TIMEOUT (10 s by
+        default) per signal, so the flush runs on a daemon thread and a stopping service gives up on it after
+        timeout_s instead of hanging its shutdown. Returns False when it gave up."""
         if self._shut:
-            return
+            return True
         self._shut = True
-        for provider in (self._tracer_provider, self._meter_provider):
-            if provider is not None:
-                provider.shutdown()
+        providers = [p for p in (self._tracer_provider, self._meter_provider) if p is not None]
+        if not providers:
+            return True
+        worker = threading.Thread(target=lambda: [p.shutdown() for p in providers], name="otel-shutdown",
+                                  daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            logging.getLogger("splitgemma.telemetry").warning(
+                "telemetry not flushed: the exporters did not finish in time", extra={"timeout_s": timeout_s})
+            return False
+        return True
 
 
 _configured: Telemetry | None = None
