@@ -156,7 +156,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                               tokens_generated=st.tokens, max_batch_seen=st.max_batch_seen,
                               leases_expired=self.table.leases_expired,
                               admissions_refused=self.admissions_refused, backend=self.model.backend,
-                              model=self.model.path, layout_signature=self.model.layout_signature)
+                              model=self.model.path, layout_signature=self.model.layout_signature,
+                              max_context=self.model.max_context)
 
     # --------------------------------------------------------------------------------------------------------
 

@@ -7,9 +7,10 @@ unusable at once, so a dead worker drops out of routing (and /ready) without wai
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
 made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals.
 
-Geometry: a decode worker's slot context is learnt from the leases it grants (and forgotten when its worker id
-changes, i.e. it restarted). Requests are checked against it before any reservation once it is known, and against
-the lease they get until then.
+Geometry: a decode worker's slot context comes from its Stats (DecodeStats.max_context, read by the health probe
+before the worker counts as up) and from the leases it grants; it is forgotten when its worker id changes, i.e. it
+restarted. Requests are checked against it before any reservation, and against the lease they get when a worker's
+context is not known yet.
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class WorkerPool:
             if w.worker_id:  # restarted: its context may have changed
                 w.max_context = 0
             w.worker_id = stats.worker_id
+        if stats.max_context:
+            w.max_context = stats.max_context
         w.stats = stats
         w.pending_reserves = 0
         if self.on_stats is not None:
