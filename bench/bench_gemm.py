@@ -18,28 +18,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 
 import numpy as np
 
 from splitgemma._native import kernels as K
+from splitgemma.commands.bench import cpu_model
 
 N, K_DIM, GROUP = 6144, 1536, 256
 PREFILL_M = 512
 DECODE_M = (1, 8, 32)
 STREAM_SET_BYTES = 96 << 20  # the cycled weight copies: well above a 32 MB L3
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def random_weights(rng, dtype: str, copies: int):

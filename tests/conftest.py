@@ -1,5 +1,6 @@
 """Shared pytest fixtures: the fixture folders, .fgm files made by the project's converter (with a staleness check
-against the digest tests/tools/make_fixtures.py recorded), and the kernel backends this CPU can run."""
+against the digest tests/tools/make_fixtures.py recorded), the kernel backends this CPU can run, and private
+shared-memory folders for the services' KV arenas."""
 
 from __future__ import annotations
 
@@ -100,6 +101,14 @@ def backend(request, monkeypatch):
         pytest.skip(reason)
     monkeypatch.setenv("FGM_BACKEND", request.param)
     return request.param
+
+
+@pytest.fixture
+def shm_dir(request):
+    """A private folder for the KV arenas of the services one test starts, removed afterwards."""
+    from tools.procs import private_shm  # not at the top: it imports gRPC, which most tests do not need
+    with private_shm(request.module.__name__) as d:
+        yield d
 
 
 # Measured numbers (quantisation errors, oracle agreement) for the docs: shown in the terminal summary with -v.

@@ -16,21 +16,19 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import grpc
 import httpx
 import openai
 import pytest
 import yaml
+
+from tools.otlp_collector import OtlpCollector
+from tools.procs import LoggedProcess, free_ports, terminate, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -470,62 +468,6 @@ def test_collector_config_is_wired():
 # ---------------------------------------------------------------------------------------------------------------
 # The stack as local processes
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together while chosen)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _service_name(resource) -> str:
-    return next(a.value.string_value for a in resource.attributes if a.key == "service.name")
-
-
-class OtlpReceiver:
-    """OTLP/gRPC (what compose.yaml configures) in this process: spans and metric names per service."""
-
-    def __init__(self):
-        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as mpb
-        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as mgrpc
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tgrpc
-        self.spans: list[dict] = []
-        self.metrics: set[tuple[str, str]] = set()
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Traces(tgrpc.TraceServiceServicer):
-            def Export(self, request, context):
-                with receiver.lock:
-                    for rs in request.resource_spans:
-                        service = _service_name(rs.resource)
-                        receiver.spans += [{"service": service, "name": s.name, "trace_id": s.trace_id.hex()}
-                                           for ss in rs.scope_spans for s in ss.spans]
-                return tpb.ExportTraceServiceResponse()
-
-        class Metrics(mgrpc.MetricsServiceServicer):
-            def Export(self, request, context):
-                with receiver.lock:
-                    for rm in request.resource_metrics:
-                        service = _service_name(rm.resource)
-                        receiver.metrics |= {(service, m.name) for sm in rm.scope_metrics for m in sm.metrics}
-                return mpb.ExportMetricsServiceResponse()
-
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
-        tgrpc.add_TraceServiceServicer_to_server(Traces(), self.server)
-        mgrpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    def close(self):
-        self.server.stop(grace=None)
-
-
 def _start_order(services: dict, names: list[str]) -> list[str]:
     """`names` ordered so that every service comes after what it depends on (among `names`)."""
     order: list[str] = []
@@ -554,7 +496,7 @@ class LocalStack:
         collector = yaml.safe_load(COLLECTOR_CONFIG.read_text())
         otlp_port = collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
         self.ports = {("otel-collector", otlp_port): str(collector_port)}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, LoggedProcess] = {}
         self.exe = Path(sys.executable).parent / "splitgemma"   # the image's ENTRYPOINT
 
     def rewrite(self, text: str) -> str:
@@ -570,25 +512,18 @@ class LocalStack:
 
     def argv(self, name: str) -> list[str]:
         argv = [str(self.exe), *(self.rewrite(a) for a in self.services[name]["command"])]
-        # taskset and setpriv exec what follows them, so the pid stays the service's.
-        # The container's cpuset, where this machine has those CPUs:
+        # The container's cpuset, where this machine has those CPUs (taskset execs the service: the pid stays its).
         cpuset = self.services[name].get("cpuset")
         if cpuset and shutil.which("taskset") and cpus(cpuset) <= os.sched_getaffinity(0):
             argv = ["taskset", "-c", cpuset, *argv]
-        # SIGTERM when the test process dies, so a killed run leaves no server. Not with a preexec_fn: a fork
-        # while this process's OTLP receiver (gRPC) runs threads breaks the child's gRPC; without one, subprocess
-        # spawns with vfork, which runs no fork handlers.
-        if shutil.which("setpriv"):
-            argv = ["setpriv", "--pdeathsig", "TERM", *argv]
         return argv
 
     def log(self, name: str) -> str:
-        return (self.folder / f"{name}.log").read_text(errors="replace")
+        return self.procs[name].log()
 
     def start(self, name: str) -> None:
-        log = open(self.folder / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(self.argv(name), env=self.env(name), stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+        # Started so as to die with the test process, safely while this process's OTLP receiver (gRPC) runs threads.
+        self.procs[name] = LoggedProcess(self.argv(name), self.folder / f"{name}.log", env=self.env(name))
 
     def healthy(self, name: str) -> bool:
         hc = self.services[name]["healthcheck"]
@@ -601,11 +536,8 @@ class LocalStack:
         return r.returncode == 0
 
     def wait_healthy(self, name: str, deadline: float) -> None:
-        while not self.healthy(name):
-            p = self.procs[name]
-            assert p.poll() is None, f"{name} exited with {p.returncode}:\n{self.log(name)[-3000:]}"
-            assert time.monotonic() < deadline, f"{name} not healthy in time:\n{self.log(name)[-3000:]}"
-            time.sleep(0.25)
+        wait_until(lambda: self.healthy(name), name, deadline - time.monotonic(), watch={name: self.procs[name]},
+                   interval=0.25)
 
     def up(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -620,25 +552,8 @@ class LocalStack:
     def down(self) -> dict[str, int]:
         """SIGTERM in reverse dependency order, as `docker compose down`; the exit statuses."""
         for name in reversed(_start_order(self.services, list(self.procs))):
-            p = self.procs[name]
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(duration(self.services[name]["stop_grace_period"]))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            terminate([self.procs[name]], duration(self.services[name]["stop_grace_period"]))
         return {n: p.returncode for n, p in self.procs.items()}
-
-
-@pytest.fixture
-def shm_dir():
-    d = Path("/dev/shm") / f"sg-docker-test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
 
 
 def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
@@ -652,7 +567,7 @@ def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
                  "SPLITGEMMA_SHM_DIR": str(shm_dir)}
     port_vars = ("DECODE_PORT", "PREFILL_PORT", "GATEWAY_PORT", "DECODE_METRICS_PORT", "PREFILL_METRICS_PORT")
     variables.update(zip(port_vars, map(str, free_ports(len(port_vars)))))
-    receiver = OtlpReceiver()
+    receiver = OtlpCollector("grpc")
     stack = LocalStack(variables, receiver.port, tmp_path)
     try:
         stack.up()
@@ -692,4 +607,4 @@ def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
         by_trace.setdefault(s["trace_id"], set()).add(s["service"])
     assert expected <= {s["service"] for s in receiver.spans}
     assert sum(services == expected for services in by_trace.values()) >= 2, "chat and completion: one trace each"
-    assert ("splitgemma-gateway", "gen_ai.server.request.duration") in receiver.metrics
+    assert ("splitgemma-gateway", "gen_ai.server.request.duration") in receiver.metric_names()

@@ -12,13 +12,10 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -33,6 +30,9 @@ from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest
     parse_request
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
+from tools.otlp_collector import OtlpCollector
+from tools.procs import (SPLITGEMMA, LoggedProcess, free_ports, http_ready, shm_folder, terminate,
+                         wait_decode_idle, wait_until)
 
 FIX = Path(__file__).parent / "fixtures"
 CHAT = FIX / "chat"
@@ -185,95 +185,6 @@ def test_valid_requests_parse():
 # ---------------------------------------------------------------------------------------------------------------
 # Process stack
 
-# `python -m splitgemma ARGS` that gets SIGTERM when the test process dies (PR_SET_PDEATHSIG survives exec), so a
-# killed test run leaves no servers behind. Not a preexec_fn: forking a process that runs gRPC threads and then
-# running Python in the child before exec aborts in gRPC's fork handlers.
-SPLITGEMMA = [sys.executable, "-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
-              "os.execv(sys.executable, [sys.executable, '-m', 'splitgemma', *sys.argv[1:]])"]
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open while choosing, so no port is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class _Collector:
-    """A tiny OTLP/HTTP (protobuf) receiver: every span and metric data point the processes export."""
-
-    def __init__(self):
-        from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-        self.spans: list[dict] = []
-        self.metrics: list[tuple[str, str, object]] = []
-        lock = self.lock = threading.Lock()
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                if self.path == "/v1/traces":
-                    req = ExportTraceServiceRequest.FromString(body)
-                    with lock:
-                        for rs in req.resource_spans:
-                            service = _attr(rs.resource.attributes, "service.name")
-                            for ss in rs.scope_spans:
-                                for s in ss.spans:
-                                    collector.spans.append({
-                                        "service": service, "name": s.name, "trace_id": s.trace_id.hex(),
-                                        "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                        "kind": s.kind, "attributes": {a.key: _value(a.value) for a in s.attributes}})
-                elif self.path == "/v1/metrics":
-                    req = ExportMetricsServiceRequest.FromString(body)
-                    with lock:
-                        for rm in req.resource_metrics:
-                            service = _attr(rm.resource.attributes, "service.name")
-                            for sm in rm.scope_metrics:
-                                for m in sm.metrics:
-                                    collector.metrics.append((service, m.name, m))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def env(self) -> dict:
-        return {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_EXPORTER_OTLP_ENDPOINT": self.endpoint,
-                "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_METRIC_EXPORT_INTERVAL": "300"}
-
-    def trace(self, trace_id: str) -> list[dict]:
-        with self.lock:
-            return [s for s in self.spans if s["trace_id"] == trace_id]
-
-    def close(self):
-        self.server.shutdown()
-
-
-def _attr(attrs, key):
-    return next((_value(a.value) for a in attrs if a.key == key), None)
-
-
-def _value(v):
-    kind = v.WhichOneof("value")
-    if kind == "array_value":
-        return [_value(x) for x in v.array_value.values]
-    return getattr(v, kind) if kind else None
-
-
 class Stack:
     """decode + prefill + gateway processes on loopback (more workers on request: "decode-2", "prefill-2", …).
     Logs go to files in `folder`."""
@@ -281,12 +192,11 @@ class Stack:
     def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS,
                  n_decode: int = 1, n_prefill: int = 1):
         self.folder = folder
-        self.shm = Path("/dev/shm") / f"sg-gateway-test-{os.getpid()}-{folder.name}"
-        self.shm.mkdir()
+        self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.env.update(env or {})
-        self.procs: dict[str, subprocess.Popen] = {}
-        ports = _free_ports(1 + n_decode + n_prefill)
+        self.procs: dict[str, LoggedProcess] = {}
+        ports = free_ports(1 + n_decode + n_prefill)
         self.port = ports.pop()
         common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(CHUNK),
                   "--threads", "1", "--shm-dir", str(self.shm)]
@@ -317,26 +227,13 @@ class Stack:
         self.decode = pbg.DecodeStub(self.channels["decode"])
 
     def _spawn(self, name, argv):
-        log = open(self.folder / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([*SPLITGEMMA, *argv], env=self.env, stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs[name] = LoggedProcess([*SPLITGEMMA, *argv], self.folder / f"{name}.log", env=self.env)
 
     def log(self, name) -> str:
-        return (self.folder / f"{name}.log").read_text(errors="replace")
+        return self.procs[name].log()
 
     def wait_ready(self, timeout=60.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode}:\n{self.log(name)[-3000:]}")
-            try:
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.log(n)[-1500:] for n in self.procs))
+        wait_until(lambda: http_ready(self.url), "the stack", timeout, watch=self.procs)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60, **kw)
@@ -347,14 +244,7 @@ class Stack:
 
     def wait_idle(self, timeout=10.0) -> pb.DecodeStats:
         """Until no slot is leased, running or quarantined."""
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats()
-            if s.slots_leased == s.slots_running == s.slots_quarantined == 0:
-                return s
-            if time.monotonic() > deadline:
-                raise AssertionError(f"slots still in use: {s}")
-            time.sleep(0.05)
+        return wait_decode_idle(self.stats, timeout)
 
     def kill(self, name):
         self.procs[name].send_signal(signal.SIGKILL)
@@ -364,18 +254,8 @@ class Stack:
         for ch in getattr(self, "channels", {}).values():
             ch.close()
         # The gateway first, then the workers.
-        for name in sorted(self.procs, key=lambda n: n != "gateway"):
-            p = self.procs[name]
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            if name == "gateway":
-                p.wait(20)
-        for p in self.procs.values():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        terminate([p for n, p in self.procs.items() if n == "gateway"], 20)
+        terminate([p for n, p in self.procs.items() if n != "gateway"], 20)
         leftovers = list(self.shm.iterdir())
         for f in leftovers:  # a killed decode worker cannot unlink its arena; the next start sweeps such files
             f.unlink()
@@ -385,7 +265,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def collector():
-    c = _Collector()
+    c = OtlpCollector()
     yield c
     c.close()
 
@@ -747,22 +627,13 @@ def test_context_length_exceeded(stack):
 
 def test_chat_without_a_template_is_400(stack, tmp_path):
     """A second gateway on the same workers, for a model with no chat template."""
-    (port,) = _free_ports(1)
-    log = open(tmp_path / "gw.log", "wb")
-    p = subprocess.Popen([*SPLITGEMMA, "gateway", "--model", str(MODEL), "--port", str(port),
-                          "--prefill", stack.prefill_addr, "--decode", stack.decode_addr], stdout=log,
-                         stderr=subprocess.STDOUT, env=stack.env)
+    (port,) = free_ports(1)
+    p = LoggedProcess([*SPLITGEMMA, "gateway", "--model", str(MODEL), "--port", str(port),
+                       "--prefill", stack.prefill_addr, "--decode", stack.decode_addr], tmp_path / "gw.log",
+                      env=stack.env)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and p.poll() is None, (tmp_path / "gw.log").read_text()
-            time.sleep(0.1)
+        wait_until(lambda: http_ready(url), "the second gateway", 30, watch={"gateway": p})
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL_NAME,
                                                             "messages": [{"role": "user", "content": "w5"}]})
         err = _error(r, 400)
@@ -817,8 +688,7 @@ def test_one_trace_across_gateway_prefill_and_decode(stack, collector):
     # The GenAI server histograms reach the collector through the OTel meter.
     deadline = time.monotonic() + 10
     while True:
-        with collector.lock:
-            names = {(svc, name) for svc, name, _ in collector.metrics}
+        names = collector.metric_names()
         if {("splitgemma-gateway", "gen_ai.server.time_to_first_token"),
                 ("splitgemma-gateway", "gen_ai.server.time_per_output_token")} <= names:
             break

@@ -34,12 +34,9 @@ def model():
 
 
 @pytest.fixture
-def shm_dir():
-    """A private folder on tmpfs (as /dev/shm is in production), or on disk where there is no /dev/shm."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="sg-test-shm-", dir=base)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def shm_dir(shm_dir):
+    """conftest's private folder (on tmpfs, as /dev/shm is in production) as the str the arena API takes."""
+    return str(shm_dir)
 
 
 def _files(d: str) -> list[str]:

@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from splitgemma.serving import telemetry
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
+from tools.procs import free_ports
 
 
 def _provider():
@@ -231,10 +232,7 @@ def test_bad_environment_is_a_precise_error(env, message):
 
 def test_shutdown_is_bounded_when_the_collector_is_unreachable():
     """A stopping service must not hang on exports to a collector that is gone."""
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]   # nothing listens here once the socket is closed
+    (dead,) = free_ports(1)   # nothing listens there
     r = _setup_in_subprocess({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "otlp",
                               "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                               "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{dead}"}, """

@@ -8,13 +8,12 @@ import re
 import select
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
-import pytest
-from test_gateway import SPLITGEMMA  # up gets SIGTERM (and stops its children) if the tests die
+
+from tools.procs import SPLITGEMMA, LoggedProcess
 
 FIX = Path(__file__).parent / "fixtures"
 MODEL = FIX / "fastgemma" / "mini-e2b-tame" / "mini-e2b-tame.fgm"
@@ -45,23 +44,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.fixture
-def shm_dir():
-    d = Path("/dev/shm") / f"sg-up-test-{os.getpid()}-{time.monotonic_ns()}"
-    d.mkdir()
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
-
-
 def _start(shm_dir: Path, tmp_path: Path):
-    log = open(tmp_path / "up.log", "wb")
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    p = subprocess.Popen([*SPLITGEMMA, "up", "--model", str(MODEL), "--port", "0",
-                          "--max-context", "512", "--chunk", "64", "--slots", "2", "--threads", "1",
-                          "--shm-dir", str(shm_dir), "--chat-template", str(TEMPLATE), "--drain-timeout", "5"],
-                         stdout=subprocess.PIPE, stderr=log, env=env)
+    # up gets SIGTERM (and stops its children) if the tests die; it prints its URL on stdout when ready
+    p = LoggedProcess([*SPLITGEMMA, "up", "--model", str(MODEL), "--port", "0",
+                       "--max-context", "512", "--chunk", "64", "--slots", "2", "--threads", "1",
+                       "--shm-dir", str(shm_dir), "--chat-template", str(TEMPLATE), "--drain-timeout", "5"],
+                      tmp_path / "up.log", env=env, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 90
     line = b""
     while not line.endswith(b"\n"):

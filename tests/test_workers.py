@@ -8,10 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -29,6 +25,8 @@ from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.shm_arena import PREFIX, open_shared_arena, request_key
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
+from tools.procs import (SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm, shm_folder,
+                         terminate, wait_decode_idle, wait_until)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "fastgemma" / "mini-e2b-tame"
 FGM = FIXTURE / "mini-e2b-tame.fgm"
@@ -93,66 +91,38 @@ def test_text_stream_stop_strings():
 # Processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Worker:
     def __init__(self, kind: str, args: list[str], log: Path):
         self.kind = kind
-        self.port = _free_port()
-        self.log = log
-        self._logf = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "splitgemma", kind, "--port", str(self.port),
-                                      "--threads", "1", *args],
-                                     stdout=self._logf, stderr=subprocess.STDOUT)
+        (self.port,) = free_ports(1)
+        self.proc = LoggedProcess([*SPLITGEMMA, kind, "--port", str(self.port), "--threads", "1", *args], log)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
 
     def wait_ready(self, timeout: float = 60) -> "Worker":
-        health = health_pb2_grpc.HealthStub(self.channel)
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.kind} worker exited with {self.proc.returncode}:\n{self.log_text()}")
-            try:
-                r = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return self
-            except grpc.RpcError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"{self.kind} worker not ready after {timeout} s:\n{self.log_text()}")
+        wait_until(lambda: grpc_serving(self.channel), f"{self.kind} worker", timeout, watch={self.kind: self.proc},
+                   interval=0.05)
+        return self
 
     def log_text(self) -> str:
-        return self.log.read_text()
+        return self.proc.log()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        terminate([self.proc], 15)
         self.channel.close()
-        self._logf.close()
 
 
 @pytest.fixture(scope="module")
 def shm_dir():
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="sg-test-workers-", dir=base)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    """For the module's worker pair (replaces conftest's per-test folder)."""
+    with private_shm("workers") as d:
+        yield str(d)
 
 
 @pytest.fixture(scope="module")
 def pair(shm_dir, tmp_path_factory):
     """A decode worker (8 slots, tokenizer found beside the model, metrics on) and a prefill worker."""
     logs = tmp_path_factory.mktemp("logs")
-    metrics = {"decode": _free_port(), "prefill": _free_port()}
+    metrics = dict(zip(("decode", "prefill"), free_ports(2)))
     geometry = ["--model", str(FGM), "--max-context", str(CTX), "--chunk", str(CHUNK), "--shm-dir", shm_dir]
     d = Worker("decode", [*geometry, "--slots", "8", "--max-batch", "8", "--lease-grace-ms", "200",
                           "--metrics-port", str(metrics["decode"])], logs / "decode.log")
@@ -228,14 +198,7 @@ class Client:
 
     def wait_idle(self, timeout: float = 5) -> pb.DecodeStats:
         """Stats once no slot is leased, running or quarantined (fails after `timeout`)."""
-        end = time.monotonic() + timeout
-        while True:
-            st = self.stats()
-            if st.slots_leased == st.slots_running == st.slots_quarantined == 0:
-                return st
-            if time.monotonic() > end:
-                raise AssertionError(f"slots still in use after {timeout} s: {st}")
-            time.sleep(0.02)
+        return wait_decode_idle(self.stats, timeout)
 
 
 def tokens_of(events) -> list:
@@ -579,16 +542,10 @@ def test_metrics_endpoints(pair):
 LONG_CTX = 4096
 
 
-def _private_shm_dir(tag: str) -> str:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix=f"sg-test-{tag}-", dir=base)
-
-
 @pytest.fixture(scope="module")
 def long_dir():
-    d = _private_shm_dir("long")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with private_shm("long") as d:
+        yield str(d)
 
 
 @pytest.fixture(scope="module")
@@ -730,7 +687,7 @@ def _arena_files(d: str) -> list[str]:
 
 
 def test_kill_restart_and_drain(tmp_path):
-    shm = _private_shm_dir("kill")
+    shm = str(shm_folder("kill"))
     geometry = ["--max-context", str(LONG_CTX), "--chunk", "256", "--shm-dir", shm]
     d = Worker("decode", ["--model", str(FGM), *geometry, "--slots", "2"], tmp_path / "d1.log")
     p = Worker("prefill", ["--model", str(FGM), *geometry], tmp_path / "p1.log")

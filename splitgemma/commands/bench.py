@@ -146,6 +146,7 @@ def decode_step_bytes(linears: list[dict], policy: str, batch: int, max_rows: in
 # ---------------------------------------------------------------------------------------------------------------
 
 def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo, for the benchmarks' headers."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
