@@ -24,8 +24,9 @@ from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.shm_arena import ShmArena, request_key
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, on_signals,
-                                       open_model, sampling_kwargs, setup_logging, start_metrics, worker_id)
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes,
+                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
+                                       worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
@@ -340,24 +341,12 @@ async def serve(args) -> int:
             "layout_signature": f"{model.layout_signature:016x}", "stop_tokens": list(stop_tokens),
             "stop_tokens_from": stop_source, "tokenizer": tokenizer is not None})
 
-        stop = asyncio.Event()
-        signals: list[str] = []
+        def start_draining() -> None:
+            servicer.draining = True
 
-        def on_signal(name: str) -> None:
-            signals.append(name)
-            stop.set()
-
-        on_signals(loop, on_signal)
-        await stop.wait()
-        log.info("draining", extra={"signal": signals[0], "streams": servicer.streams})
-        servicer.draining = True
-        await server.set_serving(False)
-        # Finish the running streams, bounded; a second signal cuts the wait short.
-        deadline = time.monotonic() + args.drain_seconds
-        while servicer.streams and time.monotonic() < deadline and len(signals) < 2:
-            await asyncio.sleep(0.02)
-        batch.stop()
-        await server.server.stop(grace=1.0)
+        # Running streams finish (bounded) before the batch loop stops.
+        await serve_until_signalled(server, lambda: servicer.streams, args.drain_seconds, start_draining,
+                                    before_stop=batch.stop)
     finally:
         if task is not None:
             task.cancel()

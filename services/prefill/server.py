@@ -27,8 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from splitgemma.engine import sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena, request_key
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, on_signals, open_model,
-                                       sampling_kwargs, setup_logging, start_metrics, token_message, worker_id)
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
+                                       sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
+                                       token_message, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
@@ -240,22 +241,10 @@ async def serve(args) -> int:
             "port": server.port, "max_context": model.max_context, "chunk": model.chunk, "backend": model.backend,
             "weights": model.weights, "threads": model.threads, "model": model.path, "shm_dir": args.shm_dir,
             "layout_signature": f"{model.layout_signature:016x}"})
-        stop = asyncio.Event()
-        signals: list[str] = []
+        def start_draining() -> None:
+            servicer.draining = True
 
-        def on_signal(name: str) -> None:
-            signals.append(name)
-            stop.set()
-
-        on_signals(asyncio.get_running_loop(), on_signal)
-        await stop.wait()
-        log.info("draining", extra={"signal": signals[0], "in_flight": servicer.in_flight})
-        servicer.draining = True
-        await server.set_serving(False)
-        deadline = time.monotonic() + args.drain_seconds
-        while servicer.in_flight and time.monotonic() < deadline and len(signals) < 2:
-            await asyncio.sleep(0.02)
-        await server.server.stop(grace=1.0)
+        await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_seconds, start_draining)
     finally:
         servicer.close()
         tel.shutdown()

@@ -24,6 +24,8 @@ from splitgemma.v1 import serving_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 
+log = logging.getLogger("splitgemma.worker")
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # Process setup
@@ -81,7 +83,7 @@ def start_metrics(port: int | None, host: str, registry) -> None:
         return
     from prometheus_client import start_http_server
     start_http_server(port, addr=host, registry=registry)
-    logging.getLogger("splitgemma.worker").info("metrics endpoint up", extra={"port": port})
+    log.info("metrics endpoint up", extra={"port": port})
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -115,6 +117,32 @@ def on_signals(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None])
     """Call callback(signal name) on SIGTERM and SIGINT (a second signal while stopping is the same call)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, callback, sig.name)
+
+
+async def serve_until_signalled(server: GrpcServer, busy: Callable[[], int], drain_seconds: float,
+                                start_draining: Callable[[], None],
+                                before_stop: Callable[[], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then drain: stop admitting (start_draining(), health NOT_SERVING), let the work
+    counted by busy() finish for up to drain_seconds (a second signal cuts the wait short), run before_stop, and stop
+    the gRPC server."""
+    stop = asyncio.Event()
+    signals: list[str] = []
+
+    def on_signal(name: str) -> None:
+        signals.append(name)
+        stop.set()
+
+    on_signals(asyncio.get_running_loop(), on_signal)
+    await stop.wait()
+    log.info("draining", extra={"signal": signals[0], "busy": busy()})
+    start_draining()
+    await server.set_serving(False)
+    deadline = time.monotonic() + drain_seconds
+    while busy() and time.monotonic() < deadline and len(signals) < 2:
+        await asyncio.sleep(0.02)
+    if before_stop is not None:
+        before_stop()
+    await server.server.stop(grace=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
