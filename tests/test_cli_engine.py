@@ -250,6 +250,29 @@ def test_bench_json_shape(capsys):
     assert all(0 < p["ratio_to_peak"] and p["gemm_macs"] > 0 for p in r["prefill"])
     assert all(0 < d["ratio_to_dram"] and d["weight_bytes_per_step"] > 0 for d in r["decode"])
     assert {"start", "max", "limit"} <= set(r["load"])
+    assert all(row["load_1min"] >= 0 for row in r["prefill"] + r["decode"])
+
+
+def test_bench_text_and_rising_load_warning(capsys, monkeypatch):
+    """Started quiet, the load then rises past the limit: one warning when it first does, another when it has
+    risen by half again; the table names the load after each figure."""
+    import os
+    cpus = os.cpu_count()
+    loads = iter([0.1 * cpus, 0.1 * cpus, 0.6 * cpus, 0.7 * cpus, 1.0 * cpus])
+    last = [0.0]
+
+    def fake_loadavg():
+        last[0] = next(loads, last[0])
+        return (last[0], 0.0, 0.0)
+
+    monkeypatch.setattr(os, "getloadavg", fake_loadavg)
+    rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "16", "--batches", "1,2", "--context", 8,
+                       "--steps", 2, "--repeats", 1)
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    # loads read: start, probes (quiet), prefill 16 (0.6/CPU: over), decode 1 (0.7: not half again), decode 2 (1.0)
+    assert len(warnings) == 2 and "during prefill 16" in warnings[0] and "during decode batch 2" in warnings[1]
+    assert "prefill 16" in out and "decode B=2 @8" in out and "of peak" in out and "of DRAM" in out
 
 
 def test_bench_refuses_a_loaded_machine(capsys, monkeypatch):
