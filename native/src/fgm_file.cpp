@@ -239,6 +239,14 @@ double get_num(const FgmFile* f, const JsonValue& cfg, const char* key, double f
   return v->as_double();
 }
 
+bool get_bool(const FgmFile* f, const JsonValue& cfg, const char* key, bool fallback,
+              void (*failer)(const FgmFile*, const std::string&)) {
+  const JsonValue* v = cfg.get(key);
+  if (!v || v->kind == JsonValue::Kind::Null) return fallback;
+  if (v->kind != JsonValue::Kind::Bool) failer(f, std::string("config.") + key + " must be a boolean");
+  return v->b;
+}
+
 }  // namespace
 
 void FgmFile::parse_config(const JsonValue& cfg) {
@@ -263,10 +271,11 @@ void FgmFile::parse_config(const JsonValue& cfg) {
   c.ple_model_projection_scale =
       get_num(this, cfg, "ple_model_projection_scale", c.hidden_size ? 1.0 / std::sqrt(double(c.hidden_size)) : 1.0, failer);
   c.ple_input_scale = get_num(this, cfg, "ple_input_scale", 1.0 / std::sqrt(2.0), failer);
-  const JsonValue* dw = cfg.get("use_double_wide_mlp");
-  if (dw && dw->kind != JsonValue::Kind::Bool && dw->kind != JsonValue::Kind::Null)
-    fail("config.use_double_wide_mlp must be a boolean");
-  c.double_wide_mlp = dw && dw->kind == JsonValue::Kind::Bool && dw->b;
+  c.double_wide_mlp = get_bool(this, cfg, "use_double_wide_mlp", false, failer);
+  c.attention_scale = get_num(this, cfg, "attention_scale", 1.0, failer);
+  c.use_v_norm = get_bool(this, cfg, "use_v_norm", true, failer);
+  c.use_layer_scalar = get_bool(this, cfg, "use_layer_scalar", true, failer);
+  if (!(c.attention_scale > 0)) fail("config.attention_scale must be positive");
 
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.intermediate_size <= 0 || c.num_heads <= 0 ||
       c.num_kv_heads <= 0 || c.head_dim <= 0 || c.global_head_dim <= 0 || c.vocab_size <= 0)
@@ -362,7 +371,10 @@ void FgmFile::check_inventory() {
     for (const char* nm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                            "post_feedforward_layernorm"})
       check_plain(p + nm, DType::F32, {H});
-    check_plain(p + "layer_scalar", DType::F32, {1});
+    if (c.use_layer_scalar)
+      check_plain(p + "layer_scalar", DType::F32, {1});
+    else if (find(p + "layer_scalar"))
+      fail("tensor '" + p + "layer_scalar' is present but config.use_layer_scalar is false");
     check_plain(p + "q_norm", DType::F32, {hd});
     check_linear(p + "q_proj", c.num_heads * hd, H);
     check_linear(p + "o_proj", H, c.num_heads * hd);

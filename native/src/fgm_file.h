@@ -69,6 +69,10 @@ struct ModelConfig {
   double ple_embed_scale = 1.0;
   double ple_model_projection_scale = 1.0;
   double ple_input_scale = 1.0;
+  // Where Gemma 3 differs from Gemma 4; absent keys mean Gemma 4 (fastgemma's files carry none of them).
+  double attention_scale = 1.0;  // multiplies q.k (Gemma 3: query_pre_attn_scalar^-1/2)
+  bool use_v_norm = true;        // weightless RMSNorm of v per head
+  bool use_layer_scalar = true;  // l<i>.layer_scalar exists and scales each layer's output
   std::vector<LayerSpec> layers;
   std::vector<int> store_full_length_kv;
 };

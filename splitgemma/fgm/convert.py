@@ -1,8 +1,10 @@
-"""Hugging Face Gemma 4 checkpoint (safetensors + config.json) → FASTGEM1 .fgm file.
+"""Hugging Face Gemma 4 / Gemma 3 checkpoint (safetensors + config.json), or a Gemma 3 GGUF → FASTGEM1 .fgm file.
 
-The output matches fastgemma's converter run with ``--weights both --group 256`` (or the chosen
-options): same tensor set, dtypes, shapes and offsets, and the same blob bytes (the quantisation
-arithmetic is reproduced; see quant.py). Everything is streamed: linears are converted in chunks of
+For a Gemma 4 checkpoint the output matches fastgemma's converter run with ``--weights both --group 256`` (or
+the chosen options): same tensor set, dtypes, shapes and offsets, and the same blob bytes (the quantisation
+arithmetic is reproduced; see quant.py). A GGUF (gguf_source.py) is dequantised and goes through the same
+steps; its vocabulary becomes ``<out>.tokenizer.json`` beside the .fgm (sp_tokenizer.py), and its chat template,
+if it has one, ``<out>.chat_template.jinja``: the names the services look for beside a model file. Everything is streamed: linears are converted in chunks of
 whole 16-row blocks and tables in row chunks, and the checkpoint pages already read are released,
 so memory stays in the hundreds of MB even for the 262144×8960 per-layer embedding table.
 """
@@ -20,9 +22,10 @@ from threadpoolctl import threadpool_limits
 from . import quant
 from .errors import ConversionError
 from .hadamard import rotate_k
-from .hf_config import TextConfig, load_text_config
+from .gguf_source import GgufCheckpoint, is_gguf
+from .hf_config import TextConfig, load_text_config, parse_text_config
 from .inventory import (DEFAULT_GROUP, Linear, Plain, Rope, Table, build_inventory, check_options,
-                        entries_of, layout_problems, probe_names, quant_bits)
+                        entries_of, fitting_group, layout_problems, probe_names, quant_bits)
 from .progress import byte_progress
 from .safetensors import READABLE_DTYPES, Checkpoint
 from .writer import FgmWriter
@@ -58,6 +61,7 @@ def _find_prefix(ckpt: Checkpoint) -> str:
 
 def check_sources(items, ckpt: Checkpoint, prefix: str) -> list[str]:
     """Every missing, misshapen or unreadable checkpoint tensor the items need, one line each."""
+    readable = getattr(ckpt, "readable_dtypes", READABLE_DTYPES)
     problems, seen = [], set()
     for it in items:
         if isinstance(it, Rope) or it.source in seen:
@@ -74,8 +78,8 @@ def check_sources(items, ckpt: Checkpoint, prefix: str) -> list[str]:
                                      == tuple(d for d in want if d != 1))
         if not same:
             problems.append(f"misshapen: {name} is {list(ref.shape)}, expected {list(want)}")
-        if ref.dtype not in READABLE_DTYPES:
-            problems.append(f"unsupported dtype: {name} is {ref.dtype} ({', '.join(READABLE_DTYPES)} needed)")
+        if ref.dtype not in readable:
+            problems.append(f"unsupported dtype: {name} is {ref.dtype} ({', '.join(readable)} needed)")
     return problems
 
 
@@ -110,8 +114,10 @@ class _Converter:
         try:
             for it in items:
                 if isinstance(it, Plain):
-                    src = self.prefix + it.source
-                    self.w.write(it.name, self.ckpt.rows(src).reshape(it.shape))
+                    v = self.ckpt.rows(self.prefix + it.source).reshape(it.shape)
+                    if it.offset:
+                        v = (v.astype(np.float64) + it.offset).astype(np.float32)
+                    self.w.write(it.name, v)
                 elif isinstance(it, Rope):
                     self.w.write(it.name, self.cfg.rope_inv_freq(it.layer_type))
                 elif isinstance(it, Table):
@@ -128,7 +134,8 @@ class _Converter:
         spans = [(r0, min(it.rows, r0 + step)) for r0 in range(0, it.rows, step)]
 
         def work(span):
-            return span, quant.encode_q4r(self.ckpt.rows(src, *span))
+            rows = self.ckpt.rows(src, *span)
+            return span, quant.quantize_q8_rows(rows) if it.dtype == "q8r" else quant.encode_q4r(rows)
 
         for (r0, r1), (blob, scale) in _ordered_map(work, spans, self.pool, self.ahead):
             self.w.write(it.name, blob)
@@ -186,35 +193,66 @@ class _Converter:
             self.rel_err[it.name] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
 
 
-def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: str = "dual",
-                       group: int = DEFAULT_GROUP, progress: bool = True, threads: int | None = None) -> dict:
-    """Convert the Hugging Face checkpoint directory ``src`` into the .fgm file ``out``.
+def _source_defaults(gguf: bool, weights, group, emb_bits) -> tuple[str, int | None, int]:
+    """Options not given: fastgemma's for a Hugging Face checkpoint (dual, 256, int4 embeddings); int8 everywhere
+    for a GGUF (a small model is cheap to keep in int8, and its weights were already quantised once)."""
+    if weights is None:
+        weights = "int8" if gguf else "dual"
+    if emb_bits is None:
+        emb_bits = 8 if gguf else 4
+    return weights, group, emb_bits
+
+
+def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: str | None = None,
+                       group: int | None = None, progress: bool = True, threads: int | None = None,
+                       emb_bits: int | None = None) -> dict:
+    """Convert the Hugging Face checkpoint directory (or GGUF file) ``src`` into the .fgm file ``out``.
 
     weights: "dual" (FFN int4 + int8 twins, fastgemma's ``--weights both``), "int4" (no twins) or
-    "int8" (FFN stored int8). group: the int4 scale group along K of the FFN and LM head.
+    "int8" (FFN stored int8); default dual, int8 for a GGUF. group: the int4 scale group along K of
+    the FFN and LM head; default 256, or the largest multiple of 64 below it dividing every int4 K.
+    emb_bits: 4 (q4r table, q4g head) or 8 (q8r table, q8c head); default 4, 8 for a GGUF.
     threads: worker threads (default: the usable CPUs, at most 8); the output does not depend on it.
     All problems with the input (config, missing or misshapen tensors, a group that does not
     divide some K) are found before anything is written and raised as one ConversionError; a
-    failure never leaves a file at ``out``. Returns a summary dict (path, bytes, tensors, seconds).
+    failure never leaves a file at ``out``. Returns a summary dict (path, bytes, tensors, seconds,
+    and for a GGUF the tokenizer and chat template files written beside ``out``).
     """
     t0 = time.perf_counter()
-    check_options(weights, group)
+    gguf = is_gguf(src)
+    weights, group, emb_bits = _source_defaults(gguf, weights, group, emb_bits)
+    check_options(weights, DEFAULT_GROUP if group is None else group, emb_bits)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConversionError(f"threads must be a positive integer, got {threads!r}")
-    cfg = load_text_config(src)
-    items = build_inventory(cfg, weights, group)
-    problems = layout_problems(items)
-    if problems:
-        raise ConversionError(f"this model cannot be stored with --weights {weights} --group {group}", problems)
-    header_config = cfg.fgm_config(hadamard=128, group=group, quant=quant_bits(weights))
-    entries = entries_of(items)
     out = Path(out)
-    with Checkpoint(src) as ckpt:
+
+    def plan(cfg: TextConfig):
+        g = fitting_group(cfg, weights, emb_bits) if group is None else group
+        items = build_inventory(cfg, weights, g, emb_bits)
+        problems = layout_problems(items)
+        if problems:
+            raise ConversionError(f"this model cannot be stored with --weights {weights} --group {g}", problems)
+        return items, cfg.fgm_config(hadamard=128, group=g, quant=quant_bits(weights, emb_bits))
+
+    # A checkpoint's config.json is checked before its weights are opened; a GGUF holds both.
+    cfg = None if gguf else load_text_config(src)
+    planned = None if gguf else plan(cfg)
+    with (GgufCheckpoint(src) if gguf else Checkpoint(src)) as ckpt:
+        if gguf:
+            cfg = parse_text_config(ckpt.config(), str(src))
+            planned = plan(cfg)
+        items, header_config = planned
+        entries = entries_of(items)
         prefix = _find_prefix(ckpt)
         problems = check_sources(items, ckpt, prefix)
         if problems:
-            raise ConversionError(f"{ckpt.src}: the checkpoint does not match its config.json "
+            raise ConversionError(f"{ckpt.src}: the checkpoint does not match its config "
                                   f"({len(problems)} problem{'s' * (len(problems) > 1)})", problems)
+        # The vocabulary first: a GGUF whose tokenizer cannot be rebuilt fails before the long part.
+        vocab = ckpt.tokenizer() if gguf else None
+        if vocab is not None:
+            from .sp_tokenizer import build_tokenizer
+            tokenizer = build_tokenizer(vocab)
         with FgmWriter(out) as writer:
             writer.plan(entries, header_config)
             bar = byte_progress(writer.payload_bytes, f"convert {out.name}", progress)
@@ -230,5 +268,30 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
                 writer.finish(header_config, {"convert_s": round(seconds, 1), "quant_rel_err": conv.rel_err})
             finally:
                 bar.close()
-    return {"path": str(out), "bytes": writer.size, "tensors": len(entries),
-            "seconds": time.perf_counter() - t0, "quant_rel_err": conv.rel_err}
+    summary = {"path": str(out), "bytes": writer.size, "tensors": len(entries),
+               "seconds": time.perf_counter() - t0, "quant_rel_err": conv.rel_err}
+    if vocab is not None:
+        summary.update(_write_beside(out, tokenizer, vocab.chat_template))
+    return summary
+
+
+def _write_beside(out: Path, tokenizer, chat_template: str | None) -> dict:
+    """``<out>.tokenizer.json`` and, when there is one, ``<out>.chat_template.jinja`` (replacing a stale one
+    from an earlier conversion to the same name, which would otherwise be served with this model)."""
+    written = {}
+    tok_path = out.with_suffix(".tokenizer.json")
+    tmp = tok_path.with_name(f".{tok_path.name}.partial")
+    try:
+        tokenizer.save(str(tmp))
+        os.replace(tmp, tok_path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    written["tokenizer"] = str(tok_path)
+    tpl_path = out.with_suffix(".chat_template.jinja")
+    if chat_template:
+        tpl_path.write_text(chat_template, encoding="utf-8")
+        written["chat_template"] = str(tpl_path)
+    else:
+        tpl_path.unlink(missing_ok=True)
+        written["chat_template"] = None
+    return written

@@ -1,6 +1,15 @@
-"""The Gemma 4 text-decoder config, read from a Hugging Face ``config.json``.
+"""The Gemma 4 (or Gemma 3) text-decoder config, read from a Hugging Face ``config.json``.
 
-Accepted spellings (all seen in the wild):
+Two architectures share one forward pass and differ only in configuration:
+* Gemma 4 (``model_type`` gemma4 / gemma4_text, or none): attention scale 1, v-norm, layer scalar, per-layer
+  inputs, KV sharing, norms multiply by ``w``.
+* Gemma 3 (``model_type`` gemma3 / gemma3_text): attention scale ``query_pre_attn_scalar``^-1/2, no v-norm, no
+  layer scalar, no per-layer inputs, no KV sharing, one head dim, norms multiply by ``1 + w`` (the converter
+  stores ``1 + w``, so the engine multiplies by the stored weight either way), RoPE θ per layer type from
+  ``rope_theta`` / ``rope_local_base_freq`` (or ``rope_parameters``), ``rope_scaling`` on full layers.
+  (Gemma 3n, model_type gemma3n, is a different architecture and is not accepted.)
+
+Accepted spellings for Gemma 4 (all seen in the wild):
 * decoder fields nested under ``text_config`` (Google's multimodal config) or at the top level
   (a text-only ``Gemma4ForCausalLM`` / ``Gemma4TextConfig`` save);
 * the full-attention head dim as ``global_head_dim`` (Google's file) or as
@@ -35,6 +44,13 @@ _DEFAULT_ROPE = {
 _DEFAULT_GLOBAL_HEAD_DIM = 512
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
+GEMMA4 = "gemma4"
+GEMMA3 = "gemma3"
+_GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
+# transformers' Gemma3TextConfig defaults.
+_GEMMA3_DEFAULTS = {"query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+                    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+
 
 @dataclass(frozen=True)
 class TextConfig:
@@ -55,6 +71,12 @@ class TextConfig:
     final_logit_softcapping: float | None = None
     sliding_window: int = 512
     rope_parameters: dict = field(default_factory=lambda: {k: dict(v) for k, v in _DEFAULT_ROPE.items()})
+    # Where Gemma 3 differs from Gemma 4 (the defaults are Gemma 4's).
+    architecture: str = GEMMA4
+    norm_offset: float = 0.0        # stored norm weight = checkpoint weight + this (Gemma 3: 1, its 1 + w)
+    attention_scale: float = 1.0    # multiplies q·k (Gemma 3: query_pre_attn_scalar^-1/2)
+    use_v_norm: bool = True         # weightless RMSNorm of v per head
+    use_layer_scalar: bool = True   # each layer's output × its layer_scalar
 
     # -- derived per-layer facts -----------------------------------------------------------------
 
@@ -113,7 +135,7 @@ class TextConfig:
     def fgm_config(self, *, hadamard: int, group: int, quant: dict) -> dict:
         """The header ``config`` object, with fastgemma's keys in fastgemma's order (fgm-format §6)."""
         h, ple = self.hidden_size, self.hidden_size_per_layer_input
-        return {
+        cfg = {
             "hidden_size": h,
             "num_hidden_layers": self.num_hidden_layers,
             "intermediate_size": self.intermediate_size,
@@ -140,6 +162,18 @@ class TextConfig:
             "group": group,
             "quant": dict(quant),
         }
+        if self.architecture != GEMMA4:
+            # Keys a Gemma 4 file leaves out (absent means Gemma 4), so fastgemma's headers stay as they are.
+            cfg.update({
+                "model_type": self.architecture,
+                "attention_scale": self.attention_scale,
+                "use_v_norm": self.use_v_norm,
+                "use_layer_scalar": self.use_layer_scalar,
+                # Informative: the stored norm weights already include this offset (1 + w); the engine
+                # multiplies by them as stored.
+                "norm_offset": self.norm_offset,
+            })
+        return cfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +274,8 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
     if not isinstance(raw, dict):
         raise ConversionError(f"{source}: not a JSON object")
     d = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    if d.get("model_type", raw.get("model_type")) in _GEMMA3_MODEL_TYPES:
+        return _parse_gemma3(raw, d, source)
     problems: list[str] = []
 
     if d.get("enable_moe_block"):
@@ -325,6 +361,87 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
         num_kv_shared_layers=shared, use_double_wide_mlp=dwm, rms_norm_eps=float(eps),
         final_logit_softcapping=None if cap is None else float(cap), sliding_window=window,
         rope_parameters=rope,
+    )
+
+
+def _gemma3_rope(d: dict, layer_types: list[str], problems: list[str]) -> dict:
+    """Per-type RoPE parameters of a Gemma 3 config: ``rope_parameters`` (transformers 5) as given, else the
+    older top-level ``rope_theta`` (full layers), ``rope_local_base_freq`` (sliding layers) and
+    ``rope_scaling`` (full layers only)."""
+    if d.get("rope_parameters") is not None:
+        return _rope_parameters(d, layer_types, problems)
+    full = {"rope_type": "default", "rope_theta": d.get("rope_theta", _GEMMA3_DEFAULTS["rope_theta"])}
+    scaling = d.get("rope_scaling")
+    if scaling is not None:
+        if not isinstance(scaling, dict):
+            problems.append("'rope_scaling' must be an object or null")
+        else:
+            full.update({k: v for k, v in scaling.items() if k != "type"})
+            full["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    sliding = {"rope_type": "default",
+               "rope_theta": d.get("rope_local_base_freq", _GEMMA3_DEFAULTS["rope_local_base_freq"])}
+    return _rope_parameters({"rope_parameters": {FULL: full, SLIDING: sliding}}, layer_types, problems)
+
+
+def _parse_gemma3(raw: dict, d: dict, source: str) -> TextConfig:
+    """A Gemma 3 text config (transformers' Gemma3TextConfig, defaults included) as a TextConfig."""
+    problems: list[str] = []
+    for key in ("attention_bias", "use_bidirectional_attention"):
+        if d.get(key):
+            problems.append(f"{key} is true: not supported")
+    if d.get("attn_logit_softcapping") is not None:
+        problems.append("attn_logit_softcapping is set: attention-logit softcapping is not supported")
+    if d.get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) is False:
+        problems.append("tie_word_embeddings is false: the LM head is always derived from embed_tokens")
+    act = d.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in _SUPPORTED_ACTIVATIONS:
+        problems.append(f"hidden_activation '{act}' is not supported (the engine implements tanh-GELU)")
+
+    hidden = _int(d, "hidden_size", problems)
+    layers = _int(d, "num_hidden_layers", problems)
+    inter = _int(d, "intermediate_size", problems)
+    heads = _int(d, "num_attention_heads", problems)
+    kv_heads = _int(d, "num_key_value_heads", problems)
+    head_dim = _int(d, "head_dim", problems, minimum=2)
+    vocab = _int(d, "vocab_size", problems)
+    window = _int(d, "sliding_window", problems, default=_GEMMA3_DEFAULTS["sliding_window"])
+    pattern = _int(d, "sliding_window_pattern", problems, default=_GEMMA3_DEFAULTS["sliding_window_pattern"])
+    if heads and kv_heads and heads % kv_heads:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    if head_dim % 2:
+        problems.append(f"head_dim {head_dim} must be even (RoPE rotates pairs)")
+    qpas = d.get("query_pre_attn_scalar", _GEMMA3_DEFAULTS["query_pre_attn_scalar"])
+    if isinstance(qpas, bool) or not isinstance(qpas, (int, float)) or not qpas > 0:
+        problems.append(f"query_pre_attn_scalar must be a positive number, got {qpas!r}")
+        qpas = 1.0
+
+    layer_types = d.get("layer_types")
+    if layer_types is None and layers and pattern:
+        layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        problems.append(f"'layer_types' must list one type per layer ({layers})")
+        layer_types = [SLIDING] * layers
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        problems.append(f"layer_types contains {bad}; only {list(LAYER_TYPES)} exist")
+
+    eps = d.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        problems.append(f"rms_norm_eps must be a positive number, got {eps!r}")
+    cap = d.get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        problems.append(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+    rope = _gemma3_rope(d, list(layer_types), problems)
+    if problems:
+        raise ConversionError(f"{source}: unsupported or invalid Gemma 3 text config", problems)
+    return TextConfig(
+        hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        global_head_dim=head_dim, layer_types=tuple(layer_types), vocab_size=vocab,
+        vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=0,
+        rms_norm_eps=float(eps), final_logit_softcapping=None if cap is None else float(cap),
+        sliding_window=window, rope_parameters=rope, architecture=GEMMA3, norm_offset=1.0,
+        attention_scale=float(qpas) ** -0.5, use_v_norm=False, use_layer_scalar=False,
     )
 
 

@@ -1,7 +1,9 @@
 """A float64 numpy forward pass of the Gemma 4 text decoder (gemma4-e2b-spec.md §3): the test oracle.
 
 It takes Hugging Face-named weights (a checkpoint's, or values decoded from a .fgm) and the HF text config (a dict),
-and returns the softcapped logits of every position. It is validated against transformers' own logits on every
+and returns the softcapped logits of every position. A Gemma 3 config (model_type gemma3_text) selects Gemma 3's
+differences, as transformers' Gemma3ForCausalLM has them: attention scale query_pre_attn_scalar^-1/2, no v-norm, no
+layer scalar, no per-layer inputs, no KV sharing, one head dim, norms multiplying by 1 + w, RoPE θ per layer type. It is validated against transformers' own logits on every
 fixture (tests/test_reference.py), and then serves as the oracle for configurations transformers was not run on.
 
 Everything is float64; nothing is cached between calls (a greedy step recomputes the whole sequence), which is the
@@ -24,6 +26,7 @@ _DEFAULT_ROPE = {  # transformers' Gemma4TextConfig defaults when a config has n
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
+GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
 
 
 def text_config(config: dict) -> dict:
@@ -86,10 +89,14 @@ def load_hf_checkpoint(path) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 class Structure:
-    """Per-layer facts of a Gemma 4 text config (validated; unsupported features raise ValueError)."""
+    """Per-layer facts of a Gemma 4 (or Gemma 3) text config (validated; unsupported features raise ValueError)."""
 
     def __init__(self, config: dict):
         cfg = text_config(config)
+        self.gemma3 = cfg.get("model_type", config.get("model_type")) in GEMMA3_MODEL_TYPES
+        if self.gemma3:
+            self._init_gemma3(cfg)
+            return
         unsupported = (("enable_moe_block", True), ("attention_k_eq_v", True), ("use_bidirectional_attention", "all"))
         for key, bad in unsupported:
             if cfg.get(key) == bad:
@@ -118,6 +125,9 @@ class Structure:
             raise ValueError(f"{self.n_heads} query heads are not a multiple of {self.n_kv} KV heads")
         self.head_dims = [self._head_dim(cfg, i) for i in range(self.n_layers)]
         self.rope = cfg.get("rope_parameters") or _DEFAULT_ROPE
+        self.attention_scale = 1.0  # Gemma 4: no 1/sqrt(d)
+        self.norm_offset = 0.0      # Gemma 4 norms multiply by w
+        self.v_norm = self.layer_scalar = True
 
         n_shared = cfg.get("num_kv_shared_layers") or 0
         self.first_shared = self.n_layers - n_shared
@@ -131,6 +141,44 @@ class Structure:
             if not producers:
                 raise ValueError(f"shared layer {i} ({t}) has no earlier non-shared layer of its type")
             self.kv_source.append(producers[-1])
+
+    def _init_gemma3(self, cfg: dict) -> None:
+        for key in ("attention_bias", "use_bidirectional_attention"):
+            if cfg.get(key):
+                raise ValueError(f"unsupported Gemma 3 feature: {key}")
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError("unsupported Gemma 3 feature: attn_logit_softcapping")
+        if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+            raise ValueError(f"unsupported hidden_activation {cfg['hidden_activation']!r}")
+        self.hidden = cfg["hidden_size"]
+        self.n_layers = cfg["num_hidden_layers"]
+        self.n_heads = cfg["num_attention_heads"]
+        self.n_kv = cfg["num_key_value_heads"]
+        self.ple_dim = 0
+        self.eps = cfg.get("rms_norm_eps", 1e-6)
+        self.softcap = cfg.get("final_logit_softcapping")
+        self.window = cfg.get("sliding_window", 4096)
+        pattern = cfg.get("sliding_window_pattern", 6)
+        self.layer_types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern
+                                                           else "full_attention" for i in range(self.n_layers)])
+        if self.n_heads % self.n_kv:
+            raise ValueError(f"{self.n_heads} query heads are not a multiple of {self.n_kv} KV heads")
+        self.head_dims = [cfg["head_dim"]] * self.n_layers
+        rope = cfg.get("rope_parameters")
+        if rope is None:  # the older top-level spelling
+            full = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 1_000_000.0)}
+            if cfg.get("rope_scaling"):
+                scaling = dict(cfg["rope_scaling"])
+                full["rope_type"] = scaling.pop("rope_type", scaling.pop("type", "default"))
+                full.update(scaling)
+            rope = {"full_attention": full,
+                    "sliding_attention": {"rope_type": "default", "rope_theta": cfg.get("rope_local_base_freq", 1e4)}}
+        self.rope = rope
+        self.attention_scale = float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+        self.norm_offset = 1.0  # Gemma3RMSNorm multiplies by 1 + w
+        self.v_norm = self.layer_scalar = False
+        self.first_shared = self.n_layers
+        self.kv_source = list(range(self.n_layers))
 
     def _head_dim(self, cfg: dict, i: int) -> int:
         if self.layer_types[i] == "sliding_attention":
@@ -150,7 +198,7 @@ class Structure:
         kind = params.get("rope_type", "default")
         if kind == "proportional":
             n_rot = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
-        elif kind == "default":
+        elif kind in ("default", "linear"):  # linear: every frequency / factor (below)
             if params.get("partial_rotary_factor", 1.0) != 1.0:
                 raise ValueError(f"{layer_type}: partial_rotary_factor with rope_type 'default' is not supported")
             n_rot = head_dim // 2
@@ -176,7 +224,7 @@ def live_weights(weights: dict[str, np.ndarray], config: dict) -> dict[str, np.n
 
 def _rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y * w if w is not None else y  # Gemma 4 multiplies by w, not (1 + w)
+    return y * w if w is not None else y  # the multiplier: w for Gemma 4, 1 + w (offset added by the caller) for Gemma 3
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -209,28 +257,37 @@ class _Weights:
         return self("embed_tokens.weight")
 
 
-def forward(weights: dict[str, np.ndarray], config: dict, token_ids) -> np.ndarray:
-    """Logits [T, V] (float64, after the final softcap) for every position of one sequence starting at position 0."""
+def forward(weights: dict[str, np.ndarray], config: dict, token_ids, norms_as_stored: bool = False) -> np.ndarray:
+    """Logits [T, V] (float64, after the final softcap) for every position of one sequence starting at position 0.
+
+    norms_as_stored: the norm weights are already the multipliers (1 + w for Gemma 3, as a .fgm stores them, e.g.
+    weights decoded by tools.fgm_decode) rather than a checkpoint's w."""
     s = Structure(config)
     W = _Weights(weights)
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     embed = W("embed_tokens.weight")
-    ple_table = W("embed_tokens_per_layer.weight")
+    ple_table = W("embed_tokens_per_layer.weight") if s.ple_dim else None
+    rows = embed.shape[0] if ple_table is None else min(embed.shape[0], ple_table.shape[0])
     if ids.size == 0:
         raise ValueError("empty token sequence")
-    if ids.min() < 0 or ids.max() >= min(embed.shape[0], ple_table.shape[0]):
-        raise ValueError(f"token ids must lie in [0, {min(embed.shape[0], ple_table.shape[0])})")
+    if ids.min() < 0 or ids.max() >= rows:
+        raise ValueError(f"token ids must lie in [0, {rows})")
     T, D, L, P = ids.size, s.hidden, s.n_layers, s.ple_dim
-    if embed.shape[1] != D or ple_table.shape[1] != L * P:
-        raise ValueError(f"embedding shapes {embed.shape} / {ple_table.shape} do not fit D={D}, L={L}, P={P}")
+    if embed.shape[1] != D or (P and ple_table.shape[1] != L * P):
+        raise ValueError(f"embedding shapes do not fit D={D}, L={L}, P={P}")
     pos = np.arange(T)
+    offset = 0.0 if norms_as_stored else s.norm_offset
+
+    def norm(name: str) -> np.ndarray:
+        return W(name) + offset
 
     # Embedding and per-layer inputs (§3.1)
     h = embed[ids] * math.sqrt(D)
-    ple_tok = (ple_table[ids] * math.sqrt(P)).reshape(T, L, P)
-    ple_ctx = (h @ W("per_layer_model_projection.weight").T) * D**-0.5
-    ple_ctx = _rms_norm(ple_ctx.reshape(T, L, P), W("per_layer_projection_norm.weight"), s.eps)
-    ple = (ple_ctx + ple_tok) * 2**-0.5
+    if P:
+        ple_tok = (ple_table[ids] * math.sqrt(P)).reshape(T, L, P)
+        ple_ctx = (h @ W("per_layer_model_projection.weight").T) * D**-0.5
+        ple_ctx = _rms_norm(ple_ctx.reshape(T, L, P), W("per_layer_projection_norm.weight"), s.eps)
+        ple = (ple_ctx + ple_tok) * 2**-0.5
 
     causal = pos[None, :] <= pos[:, None]  # [query, key]
     sliding = causal & (pos[None, :] > pos[:, None] - s.window)  # the query sees itself + window-1 before it
@@ -242,23 +299,24 @@ def forward(weights: dict[str, np.ndarray], config: dict, token_ids) -> np.ndarr
         inv_freq = s.inv_freq(t, hd)
 
         # Attention block (§3.2)
-        x = _rms_norm(h, W(p + "input_layernorm.weight"), s.eps)
+        x = _rms_norm(h, norm(p + "input_layernorm.weight"), s.eps)
         q = (x @ W(p + "self_attn.q_proj.weight").T).reshape(T, s.n_heads, hd)
-        q_norm = W(p + "self_attn.q_norm.weight")
+        q_norm = norm(p + "self_attn.q_norm.weight")
         if q_norm.shape != (hd,):
             raise ValueError(f"layer {i}: q_norm has shape {q_norm.shape} but the config's head_dim is {hd}")
         q = _rope(_rms_norm(q, q_norm, s.eps), pos, inv_freq)
         if s.kv_source[i] == i:
             k = (x @ W(p + "self_attn.k_proj.weight").T).reshape(T, s.n_kv, hd)
             v = (x @ W(p + "self_attn.v_proj.weight").T).reshape(T, s.n_kv, hd)
-            k = _rope(_rms_norm(k, W(p + "self_attn.k_norm.weight"), s.eps), pos, inv_freq)
-            v = _rms_norm(v, None, s.eps)
+            k = _rope(_rms_norm(k, norm(p + "self_attn.k_norm.weight"), s.eps), pos, inv_freq)
+            if s.v_norm:
+                v = _rms_norm(v, None, s.eps)
             kv[i] = (k, v)
         k, v = kv[s.kv_source[i]]
         group = s.n_heads // s.n_kv
         kh = np.repeat(k, group, axis=1)  # query head j uses KV head j // group
         vh = np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, kh)  # attention scale 1.0
+        scores = np.einsum("qhd,khd->hqk", q, kh) * s.attention_scale
         visible = sliding if t == "sliding_attention" else causal
         scores = np.where(visible[None], scores, -np.inf)
         scores -= scores.max(axis=-1, keepdims=True)
@@ -266,34 +324,37 @@ def forward(weights: dict[str, np.ndarray], config: dict, token_ids) -> np.ndarr
         probs /= probs.sum(axis=-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", probs, vh).reshape(T, s.n_heads * hd)
         a = a @ W(p + "self_attn.o_proj.weight").T
-        h = h + _rms_norm(a, W(p + "post_attention_layernorm.weight"), s.eps)
+        h = h + _rms_norm(a, norm(p + "post_attention_layernorm.weight"), s.eps)
 
         # MLP block
-        x = _rms_norm(h, W(p + "pre_feedforward_layernorm.weight"), s.eps)
+        x = _rms_norm(h, norm(p + "pre_feedforward_layernorm.weight"), s.eps)
         m = _gelu_tanh(x @ W(p + "mlp.gate_proj.weight").T) * (x @ W(p + "mlp.up_proj.weight").T)
         m = m @ W(p + "mlp.down_proj.weight").T
-        h = h + _rms_norm(m, W(p + "post_feedforward_layernorm.weight"), s.eps)
+        h = h + _rms_norm(m, norm(p + "post_feedforward_layernorm.weight"), s.eps)
 
-        # Per-layer input block: the gate reads the residual stream itself, not a normed copy
-        g = _gelu_tanh(h @ W(p + "per_layer_input_gate.weight").T) * ple[:, i, :]
-        g = g @ W(p + "per_layer_projection.weight").T
-        h = h + _rms_norm(g, W(p + "post_per_layer_input_norm.weight"), s.eps)
+        if P:
+            # Per-layer input block: the gate reads the residual stream itself, not a normed copy
+            g = _gelu_tanh(h @ W(p + "per_layer_input_gate.weight").T) * ple[:, i, :]
+            g = g @ W(p + "per_layer_projection.weight").T
+            h = h + _rms_norm(g, W(p + "post_per_layer_input_norm.weight"), s.eps)
 
-        h = h * W(p + "layer_scalar").reshape(())
+        if s.layer_scalar:
+            h = h * W(p + "layer_scalar").reshape(())
 
-    h = _rms_norm(h, W("norm.weight"), s.eps)
+    h = _rms_norm(h, norm("norm.weight"), s.eps)
     logits = h @ W.lm_head().T
     if s.softcap:
         logits = s.softcap * np.tanh(logits / s.softcap)
     return logits
 
 
-def greedy(weights: dict[str, np.ndarray], config: dict, prompt_ids, n_steps: int) -> tuple[np.ndarray, np.ndarray]:
+def greedy(weights: dict[str, np.ndarray], config: dict, prompt_ids, n_steps: int,
+           norms_as_stored: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Plain argmax continuation (no stop token): (ids [n_steps], the logits [n_steps, V] that chose each id)."""
     seq = list(np.asarray(prompt_ids).reshape(-1))
     ids, step_logits = [], []
     for _ in range(n_steps):
-        last = forward(weights, config, seq)[-1]
+        last = forward(weights, config, seq, norms_as_stored)[-1]
         tok = int(np.argmax(last))
         ids.append(tok)
         step_logits.append(last)

@@ -220,6 +220,7 @@ void Model::resolve_weights() {
   if (file_->find("rope.full_attention.inv_freq")) inv_freq_[0] = f32("rope.full_attention.inv_freq");
   if (file_->find("rope.sliding_attention.inv_freq")) inv_freq_[1] = f32("rope.sliding_attention.inv_freq");
   layers_.resize(c.num_layers);
+  q_norm_scaled_.assign(c.num_layers, {});
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = "l" + std::to_string(i) + ".";
     LayerWeights& w = layers_[i];
@@ -227,8 +228,17 @@ void Model::resolve_weights() {
     w.post_attn_ln = f32(p + "post_attention_layernorm");
     w.pre_ffn_ln = f32(p + "pre_feedforward_layernorm");
     w.post_ffn_ln = f32(p + "post_feedforward_layernorm");
-    w.layer_scalar = f32(p + "layer_scalar")[0];
+    if (c.use_layer_scalar) w.layer_scalar = f32(p + "layer_scalar")[0];
     w.q_norm = f32(p + "q_norm");
+    if (c.attention_scale != 1.0) {
+      // q is RMS-normed, weighted and rotated, all linear after the norm: the attention scale folds into the
+      // q_norm weight once here instead of scaling every score.
+      const int hd = c.layers[i].head_dim;
+      std::vector<float>& scaled = q_norm_scaled_[i];
+      scaled.resize(hd);
+      for (int d = 0; d < hd; ++d) scaled[d] = float(double(w.q_norm[d]) * c.attention_scale);
+      w.q_norm = scaled.data();
+    }
     w.q = dual(p + "q_proj");
     w.o = dual(p + "o_proj");
     if (c.layers[i].owns_kv) {
@@ -364,7 +374,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         for (int g = 0; g < nkv; ++g) {
           ops::rmsnorm(kr + g * hd, W.k_norm, kr + g * hd, hd, eps);
           ops::rope(kr + g * hd, half, cs, cs + half);
-          ops::rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
+          if (c.use_v_norm) ops::rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
         }
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
@@ -428,11 +438,12 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       }
       gemm_group(pg, P, m, P, {{&W.ple_proj, tmp}}, kPleInject);
     }
+    if (P == 0 && W.layer_scalar == 1.0f) continue;
     Timer t(this, kNorms);
     for_rows(m, D, [&](int r, int) {
       float* hr = h + size_t(r) * D;
       if (P > 0) ops::add_rmsnorm(hr, tmp + size_t(r) * D, W.post_ple_ln, D, eps);
-      ops::scale(hr, D, W.layer_scalar);
+      if (W.layer_scalar != 1.0f) ops::scale(hr, D, W.layer_scalar);
     });
   }
 }

@@ -1,8 +1,10 @@
 // The Gemma 4 text forward pass over a .fgm file (spec: shared/reference/gemma4-e2b-spec.md §3).
 //
-// Everything is configured by the file's config (E2B, E4B, any dense Gemma 4 text shape). A Model resolves every
-// weight once, owns the thread pool and all scratch (sized at construction for max(chunk, max_batch) rows, so the
-// hot path allocates nothing), and runs two entry points over K/V slots in a caller-provided KvArena:
+// Everything is configured by the file's config: E2B, E4B, any dense Gemma 4 text shape, and Gemma 3 through its
+// flags (attention_scale, no v-norm, no layer scalar, no per-layer inputs; its norms are stored as 1 + w, so every
+// norm multiplies by the stored weight). A Model resolves every weight once, owns the thread pool and all scratch
+// (sized at construction for max(chunk, max_batch) rows, so the hot path allocates nothing), and runs two entry
+// points over K/V slots in a caller-provided KvArena:
 //   prefill: one sequence, a prompt processed in chunks, logits of the last row or of every row;
 //   decode:  B sequences (each its own slot, token and position), one pass over the weights, [B, V] logits.
 // Rows never interact except through the K/V they attend over (activations are quantised per row), so a sequence
@@ -51,7 +53,7 @@ struct LayerWeights {
   const float* post_ple_ln = nullptr;
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
-  float layer_scalar = 1.0f;
+  float layer_scalar = 1.0f;     // 1 when the model has none (config.use_layer_scalar false)
   DualLinear q, k, v, o, gate, up, down, ple_gate, ple_proj;
 };
 
@@ -159,6 +161,7 @@ class Model {
   const float* final_norm_ = nullptr;
   const float* inv_freq_[2] = {nullptr, nullptr};  // [0] full, [1] sliding
   std::vector<LayerWeights> layers_;
+  std::vector<std::vector<float>> q_norm_scaled_;  // per layer: q_norm x attention_scale (when that is not 1)
 
   // Scratch, [max_rows_] rows each.
   std::vector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
