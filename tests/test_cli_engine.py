@@ -243,6 +243,9 @@ def test_bench_json_shape(capsys):
     assert backend in ("amx", "vnni", "avx2") and r["threads"] == 2
     assert set(r["limits"]) == {f"{backend}_int8_tops", "dram_read_gbs"}
     assert all(v > 0 for v in r["limits"].values())
+    # the limits are the best of the readings taken before and after the figures
+    assert [len(v) for v in r["limit_readings"].values()] == [6, 6]
+    assert r["limits"]["dram_read_gbs"] == max(r["limit_readings"]["dram_gbs"])
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
     assert [(d["batch"], d["context"]) for d in r["decode"]] == [(1, 20), (3, 20)]
     for row in r["prefill"] + r["decode"]:
