@@ -119,7 +119,8 @@ def test_tiny_conversion_header_and_tensors(tiny, tiny_fgm):
     rd = FgmReader(tiny_fgm)
     for i in range(6):
         for fgm_name, hf in (("input_layernorm", "input_layernorm"), ("q_norm", "self_attn.q_norm"),
-                             ("k_norm", "self_attn.k_norm"), ("post_feedforward_layernorm", "post_feedforward_layernorm")):
+                             ("k_norm", "self_attn.k_norm"),
+                             ("post_feedforward_layernorm", "post_feedforward_layernorm")):
             stored = rd.dequantize(f"l{i}.{fgm_name}")
             np.testing.assert_array_equal(stored, weights[f"model.language_model.layers.{i}.{hf}.weight"] + 1.0)
     # RoPE: full layers linear-scaled (factor 2, theta 1e6), sliding layers default theta 1e4
@@ -190,6 +191,27 @@ def test_gemma3_config_spellings():
     assert parse_text_config(nested) == c
     with pytest.raises(ConversionError, match="attn_logit_softcapping"):
         parse_text_config(dict(old, attn_logit_softcapping=50.0))
+
+
+def test_bad_gguf_inputs_get_precise_errors(tmp_path):
+    import gguf
+
+    other = tmp_path / "llama.gguf"
+    w = gguf.GGUFWriter(str(other), "llama")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    text = tmp_path / "notes.gguf"
+    text.write_text("not a model")
+    for src, message in ((other, "GGUF architecture 'llama' is not supported (supported: gemma3)"),
+                         (text, "not a GGUF file (it does not start with the GGUF magic)"),
+                         (tmp_path / "missing.gguf", "not a GGUF file (it does not exist)")):
+        with pytest.raises(ConversionError, match=re.escape(message)):
+            convert_checkpoint(src, tmp_path / "out.fgm", progress=False)
+    assert not (tmp_path / "out.fgm").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -270,6 +292,17 @@ def _first_rows(rd: FgmReader, name: str, rows: int) -> np.ndarray:
     assert info["dtype"] == "q8c" and rows % 16 == 0
     w = _tile_order_to_rows(raw, rows, k) * scale[:, None]
     return rotate_k(w, info["hadamard"]) if info["hadamard"] else w
+
+
+def test_truncated_gguf_is_refused(real, tmp_path):
+    from splitgemma.default_model import GGUF_NAME
+
+    cut = tmp_path / "cut.gguf"
+    with open(real["fgm"].parent / GGUF_NAME, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))  # inside the vocabulary metadata
+    with pytest.raises(ConversionError, match="not a readable GGUF file, truncated or corrupt"):
+        convert_checkpoint(cut, tmp_path / "out.fgm", progress=False)
+    assert not (tmp_path / "out.fgm").exists()
 
 
 def test_top1_agreement_with_transformers(real, report):

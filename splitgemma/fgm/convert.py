@@ -4,9 +4,11 @@ For a Gemma 4 checkpoint the output matches fastgemma's converter run with ``--w
 the chosen options): same tensor set, dtypes, shapes and offsets, and the same blob bytes (the quantisation
 arithmetic is reproduced; see quant.py). A GGUF (gguf_source.py) is dequantised and goes through the same
 steps; its vocabulary becomes ``<out>.tokenizer.json`` beside the .fgm (sp_tokenizer.py), and its chat template,
-if it has one, ``<out>.chat_template.jinja``: the names the services look for beside a model file. Everything is streamed: linears are converted in chunks of
-whole 16-row blocks and tables in row chunks, and the checkpoint pages already read are released,
-so memory stays in the hundreds of MB even for the 262144×8960 per-layer embedding table.
+if it has one, ``<out>.chat_template.jinja``: the names the services look for beside a model file.
+
+Everything is streamed: linears are converted in chunks of whole 16-row blocks and tables in row chunks, and
+the checkpoint pages already read are released, so memory stays in the hundreds of MB even for the
+262144×8960 per-layer embedding table.
 """
 from __future__ import annotations
 
@@ -220,6 +222,9 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
     """
     t0 = time.perf_counter()
     gguf = is_gguf(src)
+    if not gguf and Path(src).suffix.lower() == ".gguf":
+        what = "does not exist" if not Path(src).exists() else "does not start with the GGUF magic"
+        raise ConversionError(f"{src}: not a GGUF file (it {what})")
     weights, group, emb_bits = _source_defaults(gguf, weights, group, emb_bits)
     check_options(weights, DEFAULT_GROUP if group is None else group, emb_bits)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):

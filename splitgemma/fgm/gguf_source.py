@@ -98,7 +98,8 @@ class GgufCheckpoint:
         try:
             self._reader = gguf.GGUFReader(self.src)
         except Exception as e:  # the reader raises ValueError/KeyError/struct errors for bad files
-            raise ConversionError(f"{self.src}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            raise ConversionError(f"{self.src}: not a readable GGUF file, truncated or corrupt "
+                                  f"({type(e).__name__}: {e})") from None
         self.arch = self._string("general.architecture")
         if self.arch not in SUPPORTED_ARCHITECTURES:
             raise ConversionError(f"{self.src}: GGUF architecture {self.arch!r} is not supported "

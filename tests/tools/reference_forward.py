@@ -3,8 +3,9 @@
 It takes Hugging Face-named weights (a checkpoint's, or values decoded from a .fgm) and the HF text config (a dict),
 and returns the softcapped logits of every position. A Gemma 3 config (model_type gemma3_text) selects Gemma 3's
 differences, as transformers' Gemma3ForCausalLM has them: attention scale query_pre_attn_scalar^-1/2, no v-norm, no
-layer scalar, no per-layer inputs, no KV sharing, one head dim, norms multiplying by 1 + w, RoPE θ per layer type. It is validated against transformers' own logits on every
-fixture (tests/test_reference.py), and then serves as the oracle for configurations transformers was not run on.
+layer scalar, no per-layer inputs, no KV sharing, one head dim, norms multiplying by 1 + w, RoPE θ per layer type.
+It is validated against transformers' own logits on every fixture (tests/test_reference.py, tests/test_gemma3.py),
+and then serves as the oracle for configurations transformers was not run on.
 
 Everything is float64; nothing is cached between calls (a greedy step recomputes the whole sequence), which is the
 simplest correct semantics for an oracle and cheap at fixture sizes.
@@ -224,7 +225,7 @@ def live_weights(weights: dict[str, np.ndarray], config: dict) -> dict[str, np.n
 
 def _rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
-    return y * w if w is not None else y  # the multiplier: w for Gemma 4, 1 + w (offset added by the caller) for Gemma 3
+    return y * w if w is not None else y  # w is the multiplier: Gemma 3's 1 + w comes with the offset added
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
