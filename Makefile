@@ -10,7 +10,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.splitgemma-installed
-SOURCES := pyproject.toml CMakeLists.txt $(shell find native splitgemma services protos -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.txt' -o -name '*.proto' \) 2>/dev/null)
+SOURCES := pyproject.toml CMakeLists.txt $(shell find native src services protos -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.h' -o -name '*.txt' -o -name '*.proto' \) 2>/dev/null)
 
 .PHONY: install run test clean
 

@@ -299,7 +299,7 @@ def test_build_context_holds_what_the_wheel_build_reads_and_nothing_else():
     assert not missing, f"left out of the build context: {missing[:10]}"
     for path in (".venv/bin/python", "build/dev/CMakeCache.txt", ".git/HEAD", "tests/test_docker.py",
                  "tests/fixtures/fastgemma/mini-e2b-tame/mini-e2b-tame.fgm", "models/g4e2b-dual.fgm",
-                 "splitgemma/model.fgm", "splitgemma/__pycache__/cli.cpython-311.pyc", "docker/compose.yaml"):
+                 "src/splitgemma/model.fgm", "src/splitgemma/__pycache__/cli.cpython-311.pyc", "docker/compose.yaml"):
         assert not in_build_context(path, patterns), path
 
 
