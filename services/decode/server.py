@@ -9,7 +9,6 @@ step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.shm_arena import ShmArena, request_key
+from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes,
                                        open_model, sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
                                        worker_id)
@@ -32,30 +32,9 @@ from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitgemma.decode")
 
-# Gemma 4's stop tokens (<eos>, <turn|>, <|tool_response>) when no config beside the model file names them.
-GEMMA4_STOP_TOKENS = (1, 106, 50)
 MAX_LEASE_MS = 3_600_000
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
-
-
-def model_stop_tokens(model_path: str) -> tuple[tuple[int, ...], str]:
-    """The model's stop token ids and where they came from: eos_token_id of generation_config.json, else of
-    config.json (top level or text_config) beside the model file, else Gemma 4's."""
-    folder = Path(model_path).parent
-    for name in ("generation_config.json", "config.json"):
-        f = folder / name
-        try:
-            cfg = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        for c in (cfg, cfg.get("text_config") or {}):
-            eos = c.get("eos_token_id") if isinstance(c, dict) else None
-            if isinstance(eos, int):
-                eos = [eos]
-            if isinstance(eos, list) and eos and all(isinstance(t, int) and t >= 0 for t in eos):
-                return tuple(eos), str(f)
-    return GEMMA4_STOP_TOKENS, "Gemma 4 default"
 
 
 class DecodeMetrics:

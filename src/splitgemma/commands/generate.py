@@ -152,7 +152,7 @@ def run(args) -> int:
     from splitgemma.commands import CommandError
     from splitgemma.engine import open_arena, sample
     from splitgemma.serving.detokenize import TextStream
-    from splitgemma.services.decode.server import model_stop_tokens
+    from splitgemma.serving.stop_tokens import model_stop_tokens
 
     tokenizer = _tokenizer(args)
     if args.prompt is not None:
