@@ -152,6 +152,44 @@ def test_logits_match_our_fixtures(name, ffn, converted_fgm, report):
         assert mean_cos >= floor_cos and agree >= floor_agree
 
 
+def _prompts_and_references(name):
+    """[(prompt ids, {key: logits})] of a fixture: one prompt for fastgemma's files, several for ours."""
+    ref = np.load((FASTGEMMA | OURS)[name] / "reference.npz")
+    if name in FASTGEMMA:
+        return [(ref["prompt_ids"], {k: ref[k] for k in ("logits", "fgm_int4_logits", "fgm_int8_logits")})]
+    return [(ref[f"prompt_ids_{j}"], {k: ref[f"{k}_{j}"] for k in ("logits", "fgm_int4_logits", "fgm_int8_logits")})
+            for j in range(len(ref["prompt_lengths"]))]
+
+
+def _rms(a, b):
+    return float(np.sqrt(((a - b) ** 2).mean()))
+
+
+@pytest.mark.parametrize("ffn", ["int4", "int8"])
+@pytest.mark.parametrize("name", [TAME, SHARP, *sorted(OURS)])
+def test_distance_to_the_original_float_weights(name, ffn, converted_fgm, report):
+    """The whole distance to transformers on the checkpoint's own weights, split into what the weight quantisation
+    costs (transformers on the decoded .fgm weights vs on the originals) and what the engine adds (its int8
+    activations and KV cache). On the well-conditioned fixtures the engine's share must stay a small fraction of the
+    weight quantisation's; on the sharp ones the figures are reported only."""
+    path = fastgemma_fgm(name) if name in FASTGEMMA else converted_fgm(name)
+    m = model(name, weights=ffn, path=path)
+    total, weights_only, engine_only, hits = [], [], [], []
+    for prompt, refs in _prompts_and_references(name):
+        got = m.prefill(arena(m), 0, prompt, all_logits=True)
+        orig, decoded = refs["logits"], refs[f"fgm_{ffn}_logits"]
+        total.append(_rms(got, orig))
+        weights_only.append(_rms(decoded, orig))
+        engine_only.append(_rms(got, decoded))
+        hits.append(got.argmax(-1) == orig.argmax(-1))
+    total, weights_only, engine_only = np.mean(total), np.mean(weights_only), np.mean(engine_only)
+    agree = float(np.concatenate(hits).mean())
+    report(f"engine vs transformers on the ORIGINAL weights {name:14s} {ffn}: logit rms {total:.3f} (weight "
+           f"quantisation alone {weights_only:.3f}, engine vs decoded weights {engine_only:.3f}), argmax {agree:.3f}")
+    if name not in (SHARP, "g4-e2b-sharp"):
+        assert engine_only <= 0.25 * weights_only, (engine_only, weights_only)
+
+
 @pytest.mark.parametrize("ffn", ["int4", "int8"])
 def test_teacher_forced_greedy_steps_match(ffn):
     """Every one of the 16 reference greedy steps (prompt + greedy[:-1] in one prefill) picks the reference token."""
