@@ -191,6 +191,52 @@ def _int(d: dict, key: str, problems: list[str], default=None, minimum: int = 1)
     return v
 
 
+def _core_fields(raw: dict, d: dict, problems: list[str]) -> tuple[int, int, int, int, int, int, int]:
+    """What Gemma 4 and Gemma 3 require alike: tied embeddings, tanh-GELU, and the core dimensions
+    (hidden_size, num_hidden_layers, intermediate_size, num_attention_heads, num_key_value_heads, head_dim,
+    vocab_size), returned in that order (0 for an invalid one, with its problem recorded)."""
+    if d.get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) is False:
+        problems.append("tie_word_embeddings is false: the LM head is always derived from embed_tokens")
+    act = d.get("hidden_activation", "gelu_pytorch_tanh")
+    if act not in _SUPPORTED_ACTIVATIONS:
+        problems.append(f"hidden_activation '{act}' is not supported (the engine implements tanh-GELU)")
+    return (_int(d, "hidden_size", problems), _int(d, "num_hidden_layers", problems),
+            _int(d, "intermediate_size", problems), _int(d, "num_attention_heads", problems),
+            _int(d, "num_key_value_heads", problems), _int(d, "head_dim", problems, minimum=2),
+            _int(d, "vocab_size", problems))
+
+
+def _check_head_grouping(heads: int, kv_heads: int, problems: list[str]) -> None:
+    # Separate from _core_fields: each parser reads its own extra fields first, and the problems keep that order.
+    if heads and kv_heads and heads % kv_heads:
+        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+
+
+def _checked_layer_types(layer_types, layers: int, problems: list[str]) -> list[str]:
+    """``layer_types`` as a new list; one type per layer (all sliding, with a problem, if not) and each a known type."""
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        problems.append(f"'layer_types' must list one type per layer ({layers})")
+        layer_types = [SLIDING] * layers
+    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
+    if bad:
+        problems.append(f"layer_types contains {bad}; only {list(LAYER_TYPES)} exist")
+    return list(layer_types)
+
+
+def _eps_and_softcap(d: dict, problems: list[str]) -> tuple[float, float | None]:
+    """``rms_norm_eps`` and ``final_logit_softcapping`` (an invalid value is recorded as a problem, so the
+    placeholder returned for it is never used)."""
+    eps = d.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        problems.append(f"rms_norm_eps must be a positive number, got {eps!r}")
+        eps = 1.0
+    cap = d.get("final_logit_softcapping")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        problems.append(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+        cap = None
+    return float(eps), None if cap is None else float(cap)
+
+
 def _global_head_dim(d: dict, layer_types: list[str], head_dim: int, problems: list[str]) -> int:
     if d.get("global_head_dim") is not None:
         v = d["global_head_dim"]
@@ -286,26 +332,13 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
         problems.append("attention_bias is true: linear biases are not supported")
     if d.get("use_bidirectional_attention") == "all":
         problems.append("use_bidirectional_attention 'all' (non-causal text attention) is not supported")
-    tied = d.get("tie_word_embeddings", raw.get("tie_word_embeddings", True))
-    if tied is False:
-        problems.append("tie_word_embeddings is false: the LM head is always derived from embed_tokens")
-    act = d.get("hidden_activation", "gelu_pytorch_tanh")
-    if act not in _SUPPORTED_ACTIVATIONS:
-        problems.append(f"hidden_activation '{act}' is not supported (the engine implements tanh-GELU)")
 
-    hidden = _int(d, "hidden_size", problems)
-    layers = _int(d, "num_hidden_layers", problems)
-    inter = _int(d, "intermediate_size", problems)
-    heads = _int(d, "num_attention_heads", problems)
-    kv_heads = _int(d, "num_key_value_heads", problems)
-    head_dim = _int(d, "head_dim", problems, minimum=2)
-    vocab = _int(d, "vocab_size", problems)
+    hidden, layers, inter, heads, kv_heads, head_dim, vocab = _core_fields(raw, d, problems)
     ple_vocab = _int(d, "vocab_size_per_layer_input", problems, default=d.get("vocab_size"))
     ple = _int(d, "hidden_size_per_layer_input", problems, default=256, minimum=0)
     shared = _int(d, "num_kv_shared_layers", problems, default=0, minimum=0)
     window = _int(d, "sliding_window", problems, default=512)
-    if heads and kv_heads and heads % kv_heads:
-        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    _check_head_grouping(heads, kv_heads, problems)
     gkv = d.get("num_global_key_value_heads")
     if gkv is not None and gkv != kv_heads:
         problems.append(f"num_global_key_value_heads {gkv} differs from num_key_value_heads {kv_heads}: "
@@ -315,13 +348,7 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
     if layer_types is None:
         # transformers' default: five sliding layers, then one full, repeated
         layer_types = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != layers:
-        problems.append(f"'layer_types' must list one type per layer ({layers})")
-        layer_types = [SLIDING] * layers
-    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
-    if bad:
-        problems.append(f"layer_types contains {bad}; only {list(LAYER_TYPES)} exist")
-    layer_types = list(layer_types)
+    layer_types = _checked_layer_types(layer_types, layers, problems)
     if layer_types and layer_types[-1] != FULL:
         # transformers forces the last layer to full attention (with a warning); so do we, to
         # describe the model transformers actually runs.
@@ -340,12 +367,7 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
         for t in sorted(set(layer_types[fs:]) - producers):
             problems.append(f"KV-shared layers of type '{t}' have no earlier layer of that type to read from")
 
-    eps = d.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        problems.append(f"rms_norm_eps must be a positive number, got {eps!r}")
-    cap = d.get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        problems.append(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+    eps, cap = _eps_and_softcap(d, problems)
     dwm = d.get("use_double_wide_mlp", False)
     if not isinstance(dwm, bool):
         problems.append(f"use_double_wide_mlp must be true or false, got {dwm!r}")
@@ -358,9 +380,8 @@ def parse_text_config(raw: dict, source: str = "config.json") -> TextConfig:
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         global_head_dim=global_head_dim, layer_types=tuple(layer_types), vocab_size=vocab,
         vocab_size_per_layer_input=ple_vocab, hidden_size_per_layer_input=ple,
-        num_kv_shared_layers=shared, use_double_wide_mlp=dwm, rms_norm_eps=float(eps),
-        final_logit_softcapping=None if cap is None else float(cap), sliding_window=window,
-        rope_parameters=rope,
+        num_kv_shared_layers=shared, use_double_wide_mlp=dwm, rms_norm_eps=eps,
+        final_logit_softcapping=cap, sliding_window=window, rope_parameters=rope,
     )
 
 
@@ -391,23 +412,11 @@ def _parse_gemma3(raw: dict, d: dict, source: str) -> TextConfig:
             problems.append(f"{key} is true: not supported")
     if d.get("attn_logit_softcapping") is not None:
         problems.append("attn_logit_softcapping is set: attention-logit softcapping is not supported")
-    if d.get("tie_word_embeddings", raw.get("tie_word_embeddings", True)) is False:
-        problems.append("tie_word_embeddings is false: the LM head is always derived from embed_tokens")
-    act = d.get("hidden_activation", "gelu_pytorch_tanh")
-    if act not in _SUPPORTED_ACTIVATIONS:
-        problems.append(f"hidden_activation '{act}' is not supported (the engine implements tanh-GELU)")
 
-    hidden = _int(d, "hidden_size", problems)
-    layers = _int(d, "num_hidden_layers", problems)
-    inter = _int(d, "intermediate_size", problems)
-    heads = _int(d, "num_attention_heads", problems)
-    kv_heads = _int(d, "num_key_value_heads", problems)
-    head_dim = _int(d, "head_dim", problems, minimum=2)
-    vocab = _int(d, "vocab_size", problems)
+    hidden, layers, inter, heads, kv_heads, head_dim, vocab = _core_fields(raw, d, problems)
     window = _int(d, "sliding_window", problems, default=_GEMMA3_DEFAULTS["sliding_window"])
     pattern = _int(d, "sliding_window_pattern", problems, default=_GEMMA3_DEFAULTS["sliding_window_pattern"])
-    if heads and kv_heads and heads % kv_heads:
-        problems.append(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    _check_head_grouping(heads, kv_heads, problems)
     if head_dim % 2:
         problems.append(f"head_dim {head_dim} must be even (RoPE rotates pairs)")
     qpas = d.get("query_pre_attn_scalar", _GEMMA3_DEFAULTS["query_pre_attn_scalar"])
@@ -418,20 +427,10 @@ def _parse_gemma3(raw: dict, d: dict, source: str) -> TextConfig:
     layer_types = d.get("layer_types")
     if layer_types is None and layers and pattern:
         layer_types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != layers:
-        problems.append(f"'layer_types' must list one type per layer ({layers})")
-        layer_types = [SLIDING] * layers
-    bad = sorted({str(t) for t in layer_types if t not in LAYER_TYPES})
-    if bad:
-        problems.append(f"layer_types contains {bad}; only {list(LAYER_TYPES)} exist")
+    layer_types = _checked_layer_types(layer_types, layers, problems)
 
-    eps = d.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        problems.append(f"rms_norm_eps must be a positive number, got {eps!r}")
-    cap = d.get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        problems.append(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
-    rope = _gemma3_rope(d, list(layer_types), problems)
+    eps, cap = _eps_and_softcap(d, problems)
+    rope = _gemma3_rope(d, layer_types, problems)
     if problems:
         raise ConversionError(f"{source}: unsupported or invalid Gemma 3 text config", problems)
     return TextConfig(
@@ -439,7 +438,7 @@ def _parse_gemma3(raw: dict, d: dict, source: str) -> TextConfig:
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         global_head_dim=head_dim, layer_types=tuple(layer_types), vocab_size=vocab,
         vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=0,
-        rms_norm_eps=float(eps), final_logit_softcapping=None if cap is None else float(cap),
+        rms_norm_eps=eps, final_logit_softcapping=cap,
         sliding_window=window, rope_parameters=rope, architecture=GEMMA3, norm_offset=1.0,
         attention_scale=float(qpas) ** -0.5, use_v_norm=False, use_layer_scalar=False,
     )
