@@ -22,9 +22,11 @@ def register(subparsers) -> None:
                    help="decode rows per forward pass; a larger batch runs in several passes (default: 8)")
     p.add_argument("--lease-ms", type=positive_int, default=30000,
                    help="how long a reserved slot waits for its Generate (default: 30000)")
-    p.add_argument("--lease-grace-ms", type=int, default=2000,
+    p.add_argument("--lease-grace-ms", type=int, default=10000,
                    help="how long a slot whose lease ended unclaimed is held back before it is leased again, "
-                        "so that a prefill chunk still in flight cannot reach the next owner (default: 2000)")
+                        "so that a prefill chunk still in flight cannot reach the next owner; it must exceed the "
+                        "prefill worker's time for one chunk (E2B, 256 rows: ~0.5 s on AMX, up to ~6 s on a "
+                        "2-core AVX2 host) (default: 10000)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json for token texts and stop strings (default: beside the model file; "
                         "without one, texts stay empty and stop strings are refused)")
