@@ -555,8 +555,9 @@ def long_pair(long_dir, tmp_path_factory):
     (logs / "bare").mkdir()
     (logs / "bare" / "model.fgm").symlink_to(FGM)
     geometry = ["--max-context", str(LONG_CTX), "--chunk", "256", "--shm-dir", long_dir]
+    # A short quarantine (a mini-model chunk takes milliseconds) so that freed slots are back within the waits below.
     d = Worker("decode", ["--model", str(logs / "bare" / "model.fgm"), *geometry, "--slots", "4",
-                          "--lease-ms", "20000"], logs / "decode.log")
+                          "--lease-ms", "20000", "--lease-grace-ms", "1000"], logs / "decode.log")
     p = Worker("prefill", ["--model", str(FGM), *geometry], logs / "prefill.log")
     try:
         d.wait_ready()
