@@ -357,6 +357,74 @@ def test_threads_do_not_change_results(dtype, n, k, group, hadamard):
         np.testing.assert_array_equal(y, ys[0])
 
 
+# ---------------------------------------------------------------- q8g: weight-only int8, f32 activations
+
+
+def q8g_panels(q):
+    """[N, K] codes → the 16-column panel bytes of docs/fgm-extensions.md (byte (n/16)·K·16 + k·16 + n%16)."""
+    n, k = q.shape
+    return np.ascontiguousarray(q.astype(np.int8).reshape(n // 16, 16, k).transpose(0, 2, 1)).view(np.uint8).ravel()
+
+
+def q8g_contract(x, q, scale, group):
+    """The arithmetic the format prescribes, step by step: per group, p = fma(x, code, p) for k ascending, then
+    acc = fma(p, s, acc). Each fused multiply-add is one rounding of the exact a·b + c: the product (48 bits) and the
+    sum are exact in long double's 64-bit mantissa except for a tie-breaking case too rare to meet (< 2^-40 a step)."""
+    def fma(a, b, c):
+        return (a.astype(np.longdouble) * b.astype(np.longdouble) + c.astype(np.longdouble)).astype(np.float32)
+
+    m, k = x.shape
+    acc = np.zeros((m, q.shape[0]), np.float32)
+    for g in range(k // group):
+        p = np.zeros_like(acc)
+        for j in range(g * group, (g + 1) * group):
+            p = fma(x[:, j:j + 1], q[:, j].astype(np.float32)[None, :], p)
+        acc = fma(p, scale[g][None, :], acc)
+    return acc
+
+
+Q8G_SHAPES = [(16, 64, 64), (48, 640, 32), (32, 48, 16), (64, 1024, 128), (16, 40, 8), (32, 96, 1)]
+
+
+@pytest.mark.parametrize("n,k,group", Q8G_SHAPES)
+def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group):
+    """Every row count (register blocks of 1-6 rows and their remainders) and every backend gives exactly the
+    prescribed sequence of roundings, so a row's result does not depend on what it was batched with."""
+    rng = np.random.default_rng(n * 131 + k * 7 + group)
+    q = rng.integers(-127, 128, (n, k))
+    q[1], q[2], q[3] = 0, 127, -127
+    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
+    blob = q8g_panels(q)
+    for m in (1, 2, 5, 6, 7, 13):
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
+        y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2)
+        np.testing.assert_array_equal(y, q8g_contract(x, q, scale, group))
+        full = (x.astype(np.float64) @ (q * np.repeat(scale.astype(np.float64), group, axis=0).T).T)
+        assert np.abs(y - full).max() <= 1e-5 * np.abs(x).max() * np.abs(scale).max() * 127 * k
+
+
+def test_q8g_threads_do_not_change_results():
+    rng = np.random.default_rng(11)
+    n, k, group = 272, 640, 32
+    q = rng.integers(-127, 128, (n, k))
+    scale = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+    x = rng.standard_normal((37, k)).astype(np.float32)
+    ys = [K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, threads=t) for t in (1, 2, 3)]
+    for y in ys[1:]:
+        np.testing.assert_array_equal(y, ys[0])
+
+
+def test_q8g_bad_arguments():
+    x = np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError, match="q8g group must be a positive divisor of K"):
+        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float32), "q8g", 16, 64, group=48)
+    with pytest.raises(ValueError, match="q8g: always 0"):
+        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float32), "q8g", 16, 64, group=32,
+                        hadamard=128)
+    with pytest.raises(ValueError, match=r"float32 \[K/group, N\]"):
+        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float16), "q8g", 16, 64, group=32)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -420,7 +488,7 @@ def test_emulated_vnni_and_amx_match_avx2(tmp_path):
         pytest.skip("the reference backend (AVX2) cannot run here")
     kern = src / "kernels"
     sources = [kern / "emulation" / "harness.cpp", kern / "gemm_vnni.cpp", kern / "gemm_amx.cpp",
-               kern / "gemm_avx2.cpp", kern / "activations.cpp", kern / "backend.cpp",
+               kern / "gemm_avx2.cpp", kern / "gemm_q8g.cpp", kern / "activations.cpp", kern / "backend.cpp",
                src / "fgm_file.cpp", src / "json.cpp", src / "threadpool.cpp"]
     flags = ["-std=c++17", "-O1", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi",
              "-DSG_KERNEL_EMULATION", f"-I{kern / 'emulation'}", f"-I{kern}", f"-I{src}"]

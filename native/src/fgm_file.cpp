@@ -29,7 +29,8 @@ std::string shape_str(const std::vector<int64_t>& s) {
 bool parse_dtype(const std::string& s, DType* out) {
   static const std::pair<const char*, DType> table[] = {{"f32", DType::F32}, {"f16", DType::F16},
                                                         {"q4g", DType::Q4G}, {"q8c", DType::Q8C},
-                                                        {"q4r", DType::Q4R}, {"q8r", DType::Q8R}};
+                                                        {"q4r", DType::Q4R}, {"q8r", DType::Q8R},
+                                                        {"q8g", DType::Q8G}};
   for (const auto& e : table)
     if (s == e.first) { *out = e.second; return true; }
   return false;
@@ -45,6 +46,7 @@ const char* dtype_name(DType t) {
     case DType::Q8C: return "q8c";
     case DType::Q4R: return "q4r";
     case DType::Q8R: return "q8r";
+    case DType::Q8G: return "q8g";
   }
   return "?";
 }
@@ -170,7 +172,7 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
     switch (t.dtype) {
       case DType::F32: want = uint64_t(numel) * 4; break;
       case DType::F16: want = uint64_t(numel) * 2; break;
-      case DType::Q8C: case DType::Q8R: want = uint64_t(numel); break;
+      case DType::Q8C: case DType::Q8R: case DType::Q8G: want = uint64_t(numel); break;
       case DType::Q4G: case DType::Q4R: want = uint64_t(numel) / 2; break;
     }
     if (t.nbytes != want)
@@ -183,7 +185,9 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
           ") runs past the end of the file (" + std::to_string(size_) + " bytes): truncated?");
     const bool blocked = t.dtype == DType::Q4G || t.dtype == DType::Q8C;
     const bool table = t.dtype == DType::Q4R || t.dtype == DType::Q8R;
-    if ((blocked || table) && t.shape.size() != 2) bad("quantised tensors must be 2-D, got " + shape_str(t.shape));
+    const bool paneled = t.dtype == DType::Q8G;
+    if ((blocked || table || paneled) && t.shape.size() != 2)
+      bad("quantised tensors must be 2-D, got " + shape_str(t.shape));
     if (blocked && (t.rows() % 16 != 0 || t.cols() % 64 != 0))
       bad("tile-ordered weight " + shape_str(t.shape) + " needs N % 16 == 0 and K % 64 == 0");
     if (t.dtype == DType::Q4R && t.cols() % 64 != 0) bad("int4 table " + shape_str(t.shape) + " needs K % 64 == 0");
@@ -203,6 +207,16 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
           bad("int4 group " + std::to_string(t.group) + " must be a multiple of 64 dividing K = " +
               std::to_string(t.cols()));
       }
+    }
+    if (paneled) {
+      // docs/fgm-extensions.md: 16-column panels, one f32 scale per (row, group of G along K), never rotated.
+      if (t.rows() % 16 != 0) bad("q8g weight " + shape_str(t.shape) + " needs N % 16 == 0 (16-column panels)");
+      const JsonValue* h = meta ? meta->get("hadamard") : nullptr;
+      if (h && (h->kind != JsonValue::Kind::Int || h->i != 0)) bad("meta.hadamard must be 0 for q8g");
+      const JsonValue* g = meta ? meta->get("group") : nullptr;
+      if (!g || g->kind != JsonValue::Kind::Int || g->i <= 0 || t.cols() % g->i != 0)
+        bad("q8g needs meta.group, a positive integer dividing K = " + std::to_string(t.cols()));
+      t.group = int(g->i);
     }
     t.data = base_ + t.offset;
     if (!index_.emplace(name, tensors_.size()).second) bad("appears twice");
@@ -333,21 +347,23 @@ void FgmFile::check_plain(const std::string& name, DType dt, const std::vector<i
 
 void FgmFile::check_linear(const std::string& name, int64_t n, int64_t k) const {
   const TensorInfo& t = require(name);
-  if (t.dtype != DType::Q4G && t.dtype != DType::Q8C)
-    fail("linear weight '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4g or q8c");
+  if (t.dtype != DType::Q4G && t.dtype != DType::Q8C && t.dtype != DType::Q8G)
+    fail("linear weight '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4g, q8c or q8g");
   if (t.shape != std::vector<int64_t>{n, k})
     fail("linear weight '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({n, k}));
   if (t.dtype == DType::Q8C) check_plain(name + ".scale", DType::F32, {n});
+  else if (t.dtype == DType::Q8G) check_plain(name + ".scale", DType::F32, {k / t.group, n});
   else check_plain(name + ".scale", DType::F16, {k / t.group, n});
 }
 
 void FgmFile::check_table(const std::string& name, int64_t r, int64_t k) const {
   const TensorInfo& t = require(name);
-  if (t.dtype != DType::Q4R && t.dtype != DType::Q8R)
-    fail("gather table '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4r or q8r");
+  if (t.dtype != DType::Q4R && t.dtype != DType::Q8R && t.dtype != DType::Q8G)
+    fail("gather table '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4r, q8r or q8g");
   if (t.shape != std::vector<int64_t>{r, k})
     fail("gather table '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({r, k}));
   if (t.dtype == DType::Q8R) check_plain(name + ".scale", DType::F32, {r});
+  else if (t.dtype == DType::Q8G) check_plain(name + ".scale", DType::F32, {k / t.group, r});
   else check_plain(name + ".scale", DType::F16, {r, k / 64});
 }
 

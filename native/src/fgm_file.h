@@ -24,7 +24,7 @@ class FgmError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DType : uint8_t { F32, F16, Q4G, Q8C, Q4R, Q8R };
+enum class DType : uint8_t { F32, F16, Q4G, Q8C, Q4R, Q8R, Q8G };
 const char* dtype_name(DType t);
 
 struct TensorInfo {
@@ -34,7 +34,7 @@ struct TensorInfo {
   uint64_t offset = 0;
   uint64_t nbytes = 0;
   int hadamard = 0;  // 128 when the weight is Hadamard-rotated along K
-  int group = 0;     // int4 scale group along K (q4g); 0 otherwise
+  int group = 0;     // scale group along K (q4g, q8g); 0 otherwise
   const uint8_t* data = nullptr;  // into the mapping
   int64_t rows() const { return shape.empty() ? 0 : shape[0]; }
   int64_t cols() const { return shape.size() < 2 ? 0 : shape[1]; }

@@ -8,6 +8,9 @@
 //   per KV layer i (only layers < first_shared_layer store K/V; the shared layers read their producer's):
 //     K codes   int8 [cap_i][nkv * hd_i]   post-norm, post-RoPE keys, row = position slot
 //     V codes   int8 [cap_i][nkv * hd_i]   post-norm values
+//     (both rotated per head, before quantisation, by the orthonormal Walsh–Hadamard transform in blocks of
+//      ops::kv_rotation_block(hd) = the largest power of two dividing hd, at most 128: the rotation spreads a
+//      head's outlier dimensions over the block, so the shared int8 scale loses less; queries are rotated alike)
 //     K scales  f32  [cap_i]               one scale per position, shared over the KV heads (value = code * scale)
 //     V scales  f32  [cap_i]
 //   every array starts on a 64-byte boundary relative to the slot start.
@@ -27,7 +30,8 @@
 
 namespace sg {
 
-constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '1'};
+// '2': K/V rotated (an older slot's codes would be misread, so its magic no longer matches).
+constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '2'};
 constexpr uint32_t kSlotSealed = 1u;  // SlotHeader::flags: checksum matches the K/V as written
 
 // Little-endian, 64 bytes, no padding; written by whoever writes the slot's K/V.

@@ -78,6 +78,9 @@ void GatherTable::row(int r, float mult, float* out) const {
   if (dtype == DType::Q4R)
     ops::gather_q4r(codes + int64_t(r) * (cols / 2), static_cast<const uint16_t*>(scales) + int64_t(r) * (cols / 64),
                     cols, mult, out);
+  else if (dtype == DType::Q8G)
+    ops::gather_q8g(reinterpret_cast<const int8_t*>(codes) + int64_t(r / 16) * cols * 16, r % 16,
+                    static_cast<const float*>(scales) + r, rows, group, cols, mult, out);
   else
     ops::gather_q8r(reinterpret_cast<const int8_t*>(codes) + int64_t(r) * cols, static_cast<const float*>(scales)[r],
                     cols, mult, out);
@@ -197,6 +200,7 @@ void Model::resolve_weights() {
     g.dtype = t.dtype;
     g.rows = int(t.rows());
     g.cols = int(t.cols());
+    g.group = t.group;
     g.codes = t.data;
     g.scales = file_->require(name + ".scale").data;
     return g;
@@ -269,6 +273,11 @@ void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_l
   int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
   for (const GemmOut& o : outs) {
     const QLinear& w = o.w->pick(m, policy_);
+    if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
+      Timer t(this, phase);
+      gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get());
+      continue;
+    }
     if (w.hadamard != quantised_for) {
       Timer t(this, kActQuant);
       quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
@@ -347,6 +356,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     const LayerSpec& ls = c.layers[l];
     const LayerWeights& W = layers_[l];
     const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
+    const int rot = ops::kv_rotation_block(hd);
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---
@@ -363,10 +373,13 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       const KvLayerLayout& kl = layout_.layer(l);
       for_rows(m, qw + 2 * kvw, [&](int r, int) {
         const float* cs = rope_cs + size_t(r) * hd;
+        // q, k and v are rotated per head by the orthonormal Hadamard H (kv_layout.h): q·k is unchanged, the int8
+        // codes of k and v see their energy spread over the block, and attend()'s output is rotated back below.
         for (int hh = 0; hh < nh; ++hh) {
           float* qh = q + size_t(r) * qw + size_t(hh) * hd;
           ops::rmsnorm(qh, W.q_norm, qh, hd, eps);
           ops::rope(qh, half, cs, cs + half);
+          ops::fwht_blocks(qh, hd, rot);
         }
         if (!ls.owns_kv) return;
         float* kr = k + size_t(r) * kvw;
@@ -376,6 +389,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
           ops::rope(kr + g * hd, half, cs, cs + half);
           if (c.use_v_norm) ops::rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
         }
+        ops::fwht_blocks(kr, kvw, rot);
+        ops::fwht_blocks(vr, kvw, rot);
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
         ops::quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
@@ -403,8 +418,10 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
                                    reinterpret_cast<const int8_t*>(s + src.v_off),
                                    reinterpret_cast<const float*>(s + src.ks_off),
                                    reinterpret_cast<const float*>(s + src.vs_off), kvw, g * hd, src.cap};
-        ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos,
-                    attn + size_t(r) * qw + size_t(h0) * hd, hd, &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+        float* out = attn + size_t(r) * qw + size_t(h0) * hd;
+        ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
+                    &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+        ops::fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
       });
     }
     gemm_group(attn, qw, m, qw, {{&W.o, tmp}}, kOGemm);

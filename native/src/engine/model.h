@@ -60,8 +60,9 @@ struct LayerWeights {
 struct GatherTable {
   DType dtype = DType::Q4R;
   int rows = 0, cols = 0;
+  int group = 0;  // q8g: scale group along the row
   const uint8_t* codes = nullptr;
-  const void* scales = nullptr;  // f16 [rows][cols/64] (q4r) or f32 [rows] (q8r)
+  const void* scales = nullptr;  // f16 [rows][cols/64] (q4r), f32 [rows] (q8r) or f32 [cols/group][rows] (q8g)
   void row(int r, float mult, float* out) const;
 };
 

@@ -29,6 +29,16 @@ void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult,
 // One row of a q8r gather table times (row scale * mult).
 void gather_q8r(const int8_t* codes, float scale, int k, float mult, float* out);
 
+// Row `lane` of one 16-row panel of a q8g table (docs/fgm-extensions.md): out[j] = code · s[j/group][row] · mult,
+// where panel points at the panel's codes and scales at s[0][row] (stride n between groups).
+void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int group, int k, float mult, float* out);
+
+// In-place orthonormal Walsh–Hadamard transform (H_block / √block, Sylvester order) of every block of `block` floats
+// of x[0..n); block is a power of two dividing n. Applying it twice gives x back (up to rounding).
+void fwht_blocks(float* x, int n, int block);
+// The block the K/V cache is rotated in: the largest power of two dividing head_dim, at most 128.
+int kv_rotation_block(int head_dim);
+
 // Attention of nq query heads that share one KV head, for one query row, over the cached positions
 // [lo, hi] (hi = the query's own position): softmax(q . k * kscale) . (v * vscale), scale 1.0, fp32 softmax.
 // Position p sits in cache row p % cap; rows are row_bytes apart and the KV head starts at byte head_off.

@@ -1,6 +1,7 @@
 // AVX2 + FMA + F16C kernels (see ops.h). Only internal-linkage helpers and the ops:: entry points live here.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -323,6 +324,31 @@ void gather_q8r(const int8_t* codes, float row_scale, int k, float mult, float* 
   for (; i + 8 <= k; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(load_i8_as_f32(codes + i), s));
   for (; i < k; ++i) out[i] = codes[i] * row_scale * mult;
 }
+
+void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int group, int k, float mult, float* out) {
+  // Column-strided reads (one byte per k in a 16-byte panel row): a row of the table is only a few KB.
+  for (int g = 0; g < k / group; ++g) {
+    const float s = scales[int64_t(g) * n];
+    for (int j = g * group; j < (g + 1) * group; ++j) out[j] = float(panel[int64_t(j) * 16 + lane]) * s * mult;
+  }
+}
+
+void fwht_blocks(float* x, int n, int block) {
+  const float norm = float(1.0 / std::sqrt(double(block)));
+  for (int b = 0; b < n; b += block) {
+    float* v = x + b;
+    for (int h = 1; h < block; h <<= 1)
+      for (int i = 0; i < block; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float a = v[j], c = v[j + h];
+          v[j] = a + c;
+          v[j + h] = a - c;
+        }
+    for (int i = 0; i < block; ++i) v[i] *= norm;
+  }
+}
+
+int kv_rotation_block(int head_dim) { return std::min(128, head_dim & -head_dim); }
 
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch) {

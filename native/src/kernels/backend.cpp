@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -157,15 +158,16 @@ void backend_thread_init() {
 }
 
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
-  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G)
+  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G && t.dtype != DType::Q8G)
     throw FgmError(f.path() + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
-                   ", not a linear weight (q8c or q4g)");
+                   ", not a linear weight (q8c, q4g or q8g)");
   if (t.shape.size() != 2) throw FgmError(f.path() + ": linear weight '" + t.name + "' is not 2-D");
   const TensorInfo& s = f.require(t.name + ".scale");
   const int64_t n = t.rows(), k = t.cols();
   const bool q8 = t.dtype == DType::Q8C;
-  const bool scale_ok = q8 ? s.dtype == DType::F32 && s.shape == std::vector<int64_t>{n}
-                           : s.dtype == DType::F16 && t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n};
+  const DType scale_type = t.dtype == DType::Q4G ? DType::F16 : DType::F32;
+  const bool scale_ok = s.dtype == scale_type && (q8 ? s.shape == std::vector<int64_t>{n}
+                                                     : t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n});
   if (!scale_ok) throw FgmError(f.path() + ": '" + t.name + ".scale' does not match its weight");
   QLinear w;
   w.dtype = t.dtype;
@@ -199,6 +201,32 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
     const int nb0 = t * detail::kTaskBlocks;
     const int nb1 = nb0 + detail::kTaskBlocks < NB ? nb0 + detail::kTaskBlocks : NB;
     kernel(a, w, y, ldy, nb0, nb1);
+  };
+  detail::run_tasks(pool, n_tasks, task);
+}
+
+}  // namespace sg
+
+namespace sg {
+
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool) {
+  auto bad = [](const std::string& msg) { throw std::invalid_argument("gemm_q8g: " + msg); };
+  if (w.dtype != DType::Q8G) bad("weight dtype must be q8g");
+  if (w.n <= 0 || w.n % 16 != 0 || w.k <= 0 || w.group <= 0 || w.k % w.group != 0)
+    bad("weight [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "] with group " + std::to_string(w.group) +
+        " needs N % 16 == 0 and a group dividing K");
+  if (!w.codes || !w.scales) bad("weight without codes or scales");
+  if (m < 0) bad("negative row count");
+  if (m > 0 && (!x || !y)) bad("null buffer");
+  if (ldx < w.k) bad("ldx " + std::to_string(ldx) + " < K " + std::to_string(w.k));
+  if (ldy < w.n) bad("ldy " + std::to_string(ldy) + " < N " + std::to_string(w.n));
+  if (!cpu_supports(Backend::Avx2)) throw std::runtime_error("gemm_q8g: this CPU lacks AVX2/FMA");
+  if (m == 0) return;
+  const int panels = w.n / 16;
+  const int n_tasks = (panels + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
+  auto task = [&](int t, int) {
+    const int p0 = t * detail::kTaskBlocks;
+    detail::gemm_q8g_panels(x, ldx, m, w, y, ldy, p0, std::min(p0 + detail::kTaskBlocks, panels));
   };
   detail::run_tasks(pool, n_tasks, task);
 }

@@ -77,8 +77,12 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
     QActStore qa(m, w.k);
     sg::backend_thread_init();
     sg::ThreadPool pool(threads, sg::backend_thread_init);
-    sg::quantize_activations(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
-    sg::gemm(qa.q, w, yp, w.n, &pool, b);
+    if (w.dtype == sg::DType::Q8G) {  // weight-only: no activation quantisation, one code path for every backend
+      sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool);
+    } else {
+      sg::quantize_activations(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
+      sg::gemm(qa.q, w, yp, w.n, &pool, b);
+    }
   }
   return y;
 }
@@ -89,20 +93,25 @@ sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales,
   sg::QLinear w;
   if (dtype == "q8c") w.dtype = sg::DType::Q8C;
   else if (dtype == "q4g") w.dtype = sg::DType::Q4G;
-  else bad("dtype must be 'q8c' or 'q4g'");
-  if (n <= 0 || n % 16 || k <= 0 || k % 64) bad("needs N % 16 == 0 and K % 64 == 0");
-  const bool q8 = w.dtype == sg::DType::Q8C;
-  if (!q8 && (group <= 0 || group % 64 || k % group)) bad("group must be a multiple of 64 dividing K");
-  if (hadamard != 0 && (hadamard != 128 || k % 128)) bad("hadamard must be 0, or 128 with K % 128 == 0");
+  else if (dtype == "q8g") w.dtype = sg::DType::Q8G;
+  else bad("dtype must be 'q8c', 'q4g' or 'q8g'");
+  const bool q8 = w.dtype == sg::DType::Q8C, q8g = w.dtype == sg::DType::Q8G;
+  if (n <= 0 || n % 16 || k <= 0 || (!q8g && k % 64)) bad("needs N % 16 == 0 and K % 64 == 0 (q8g: any K)");
+  if (w.dtype == sg::DType::Q4G && (group <= 0 || group % 64 || k % group)) bad("group must be a multiple of 64 dividing K");
+  if (q8g && (group <= 0 || k % group)) bad("q8g group must be a positive divisor of K");
+  if (hadamard != 0 && (q8g || hadamard != 128 || k % 128))
+    bad("hadamard must be 0, or 128 with K % 128 == 0 (q8g: always 0)");
   if (copies < 1) bad("copies must be >= 1");
-  const size_t code_bytes = (q8 ? size_t(n) * k : size_t(n) * k / 2) * copies;
+  const size_t code_bytes = (w.dtype == sg::DType::Q4G ? size_t(n) * k / 2 : size_t(n) * k) * copies;
   if (codes.itemsize() != 1 || !(codes.flags() & py::array::c_style) || size_t(codes.nbytes()) != code_bytes)
     bad("codes must be a contiguous byte array of " + std::to_string(code_bytes) + " bytes");
   const size_t n_scales = (q8 ? size_t(n) : size_t(k / group) * n) * copies;
   const char kind = scales.dtype().kind();
-  const bool dt_ok = q8 ? (kind == 'f' && scales.itemsize() == 4) : (kind == 'f' && scales.itemsize() == 2);
+  const size_t scale_size = w.dtype == sg::DType::Q4G ? 2 : 4;
+  const bool dt_ok = kind == 'f' && size_t(scales.itemsize()) == scale_size;
   if (!dt_ok || !(scales.flags() & py::array::c_style) || size_t(scales.size()) != n_scales)
-    bad(std::string("scales must be a contiguous ") + (q8 ? "float32 [N]" : "float16 [K/group, N]") + " array" +
+    bad(std::string("scales must be a contiguous ") +
+        (q8 ? "float32 [N]" : q8g ? "float32 [K/group, N]" : "float16 [K/group, N]") + " array" +
         (copies > 1 ? " per copy" : ""));
   w.n = n;
   w.k = k;
@@ -166,7 +175,7 @@ void bind_kernels(py::module_& parent) {
         return run_linear(x, w, pick_backend(backend), threads);
       },
       py::arg("x"), py::arg("fgm"), py::arg("tensor"), py::arg("backend") = py::none(), py::arg("threads") = 1,
-      "y = x · Wᵀ for a q8c/q4g linear of an .fgm file (quantise + GEMM).");
+      "y = x · Wᵀ for a q8c/q4g linear of an .fgm file (quantise + GEMM), or a q8g one (weight-only, f32 x).");
 
   m.def(
       "linear_packed",
@@ -177,7 +186,7 @@ void bind_kernels(py::module_& parent) {
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"),
       py::arg("group") = 0, py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1,
-      "y = x · Wᵀ for a weight given as tile-ordered codes + scales in the .fgm byte layout.");
+      "y = x · Wᵀ for a weight given as codes + scales in the .fgm byte layout (q8c/q4g tiles, q8g panels).");
 
   m.def(
       "bench_linear",
@@ -190,8 +199,11 @@ void bind_kernels(py::module_& parent) {
         check_rows(x, k, "bench_linear");
         if (threads < 1 || repeats < 1) throw std::invalid_argument("bench_linear: threads and repeats must be >= 1");
         const int mr = int(x.shape(0));
-        const size_t code_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * k : size_t(n) * k / 2;
-        const size_t scale_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * 4 : size_t(k / group) * n * 2;
+        const bool q8g = w0.dtype == sg::DType::Q8G;
+        const size_t code_bytes = w0.dtype == sg::DType::Q4G ? size_t(n) * k / 2 : size_t(n) * k;
+        const size_t scale_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * 4
+                                   : q8g                     ? size_t(k / group) * n * 4
+                                                             : size_t(k / group) * n * 2;
         std::vector<double> times;
         {
           py::gil_scoped_release nogil;
@@ -199,13 +211,14 @@ void bind_kernels(py::module_& parent) {
           auto y = aligned_array<float>(size_t(mr) * n);
           sg::backend_thread_init();
           sg::ThreadPool pool(threads, sg::backend_thread_init);
-          sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, &pool);
+          if (!q8g) sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, &pool);
           for (int r = 0; r < repeats; ++r) {
             sg::QLinear w = w0;
             w.codes += code_bytes * (r % copies);
             w.scales = static_cast<const uint8_t*>(w0.scales) + scale_bytes * (r % copies);
             const auto t0 = std::chrono::steady_clock::now();
-            sg::gemm(qa.q, w, y.get(), n, &pool, b);
+            if (q8g) sg::gemm_q8g(x.data(), k, mr, w, y.get(), n, &pool);
+            else sg::gemm(qa.q, w, y.get(), n, &pool, b);
             times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           }
         }

@@ -55,16 +55,16 @@ struct TileGuardStatus {
 };
 TileGuardStatus amx_tile_guard_status();
 
-// A linear weight as stored in the file (q8c or q4g, tile order).
+// A linear weight as stored in the file (q8c or q4g in tile order; q8g in 16-column panels).
 struct QLinear {
   DType dtype = DType::Q8C;
   int n = 0, k = 0;
-  int group = 0;     // q4g scale group along K
+  int group = 0;     // q4g / q8g scale group along K
   int hadamard = 0;  // 128: the input must be rotated
   const uint8_t* codes = nullptr;
-  const void* scales = nullptr;  // f32[n] (q8c) or f16[k/group][n] (q4g)
+  const void* scales = nullptr;  // f32[n] (q8c), f16[k/group][n] (q4g) or f32[k/group][n] (q8g)
 };
-// Throws FgmError when t is not a q8c/q4g linear or its companion .scale is missing.
+// Throws FgmError when t is not a q8c/q4g/q8g linear or its companion .scale is missing.
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);
 
 // Activations quantised per row to int8 (after the Hadamard transform when hadamard > 0),
@@ -95,6 +95,13 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 // The same on an explicit backend (tests, benchmarks). Throws std::runtime_error when the CPU
 // cannot run it.
 void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
+
+// Weight-only int8 on a q8g weight (docs/fgm-extensions.md): y[m, n] = Σ_g s[g][n] · Σ_{k in group g} x[m, k] · code
+// with x in f32 (no rotation, no quantisation), as: acc = +0; for each group g in order { p = +0; for k in the group,
+// ascending: p = fmaf(x[m, k], (float)code, p); acc = fmaf(p, s[g][n], acc) }; y = acc. One AVX2+FMA implementation
+// serves every backend, so all give the same bits; work is split over the pool in whole 16-column panels, so the
+// result depends neither on the thread count nor on m.
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 
 // In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n)
 // (n % 128 == 0): x·H with H = H₁₂₈/√128 in Sylvester order.

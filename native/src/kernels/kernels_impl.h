@@ -14,6 +14,9 @@ namespace sg::detail {
 void gemm_avx2(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
+// q8g (weight-only int8, f32 activations): output columns of the 16-column panels [p0, p1), all m rows; one
+// implementation (AVX2 + FMA) for every backend.
+void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1);
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of

@@ -1,0 +1,98 @@
+// Weight-only int8 GEMM on q8g weights (docs/fgm-extensions.md), compiled with -mavx2 -mfma -mf16c.
+//
+// The activations stay f32: a q8g model is small enough that the int8 × int8 GEMMs' speed matters less than not
+// requantising its activations. One 16-byte row of a panel holds the codes of its 16 output columns at one k; they
+// are widened to two ymm of f32 and each of MR activation rows adds x[m, k] · code to the group's partial sum with one
+// FMA per column, k ascending; at the group's end acc = fma(partial, s[g], acc). That sequence per output is fixed
+// by the format (gemm.h), not by the blocking, so every row count, thread count and backend gives the same bits
+// (AVX-512/AMX hosts run this same code).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "kernels_impl.h"
+
+namespace sg::detail {
+namespace {
+
+// Register blocks: MR activation rows × NP panels (16 columns each) keep MR·NP·2 accumulators; with the two weight
+// vectors and one broadcast that must fit the 16 ymm registers. Each accumulator is one FMA chain (k ascending, the
+// format's order), so few rows need several panels in flight to hide the FMA latency: decode (1-3 rows) is bound
+// by that latency otherwise, prefill by the FMA ports.
+constexpr int kMaxRows = 6;
+
+template <int MR, int NP>
+void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales, int n_total, int k_total, int group,
+               float* y, int ldy) {
+  const size_t panel_bytes = size_t(k_total) * 16;
+  // acc is touched once per group (and spilled by the compiler when MR·NP is large); part is the hot FMA chain.
+  __m256 acc[MR][NP][2];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_ps();
+  for (int k0 = 0; k0 < k_total; k0 += group) {
+    __m256 part[MR][NP][2];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) part[i][p][0] = part[i][p][1] = _mm256_setzero_ps();
+    for (int k = k0; k < k0 + group; ++k) {
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+        const __m256 w1 =
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8))));
+        for (int i = 0; i < MR; ++i) {
+          const __m256 a = _mm256_broadcast_ss(x + size_t(i) * ldx + k);
+          part[i][p][0] = _mm256_fmadd_ps(a, w0, part[i][p][0]);
+          part[i][p][1] = _mm256_fmadd_ps(a, w1, part[i][p][1]);
+        }
+      }
+    }
+    const float* s = scales + size_t(k0 / group) * n_total;
+    for (int p = 0; p < NP; ++p) {
+      const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][p][0] = _mm256_fmadd_ps(part[i][p][0], s0, acc[i][p][0]);
+        acc[i][p][1] = _mm256_fmadd_ps(part[i][p][1], s1, acc[i][p][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) {
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p, acc[i][p][0]);
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8, acc[i][p][1]);
+    }
+}
+
+using BlockFn = void (*)(const float*, int, const int8_t*, const float*, int, int, int, float*, int);
+// Panels per block for MR rows (at most 12 accumulators), and the kernels for each MR with that many and with one
+// panel (the remainder of a panel range).
+constexpr int kPanelsFor[kMaxRows + 1] = {0, 6, 3, 2, 1, 1, 1};
+constexpr BlockFn kWide[kMaxRows + 1] = {nullptr,           q8g_block<1, 6>, q8g_block<2, 3>, q8g_block<3, 2>,
+                                         q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
+constexpr BlockFn kOne[kMaxRows + 1] = {nullptr,           q8g_block<1, 1>, q8g_block<2, 1>, q8g_block<3, 1>,
+                                        q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
+
+}  // namespace
+
+void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
+  const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes);
+  const float* scales = static_cast<const float*>(w.scales);
+  // Panel blocks outermost: a block's codes (np·K·16 bytes) stay in L1/L2 while a prefill's row blocks walk them.
+  const int np_rows = kPanelsFor[std::min(kMaxRows, m)];
+  for (int p = p0; p < p1;) {
+    const int np = std::min(np_rows, p1 - p);
+    for (int m0 = 0; m0 < m; m0 += kMaxRows) {
+      const int mr = std::min(kMaxRows, m - m0);
+      for (int q = p; q < p + np;) {
+        const bool wide = q + kPanelsFor[mr] <= p + np;
+        (wide ? kWide : kOne)[mr](x + size_t(m0) * ldx, ldx, codes + size_t(q) * w.k * 16, scales + size_t(q) * 16,
+                                  w.n, w.k, w.group, y + size_t(m0) * ldy + size_t(q) * 16, ldy);
+        q += wide ? kPanelsFor[mr] : 1;
+      }
+    }
+    p += np;
+  }
+}
+
+}  // namespace sg::detail
