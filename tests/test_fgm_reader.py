@@ -198,6 +198,36 @@ def test_bad_group(tmp_path):
     mutate(tmp_path, lambda h: h["tensors"]["l0.gate_proj"]["meta"].update(group=96), "group 96")
 
 
+def as_q8g(h, name="l0.q_proj", group=256):
+    """Relabel a q8c [256, 256] linear as q8g with one group (its f32 [256] scale is then [1, 256]: same bytes)."""
+    t = h["tensors"][name]
+    t.update(dtype="q8g", meta={"group": group, "hadamard": 0})
+    h["tensors"][name + ".scale"]["shape"] = [256 // group, 256] if 256 % group == 0 else [1, 256]
+
+
+def test_q8g_linear_is_accepted(tmp_path):
+    data, header = split_file(MINI)
+    as_q8g(header)
+    f = FgmFile(str(write_with_header(tmp_path, data, header, "ok.fgm")))
+    info = f.tensor_info("l0.q_proj")
+    assert (info["dtype"], info["group"], info["hadamard"]) == ("q8g", 256, 0)
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (lambda h: h["tensors"]["l0.q_proj"]["meta"].update(hadamard=128), "meta.hadamard must be 0 for q8g"),
+    (lambda h: h["tensors"]["l0.q_proj"]["meta"].update(group=48), "q8g needs meta.group"),
+    (lambda h: h["tensors"]["l0.q_proj"]["meta"].pop("group"), "q8g needs meta.group"),
+    (lambda h: h["tensors"]["l0.q_proj.scale"].update(shape=[256]), "expected f32 [1, 256]"),
+    (lambda h: h["tensors"]["l0.q_proj"].update(shape=[8, 8192]), "N % 16 == 0 (16-column panels)"),
+])
+def test_q8g_constraints(tmp_path, change, fragment):
+    def fn(h):
+        as_q8g(h)
+        change(h)
+
+    mutate(tmp_path, fn, fragment)
+
+
 def test_missing_tensor(tmp_path):
     mutate(tmp_path, lambda h: h["tensors"].pop("l1.k_norm"), "'l1.k_norm' is missing")
 
