@@ -4,6 +4,8 @@
 * q4g: int4 with one f16 scale per (row, group of G along K), AMX tile order, 64-block half-split
   nibbles (§3.3). Scales are stored transposed, [K/G, N].
 * q8r / q4r: row-major gather tables (§3.4, §3.5); q4r always uses group 64 and stores [R, K/64].
+* q8g (docs/fgm-extensions.md): int8 with one f32 scale per (row, group of G along K), 16-column panels,
+  never rotated; scales stored transposed, [K/G, N]. Grid-aligned input (a GGUF's blocks) is kept exactly.
 
 The arithmetic follows fastgemma's converter closely enough to reproduce its files byte for byte:
 everything is computed in the dtype of the input (float32 for unrotated tables, float64 for
@@ -41,6 +43,66 @@ def quantize_q8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     np.rint(q, out=q)
     np.clip(q, -127, 127, out=q)
     return q.astype(np.int8), scale
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 with one scale per (row, group of G along K) (q8g linears)
+
+# A candidate grid step is accepted when every value of the group lies within this many code units of a code.
+_GRID_TOLERANCE = 1e-3
+# Steps tried: the smallest nonzero |w| of the group divided by j = 1…32. A GGUF block's smallest magnitude is
+# some code m ≤ 32 times its step (Q6_K codes reach -32), so j = m / gcd(codes) finds it.
+_GRID_DIVISORS = range(1, 33)
+# Groups per working block of quantize_q8_groups (a few MB of float64, so the passes stay in cache).
+_Q8G_BLOCK_ELEMS = 1 << 18
+
+
+def _q8g_block(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_q8_groups on x ([groups, G], float64) → (codes int8 [groups, G], scale float32 [groups])."""
+    mag = np.abs(x)
+    amax = mag.max(axis=1)
+    scale = amax / 127
+    smallest = np.where(mag > 0, mag, np.inf).min(axis=1)
+    # Only groups that are still unresolved are examined at each j; a group leaves for good once amax/step
+    # exceeds 127 (it only grows with j) or once its grid is found (the smallest j: the coarsest step).
+    todo = np.flatnonzero(amax > 0)
+    for j in _GRID_DIVISORS:
+        if not todo.size:
+            break
+        step = smallest[todo] / j
+        todo = todo[amax[todo] <= (127 + _GRID_TOLERANCE) * step]
+        step = smallest[todo] / j
+        q = x[todo] / step[:, None]
+        on_grid = (np.abs(q - np.rint(q)) <= _GRID_TOLERANCE).all(axis=1)
+        scale[todo[on_grid]] = step[on_grid]
+        todo = todo[~on_grid]
+    scale = scale.astype(np.float32)
+    scale[amax == 0] = np.float32(1 / 127)
+    q = x / scale[:, None].astype(np.float64)
+    np.rint(q, out=q)
+    np.clip(q, -127, 127, out=q)
+    return q.astype(np.int8), scale
+
+
+def quantize_q8_groups(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per (row, group of ``group`` columns) → (codes int8 [R, K], scale float32 [R, K/group]).
+
+    Weights that already lie on a symmetric grid of at most 255 levels per group (a GGUF's Q8_0, Q5_0, Q4_0
+    blocks, Q6_K sub-blocks at group 16, an int8 checkpoint) are kept EXACTLY: the group's step is the coarsest
+    among (smallest nonzero |w|)/j, j = 1…32, of which every value is an integer multiple (within 10⁻³ of a
+    code) of magnitude ≤ 127. Any other group gets s = max|w|/127 (1/127 when all zero) and round-half-even
+    codes. Steps are found in float64 and stored as float32; the codes are computed with the float32 scale.
+    """
+    r, k = w.shape
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or k % group:
+        raise ValueError(f"group {group!r} does not divide K = {k}")
+    g = np.ascontiguousarray(w).reshape(-1, group)
+    codes = np.empty(g.shape, dtype=np.int8)
+    scale = np.empty(g.shape[0], dtype=np.float32)
+    step = max(1, _Q8G_BLOCK_ELEMS // group)
+    for a in range(0, g.shape[0], step):
+        codes[a:a + step], scale[a:a + step] = _q8g_block(g[a:a + step].astype(np.float64))
+    return codes.reshape(r, k), scale.reshape(r, k // group)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,6 +171,20 @@ def untile(stream: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(t.transpose(0, 3, 1, 2, 4)).reshape(n, k)
 
 
+def panel_order(codes: np.ndarray) -> np.ndarray:
+    """[N, K] int8 codes → the 1-D q8g panel stream: code (n, k) at (n / 16)·K·16 + k·16 + n % 16 (the 16
+    outputs of one panel at one input are 16 consecutive bytes)."""
+    n, k = codes.shape
+    if n % TILE_N:
+        raise ValueError(f"panel order needs N % {TILE_N} == 0, got [{n}, {k}]")
+    return np.ascontiguousarray(codes.reshape(n // TILE_N, TILE_N, k).transpose(0, 2, 1)).reshape(-1)
+
+
+def unpanel(stream: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Inverse of panel_order: the 1-D panel stream → [N, K]."""
+    return np.ascontiguousarray(stream.reshape(n // TILE_N, k, TILE_N).transpose(0, 2, 1)).reshape(n, k)
+
+
 def pack_nibbles(stream: np.ndarray) -> np.ndarray:
     """int4 codes (int8 in [-8, 7], length % 64 == 0) → bytes: in each 64-code block, byte j holds
     code j in its low nibble and code j + 32 in its high nibble, two's complement (§3.3)."""
@@ -141,7 +217,7 @@ def dequantize(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def decode(dtype: str, blob: np.ndarray, scale: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """A stored q8c/q4g/q8r/q4r blob and its stored ``.scale`` → float64 [rows, K] (still rotated
+    """A stored q8c/q4g/q8g/q8r/q4r blob and its stored ``.scale`` → float64 [rows, K] (still rotated
     if the tensor's meta.hadamard says so)."""
     blob = np.asarray(blob)
     scale = np.asarray(scale)
@@ -149,6 +225,8 @@ def decode(dtype: str, blob: np.ndarray, scale: np.ndarray, rows: int, k: int) -
         return dequantize(untile(blob.view(np.int8), rows, k), scale)
     if dtype == "q4g":
         return dequantize(untile(unpack_nibbles(blob), rows, k), scale.reshape(-1, rows).T)
+    if dtype == "q8g":
+        return dequantize(unpanel(blob.view(np.int8), rows, k), scale.reshape(-1, rows).T)
     if dtype == "q8r":
         return dequantize(blob.view(np.int8).reshape(rows, k), scale)
     if dtype == "q4r":
