@@ -4,7 +4,8 @@ For a Gemma 4 checkpoint the output matches fastgemma's converter run with ``--w
 the chosen options): same tensor set, dtypes, shapes and offsets, and the same blob bytes (the quantisation
 arithmetic is reproduced; see quant.py). A GGUF (gguf_source.py) is dequantised and goes through the same
 steps; its vocabulary becomes ``<out>.tokenizer.json`` beside the .fgm (sp_tokenizer.py), and its chat template,
-if it has one, ``<out>.chat_template.jinja``: the names the services look for beside a model file.
+if it has one, ``<out>.chat_template.jinja``: the names the services look for beside a model file. A GGUF is stored
+``--weights int8g`` by default (q8g, docs/fgm-extensions.md): its symmetric blocks keep their exact values.
 
 Everything is streamed: linears are converted in chunks of whole 16-row blocks and tables in row chunks, and
 the checkpoint pages already read are released, so memory stays in the hundreds of MB even for the
@@ -26,8 +27,8 @@ from .errors import ConversionError
 from .hadamard import rotate_k
 from .gguf_source import GgufCheckpoint, is_gguf
 from .hf_config import TextConfig, load_text_config, parse_text_config
-from .inventory import (DEFAULT_GROUP, Linear, Plain, Rope, Table, build_inventory, check_options,
-                        entries_of, fitting_group, layout_problems, probe_names, quant_bits)
+from .inventory import (Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of,
+                        fitting_group, header_hadamard, layout_problems, probe_names, quant_bits)
 from .progress import byte_progress
 from .safetensors import READABLE_DTYPES, Checkpoint
 from .writer import FgmWriter
@@ -113,9 +114,20 @@ class _Converter:
         self.ahead = threads + 1
 
     def run(self, items) -> None:
+        # q8g tensors of one source and group (a tied embedding table and LM head) are the same bytes: they are
+        # quantised once, when the first of them comes, and written under every name.
+        same: dict[tuple[str, int], list[str]] = {}
+        for it in items:
+            if isinstance(it, (Linear, Table)) and it.dtype == "q8g":
+                same.setdefault((it.source, it.group), []).append(it.name)
         try:
             for it in items:
-                if isinstance(it, Plain):
+                if isinstance(it, (Linear, Table)) and it.dtype == "q8g":
+                    names = same.pop((it.source, it.group), None)
+                    if names:  # else already written with the first of its names
+                        n, k = it.shape
+                        self.linear(Linear(it.name, it.source, n, k, "q8g", it.group), names)
+                elif isinstance(it, Plain):
                     v = self.ckpt.rows(self.prefix + it.source).reshape(it.shape)
                     if it.offset:
                         v = (v.astype(np.float64) + it.offset).astype(np.float32)
@@ -144,11 +156,14 @@ class _Converter:
             self.w.write(it.name + ".scale", scale)
             self.ckpt.release(src, r0, r1)
 
-    def linear(self, it: Linear) -> None:
+    def linear(self, it: Linear, names: list[str] | None = None) -> None:
+        """Quantise and write one linear; a q8g one under each of ``names`` (default: its own)."""
+        names = names or [it.name]
         src = self.prefix + it.source
         step = _rows_per_chunk(it.k, _CHUNK_ELEMS)
         spans = [(r0, min(it.n, r0 + step)) for r0 in range(0, it.n, step)]
-        probe = it.name in self.probes
+        probes = [nm for nm in names if nm in self.probes]
+        probe = bool(probes)
         probe_rows = _rows_per_chunk(it.k, _PROBE_ELEMS)
 
         def work(span):
@@ -160,6 +175,9 @@ class _Converter:
             if it.dtype == "q4g":
                 q, s = quant.quantize_q4(w, it.group)
                 out["blob"], out["scale"] = quant.pack_nibbles(quant.tile_order(q)), s.T.astype(np.float16)
+            elif it.dtype == "q8g":
+                q, s = quant.quantize_q8_groups(w, it.group)
+                out["blob"], out["scale"] = quant.panel_order(q), s.T
             else:
                 q, s = quant.quantize_q8_rows(w)
                 out["blob"], out["scale"] = quant.tile_order(q), s
@@ -173,11 +191,13 @@ class _Converter:
                 out["twin"] = (quant.tile_order(q8), s8)
             return out
 
-        scales = np.empty((it.k // it.group, it.n), dtype=np.float16) if it.dtype == "q4g" else None
+        scale_dtype = {"q4g": np.float16, "q8g": np.float32}.get(it.dtype)
+        scales = None if scale_dtype is None else np.empty((it.k // it.group, it.n), dtype=scale_dtype)
         err_num = err_den = 0.0
         for out in _ordered_map(work, spans, self.pool, self.ahead):
             r0, r1 = out["span"]
-            self.w.write(it.name, out["blob"])
+            for nm in names:
+                self.w.write(nm, out["blob"])
             if scales is None:
                 self.w.write(it.name + ".scale", out["scale"])
             else:
@@ -190,17 +210,18 @@ class _Converter:
                 self.w.write(it.name + ".i8.scale", out["twin"][1])
             self.ckpt.release(src, r0, r1)
         if scales is not None:
-            self.w.write(it.name + ".scale", scales)
-        if probe:
-            self.rel_err[it.name] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
+            for nm in names:
+                self.w.write(nm + ".scale", scales)
+        for nm in probes:
+            self.rel_err[nm] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
 
 
-def _source_defaults(gguf: bool, weights, group, emb_bits) -> tuple[str, int | None, int]:
-    """Options not given: fastgemma's for a Hugging Face checkpoint (dual, 256, int4 embeddings); int8 everywhere
-    for a GGUF (a small model is cheap to keep in int8, and its weights were already quantised once)."""
+def _source_defaults(gguf: bool, weights, group, emb_bits) -> tuple[str, int | None, int | None]:
+    """Options not given: fastgemma's for a Hugging Face checkpoint (dual, 256, int4 embeddings); int8g for a GGUF
+    (its symmetric blocks fit q8g exactly: weights quantised once already are not quantised again)."""
     if weights is None:
-        weights = "int8" if gguf else "dual"
-    if emb_bits is None:
+        weights = "int8g" if gguf else "dual"
+    if emb_bits is None and weights != "int8g":
         emb_bits = 8 if gguf else 4
     return weights, group, emb_bits
 
@@ -210,10 +231,12 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
                        emb_bits: int | None = None) -> dict:
     """Convert the Hugging Face checkpoint directory (or GGUF file) ``src`` into the .fgm file ``out``.
 
-    weights: "dual" (FFN int4 + int8 twins, fastgemma's ``--weights both``), "int4" (no twins) or
-    "int8" (FFN stored int8); default dual, int8 for a GGUF. group: the int4 scale group along K of
-    the FFN and LM head; default 256, or the largest multiple of 64 below it dividing every int4 K.
-    emb_bits: 4 (q4r table, q4g head) or 8 (q8r table, q8c head); default 4, 8 for a GGUF.
+    weights: "dual" (FFN int4 + int8 twins, fastgemma's ``--weights both``), "int4" (no twins), "int8" (FFN
+    stored int8) or "int8g" (every linear, the LM head and the embedding table q8g: int8 with one scale per row
+    and group, unrotated); default dual, int8g for a GGUF. group: for int4, the scale group along K of the FFN
+    and LM head, default 256 or the largest multiple of 64 below it dividing every int4 K; for int8g, any
+    positive divisor of every K, default 32, and for a GGUF tensor gcd(group, its GGML type's sub-block).
+    emb_bits: 4 (q4r table, q4g head) or 8 (q8r table, q8c head); default 4, 8 for a GGUF; not for int8g.
     threads: worker threads (default: the usable CPUs, at most 8); the output does not depend on it.
     All problems with the input (config, missing or misshapen tensors, a group that does not
     divide some K) are found before anything is written and raised as one ConversionError; a
@@ -226,18 +249,20 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
         what = "does not exist" if not Path(src).exists() else "does not start with the GGUF magic"
         raise ConversionError(f"{src}: not a GGUF file (it {what})")
     weights, group, emb_bits = _source_defaults(gguf, weights, group, emb_bits)
-    check_options(weights, DEFAULT_GROUP if group is None else group, emb_bits)
+    check_options(weights, default_group(weights) if group is None else group, emb_bits)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConversionError(f"threads must be a positive integer, got {threads!r}")
     out = Path(out)
 
-    def plan(cfg: TextConfig):
+    def plan(cfg: TextConfig, ckpt=None):
         g = fitting_group(cfg, weights, emb_bits) if group is None else group
-        items = build_inventory(cfg, weights, g, emb_bits)
+        # A GGUF's block types bound each q8g tensor's group (gguf_source.GgufCheckpoint.q8g_group).
+        group_of = None if ckpt is None or weights != "int8g" else (lambda source: ckpt.q8g_group(source, g))
+        items = build_inventory(cfg, weights, g, emb_bits, group_of)
         problems = layout_problems(items)
         if problems:
             raise ConversionError(f"this model cannot be stored with --weights {weights} --group {g}", problems)
-        return items, cfg.fgm_config(hadamard=128, group=g, quant=quant_bits(weights, emb_bits))
+        return items, cfg.fgm_config(hadamard=header_hadamard(weights), group=g, quant=quant_bits(weights, emb_bits))
 
     # A checkpoint's config.json is checked before its weights are opened; a GGUF holds both.
     cfg = None if gguf else load_text_config(src)
@@ -245,7 +270,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
     with (GgufCheckpoint(src) if gguf else Checkpoint(src)) as ckpt:
         if gguf:
             cfg = parse_text_config(ckpt.config(), str(src))
-            planned = plan(cfg)
+            planned = plan(cfg, ckpt)
         items, header_config = planned
         entries = entries_of(items)
         prefix = _find_prefix(ckpt)

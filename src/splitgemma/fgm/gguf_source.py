@@ -20,6 +20,7 @@ into its Gemma 3 model, in tests/test_gemma3.py):
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,18 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "ffn_down.weight",
 }
 _NORM_SUFFIXES = ("norm.weight",)  # every Gemma norm: llama.cpp stored 1 + w
+# Block types whose scales cover 16 values (docs/fgm-extensions.md; NVFP4 too: one E4M3 scale per 16 values): a q8g
+# group holds their values exactly only if it divides 16. Every other block type scales 32 values or more at a time.
+_SUB_BLOCK_16 = ("Q6_K", "Q3_K", "Q2_K", "NVFP4")
 _TOKEN_TYPES = {"normal": 1, "unknown": 2, "control": 3, "user_defined": 4, "unused": 5, "byte": 6}
+
+
+def ggml_sub_block(type_name: str, block_size: int) -> int | None:
+    """The values one scale of a GGML type covers, as far as a q8g group is concerned: 16 for Q6_K/Q3_K/Q2_K (and
+    NVFP4), 32 for every other block type, None for element types (F32, F16, BF16: block size 1), which any group fits."""
+    if block_size == 1:
+        return None
+    return 16 if type_name in _SUB_BLOCK_16 else 32
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -95,6 +107,7 @@ class GgufCheckpoint:
         except ImportError as e:  # a runtime dependency; say what to install rather than fail obscurely
             raise ConversionError(f"{self.src}: reading a GGUF needs the 'gguf' package (pip install gguf)") from e
         self._quants = gguf.quants
+        self._block_sizes = {t: sizes[0] for t, sizes in gguf.GGML_QUANT_SIZES.items()}
         try:
             self._reader = gguf.GGUFReader(self.src)
         except Exception as e:  # the reader raises ValueError/KeyError/struct errors for bad files
@@ -235,6 +248,16 @@ class GgufCheckpoint:
         t = self._tensors[self._by_hf[name]]
         # GGML lists dimensions innermost first: a [N, K] weight is stored as ne = [K, N].
         return GgufTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+
+    def q8g_group(self, name: str, group: int) -> int:
+        """The q8g group for tensor ``name`` asked to use ``group``: gcd(group, its GGML type's sub-block), so that
+        a symmetric block type (Q8_0, Q5_0, Q4_0, Q6_K, Q3_K) is stored exactly; ``group`` itself for a float
+        tensor or a name the file lacks (the converter reports a missing tensor on its own)."""
+        if name not in self:
+            return group
+        t = self._tensors[self._by_hf[name]]
+        sub = ggml_sub_block(t.tensor_type.name, self._block_sizes.get(t.tensor_type, 1))
+        return group if sub is None else math.gcd(group, sub)
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) of a tensor as float32, in Hugging Face form (norms as w, not 1 + w)."""

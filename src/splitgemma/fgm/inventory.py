@@ -5,7 +5,7 @@ Hugging Face checkpoint and ``random-model`` fills it with random data, so both 
 published layout. Items are listed in fastgemma's emission order (§5.4); each item expands to its
 tensor entries (a quantised weight is followed by its ``.scale``, then its ``.i8`` twin and scale).
 
-Weight classes (fastgemma's defaults; ``weights`` picks the FFN format):
+Weight classes (fastgemma's defaults; ``weights`` picks the FFN format, or "int8g" every linear's):
 
 =====================================================  =======================================
 attention q/k/v/o                                      q8c
@@ -18,14 +18,20 @@ per_layer_model_projection / _input_gate / _projection q8c
 norms, layer_scalar, rope.<type>.inv_freq              f32
 =====================================================  =======================================
 
+"int8g" (docs/fgm-extensions.md) stores every linear above, lm_head included, and the embed_tokens table as q8g
+(int8, one f32 scale per row and group of G inputs, unrotated, no .i8 twins); embed_tokens_per_layer stays q4r.
+A tensor's group may be smaller than G when its source says so (a GGUF block type: gguf_source.ggml_sub_block).
+
 Gemma 3 configs have no per-layer-input tensors, no layer_scalar, and their norms are stored as 1 + w
 (``Plain.offset``); a Gemma 3 model with no KV sharing has k/v on every layer.
 
-Every linear whose K is a multiple of 128 is Hadamard-rotated (meta.hadamard 128), others not (0).
+Every q8c/q4g linear whose K is a multiple of 128 is Hadamard-rotated (meta.hadamard 128), others not (0);
+q8g is never rotated.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import ConversionError
 from .hadamard import BLOCK as HADAMARD_BLOCK, rotatable
@@ -33,8 +39,9 @@ from .hf_config import TextConfig
 from .quant import Q4_TABLE_GROUP, TILE_K, TILE_N
 from .writer import TensorEntry
 
-WEIGHT_MODES = ("dual", "int4", "int8")
-DEFAULT_GROUP = 256
+WEIGHT_MODES = ("dual", "int4", "int8", "int8g")
+DEFAULT_GROUP = 256      # the int4 scale group (dual, int4, and an int4 LM head)
+DEFAULT_Q8G_GROUP = 32   # the int8g scale group: a GGUF's Q8_0/Q5_0/Q4_0 block
 EMB_BITS = (4, 8)
 
 
@@ -53,18 +60,18 @@ class Plain:
 
 @dataclass(frozen=True)
 class Linear:
-    """A linear weight [N, K] = [out, in]: q4g or q8c, optionally with an int8 twin."""
+    """A linear weight [N, K] = [out, in]: q4g, q8c or q8g, optionally (q4g) with an int8 twin."""
     name: str
     source: str
     n: int
     k: int
-    dtype: str          # "q4g" or "q8c"
-    group: int          # int4 scale group along K (0 for q8c)
+    dtype: str          # "q4g", "q8c" or "q8g"
+    group: int          # scale group along K (0 for q8c)
     twin: bool = False  # also store <name>.i8 (q8c) for prefill-sized GEMMs
 
     @property
     def hadamard(self) -> int:
-        return HADAMARD_BLOCK if rotatable(self.k) else 0
+        return HADAMARD_BLOCK if self.dtype != "q8g" and rotatable(self.k) else 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -75,6 +82,8 @@ class Linear:
         if self.dtype == "q4g":
             out = [TensorEntry(self.name, "q4g", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f16", (self.k // self.group, self.n))]
+        elif self.dtype == "q8g":
+            out = q8g_entries(self.name, self.n, self.k, self.group)
         else:
             out = [TensorEntry(self.name, "q8c", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f32", (self.n,))]
@@ -84,6 +93,8 @@ class Linear:
         return out
 
     def problems(self) -> list[str]:
+        if self.dtype == "q8g":
+            return q8g_problems(self.name, self.n, self.k, self.group)
         p = []
         where = f"{self.name} [{self.n}, {self.k}]"
         if self.n % TILE_N or self.k % TILE_K:
@@ -93,26 +104,48 @@ class Linear:
         return p
 
 
+def q8g_entries(name: str, n: int, k: int, group: int) -> list[TensorEntry]:
+    """A q8g weight and its f32 scales, stored transposed [K/G, N]."""
+    return [TensorEntry(name, "q8g", (n, k), {"hadamard": 0, "group": group}),
+            TensorEntry(name + ".scale", "f32", (k // group, n))]
+
+
+def q8g_problems(name: str, n: int, k: int, group: int) -> list[str]:
+    p = []
+    where = f"{name} [{n}, {k}]"
+    if n % TILE_N:
+        p.append(f"{where}: q8g panels need N % {TILE_N} == 0")
+    if k % group:
+        p.append(f"{where}: int8 group {group} does not divide K = {k}")
+    return p
+
+
 @dataclass(frozen=True)
 class Table:
-    """A gather table [R, K] (token embeddings): q4r (group 64) or q8r (one scale per row), unrotated."""
+    """A gather table [R, K] (token embeddings), unrotated: q4r (group 64), q8r (one scale per row) or q8g
+    (one scale per row and group of ``group``, in the panel layout of a q8g linear)."""
     name: str
     source: str
     rows: int
     k: int
     dtype: str = "q4r"
+    group: int = 0      # q8g only
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.k)
 
     def entries(self) -> list[TensorEntry]:
+        if self.dtype == "q8g":
+            return q8g_entries(self.name, self.rows, self.k, self.group)
         if self.dtype == "q8r":
             return [TensorEntry(self.name, "q8r", self.shape), TensorEntry(self.name + ".scale", "f32", (self.rows,))]
         return [TensorEntry(self.name, "q4r", self.shape),
                 TensorEntry(self.name + ".scale", "f16", (self.rows, self.k // Q4_TABLE_GROUP))]
 
     def problems(self) -> list[str]:
+        if self.dtype == "q8g":
+            return q8g_problems(self.name, self.rows, self.k, self.group)
         if self.dtype == "q4r" and self.k % Q4_TABLE_GROUP:
             return [f"{self.name} [{self.rows}, {self.k}]: int4 table needs K % {Q4_TABLE_GROUP} == 0"]
         return []
@@ -132,32 +165,60 @@ class Rope:
 Item = Plain | Linear | Table | Rope
 
 
-def quant_bits(weights: str, emb_bits: int = 4) -> dict:
+def quant_bits(weights: str, emb_bits: int | None = None) -> dict:
     """The header's informative ``quant`` object: the bit widths of each weight class."""
-    return {"ffn": 8 if weights == "int8" else 4, "attn": 8, "ple": 4, "emb": emb_bits}
+    emb_bits = resolve_emb_bits(weights, emb_bits)
+    return {"ffn": 8 if weights in ("int8", "int8g") else 4, "attn": 8, "ple": 4, "emb": emb_bits}
 
 
-def check_options(weights: str, group: int, emb_bits: int = 4) -> None:
+def resolve_emb_bits(weights: str, emb_bits: int | None) -> int:
+    """emb_bits not given: 8 for int8g (its embedding and LM head are q8g), else 4 (fastgemma's default)."""
+    if emb_bits is None:
+        return 8 if weights == "int8g" else 4
+    return emb_bits
+
+
+def header_hadamard(weights: str) -> int:
+    """The header's informative config.hadamard: 0 when the mode rotates nothing (int8g), else 128."""
+    return 0 if weights == "int8g" else HADAMARD_BLOCK
+
+
+def default_group(weights: str) -> int:
+    """The scale group when none is asked for: int8g's 32, else the int4 default."""
+    return DEFAULT_Q8G_GROUP if weights == "int8g" else DEFAULT_GROUP
+
+
+def check_options(weights: str, group: int, emb_bits: int | None = None) -> None:
     if weights not in WEIGHT_MODES:
         raise ConversionError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {weights!r}")
-    if isinstance(group, bool) or not isinstance(group, int) or group <= 0 or group % 64:
-        raise ConversionError(f"group must be a positive multiple of 64, got {group!r}")
-    if emb_bits not in EMB_BITS:
+    if isinstance(group, bool) or not isinstance(group, int) or group <= 0:
+        raise ConversionError(f"group must be a positive integer, got {group!r}")
+    if weights != "int8g" and group % 64:
+        raise ConversionError(f"group must be a positive multiple of 64 with --weights {weights} "
+                              f"(any divisor of every K only with int8g), got {group!r}")
+    if emb_bits is not None and emb_bits not in EMB_BITS:
         raise ConversionError(f"emb_bits must be 4 or 8, got {emb_bits!r}")
+    if weights == "int8g" and emb_bits == 4:
+        raise ConversionError("emb_bits 4 does not go with --weights int8g, which stores the token embedding "
+                              "and the LM head as q8g (int8)")
 
 
 def int4_ks(cfg: TextConfig, weights: str, emb_bits: int = 4) -> list[int]:
     """The K of every int4 (q4g) linear of the file: the ones an int4 group must divide."""
+    if weights == "int8g":
+        return []
     ks = [] if emb_bits == 8 else [cfg.hidden_size]
     if weights != "int8":
         ks += [k for i in range(cfg.num_hidden_layers) for k in (cfg.hidden_size, cfg.layer_intermediate(i))]
     return ks
 
 
-def fitting_group(cfg: TextConfig, weights: str, emb_bits: int = 4) -> int:
-    """DEFAULT_GROUP when it divides every int4 K, else the largest multiple of 64 below it that does
-    (Gemma 3 270M: K = 640 takes 128)."""
-    ks = int4_ks(cfg, weights, emb_bits)
+def fitting_group(cfg: TextConfig, weights: str, emb_bits: int | None = None) -> int:
+    """For int4 groups, DEFAULT_GROUP when it divides every int4 K, else the largest multiple of 64 below it that
+    does (Gemma 3 270M: K = 640 takes 128). For int8g, DEFAULT_Q8G_GROUP."""
+    if weights == "int8g":
+        return DEFAULT_Q8G_GROUP
+    ks = int4_ks(cfg, weights, resolve_emb_bits(weights, emb_bits))
     for g in range(DEFAULT_GROUP, 0, -64):
         if all(k % g == 0 for k in ks):
             return g
@@ -165,10 +226,16 @@ def fitting_group(cfg: TextConfig, weights: str, emb_bits: int = 4) -> int:
 
 
 def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT_GROUP,
-                    emb_bits: int = 4) -> list[Item]:
+                    emb_bits: int | None = None, group_of: Callable[[str], int] | None = None) -> list[Item]:
     """All items of the file for this config, in emission order. emb_bits 8 stores the token
-    embedding as q8r and the (tied) LM head as q8c instead of q4r / q4g."""
+    embedding as q8r and the (tied) LM head as q8c instead of q4r / q4g (default 4); int8g stores both q8g
+    (emb_bits None or 8).
+
+    group_of (int8g only): the group of the q8g tensor made from a given source name, when the source
+    constrains it (a GGUF block type); default ``group`` for every tensor.
+    """
     check_options(weights, group, emb_bits)
+    emb_bits = resolve_emb_bits(weights, emb_bits)
     h, v, L = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
     p = cfg.hidden_size_per_layer_input
     no = cfg.norm_offset
@@ -176,15 +243,30 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
     ffn_group = 0 if weights == "int8" else group
     ffn_twin = weights == "dual"
 
+    def q8g_group(source):
+        return group if group_of is None else group_of(source)
+
     def q8(name, source, n, k):
+        """The int8 linears: q8c, or q8g with int8g."""
+        if weights == "int8g":
+            return Linear(name, source, n, k, "q8g", q8g_group(source))
         return Linear(name, source, n, k, "q8c", 0)
 
-    items: list[Item] = [
-        Table("embed_tokens", "embed_tokens.weight", v, h, "q8r" if emb_bits == 8 else "q4r"),
-        # the tied head
-        Linear("lm_head", "embed_tokens.weight", v, h, "q8c", 0) if emb_bits == 8
-        else Linear("lm_head", "embed_tokens.weight", v, h, "q4g", group),
-    ]
+    def ffn(name, source, n, k):
+        if weights == "int8g":
+            return q8(name, source, n, k)
+        return Linear(name, source, n, k, ffn_dtype, ffn_group, ffn_twin)
+
+    if weights == "int8g":
+        emb = "embed_tokens.weight"
+        items: list[Item] = [Table("embed_tokens", emb, v, h, "q8g", q8g_group(emb)), q8("lm_head", emb, v, h)]
+    else:
+        items = [
+            Table("embed_tokens", "embed_tokens.weight", v, h, "q8r" if emb_bits == 8 else "q4r"),
+            # the tied head
+            Linear("lm_head", "embed_tokens.weight", v, h, "q8c", 0) if emb_bits == 8
+            else Linear("lm_head", "embed_tokens.weight", v, h, "q4g", group),
+        ]
     if p:
         items += [
             Table("embed_tokens_per_layer", "embed_tokens_per_layer.weight", cfg.vocab_size_per_layer_input, L * p),
@@ -218,9 +300,9 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
                 q8(pre + "v_proj", src + "self_attn.v_proj.weight", kv_out, h),
             ]
         items += [
-            Linear(pre + "gate_proj", src + "mlp.gate_proj.weight", inter, h, ffn_dtype, ffn_group, ffn_twin),
-            Linear(pre + "up_proj", src + "mlp.up_proj.weight", inter, h, ffn_dtype, ffn_group, ffn_twin),
-            Linear(pre + "down_proj", src + "mlp.down_proj.weight", h, inter, ffn_dtype, ffn_group, ffn_twin),
+            ffn(pre + "gate_proj", src + "mlp.gate_proj.weight", inter, h),
+            ffn(pre + "up_proj", src + "mlp.up_proj.weight", inter, h),
+            ffn(pre + "down_proj", src + "mlp.down_proj.weight", h, inter),
         ]
         if p:
             items += [

@@ -10,7 +10,8 @@ Values: the dequantised weights of every linear and table have standard deviatio
 uniform over their range, scales ±0.03/std(codes) × U(0.8, 1.2), random signs as real int4 scales
 have); norm weights and layer_scalar are 1 + 0.02·N(0, 1); the RoPE tables are the real ones.
 The FFN int4 scales are constant along each row, so an ``.i8`` twin (codes × 15, scale / 15) holds
-exactly the same weights as its int4 original and both GEMM paths compute the same model.
+exactly the same weights as its int4 original and both GEMM paths compute the same model. q8g weights
+(--weights int8g) get uniform int8 codes and a positive scale per (row, group).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .hf_config import FULL, SLIDING, TextConfig, parse_text_config
-from .inventory import DEFAULT_GROUP, Linear, Plain, Rope, Table, build_inventory, check_options, entries_of, \
-    layout_problems, quant_bits
+from .inventory import Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of, \
+    header_hadamard, layout_problems, quant_bits
 from .errors import ConversionError
 from .progress import byte_progress
 from .quant import Q4_TABLE_GROUP, unpack_nibbles
@@ -105,6 +106,9 @@ class _Filler:
         return codes
 
     def table(self, it: Table, rng) -> None:
+        if it.dtype == "q8g":
+            self._q8g(it.name, it.rows, it.k, it.group, rng)
+            return
         # Every packed byte is two independent uniform int4 codes, in any order.
         rows_per_chunk = max(1, _CHUNK_BYTES // (it.k // 2))
         for r0 in range(0, it.rows, rows_per_chunk):
@@ -113,7 +117,16 @@ class _Filler:
             s = self._signed_scales(rng, (r1 - r0, it.k // Q4_TABLE_GROUP), _Q4_CODE_STD)
             self.w.write(it.name + ".scale", s.astype(np.float16))
 
+    def _q8g(self, name: str, n: int, k: int, group: int, rng) -> None:
+        # Uniform codes in any order are a valid panel stream; scales [K/G, N].
+        self._stream(name, n * k, lambda count: self._q8_codes(rng, count))
+        self.w.write(name + ".scale",
+                     np.abs(self._signed_scales(rng, (k // group, n), _Q8_CODE_STD)).astype(np.float32))
+
     def linear(self, it: Linear, rng) -> None:
+        if it.dtype == "q8g":
+            self._q8g(it.name, it.n, it.k, it.group, rng)
+            return
         if it.dtype == "q8c":
             self._stream(it.name, it.n * it.k, lambda n: self._q8_codes(rng, n))
             self.w.write(it.name + ".scale",
@@ -141,15 +154,17 @@ class _Filler:
 
 
 def write_random_model(cfg: TextConfig, out: str | os.PathLike, seed: int = 0, weights: str = "dual",
-                       group: int = DEFAULT_GROUP, progress: bool = True, label: str = "custom") -> dict:
-    """Write a .fgm for ``cfg`` with random weights; same layout as converting a real checkpoint."""
+                       group: int | None = None, progress: bool = True, label: str = "custom") -> dict:
+    """Write a .fgm for ``cfg`` with random weights; same layout as converting a real checkpoint.
+    group: default 256 (int4), 32 for int8g."""
     t0 = time.perf_counter()
+    group = default_group(weights) if group is None else group
     check_options(weights, group)
     items = build_inventory(cfg, weights, group)
     problems = layout_problems(items)
     if problems:
         raise ConversionError(f"this model cannot be stored with --weights {weights} --group {group}", problems)
-    header_config = cfg.fgm_config(hadamard=128, group=group, quant=quant_bits(weights))
+    header_config = cfg.fgm_config(hadamard=header_hadamard(weights), group=group, quant=quant_bits(weights))
     entries = entries_of(items)
     out = Path(out)
     with FgmWriter(out) as writer:
