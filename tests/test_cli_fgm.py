@@ -44,9 +44,14 @@ def test_command_help(capsys, cmd):
 
 
 def test_usage_errors_exit_2(capsys):
-    status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--group", "100")
+    status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--group", "0")
     assert status == 2
-    assert "splitgemma: error: argument --group: invalid group 100: must be a positive multiple of 64" in err
+    assert "splitgemma: error: argument --group: invalid group 0: must be a positive integer" in err
+    # Which positive groups fit depends on --weights (int8g takes any divisor of K): the converter says why.
+    status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--group", "100")
+    assert status == 1
+    assert err == ("splitgemma: error: group must be a positive multiple of 64 with --weights dual (any divisor "
+                   "of every K only with int8g), got 100\n")
     status, _, err = run_cli(capsys, "convert", str(MINI), "x.fgm", "--threads", "0")
     assert status == 2 and "splitgemma: error: argument --threads: invalid value 0: must be at least 1" in err
     status, _, err = run_cli(capsys, "random-model", "--preset", "e3b", "x.fgm")

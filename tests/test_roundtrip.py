@@ -1,8 +1,8 @@
 """Checkpoint -> .fgm -> numpy decode: every tensor equals the Hugging Face weight within the error its class allows.
 
-The .fgm files are the project converter's (of every fixture checkpoint) and fastgemma's own (of its two
-checkpoints); decoding is tests/tools/fgm_decode.py, which was written from the format description only. The
-measured relative Frobenius error per class is reported in the terminal summary with -v.
+The .fgm files are the project converter's (of every fixture checkpoint; of ours also with --weights int8g) and
+fastgemma's own (of its two checkpoints); decoding is tests/tools/fgm_decode.py, which was written from the format
+descriptions only. The measured relative Frobenius error per class is reported in the terminal summary with -v.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def check_tensor(reader: FgmReader, name: str, w: np.ndarray, group: int) -> Non
     if dtype in ("q8c", "q4g"):
         assert info["hadamard"] == (128 if k % 128 == 0 else 0), f"{name}: hadamard {info['hadamard']} for K={k}"
     else:
-        assert info["hadamard"] == 0, f"{name}: gather tables are never rotated"
+        assert info["hadamard"] == 0, f"{name}: gather tables and q8g weights are never rotated"
     target = rotate_k(w, info["hadamard"]) if info["hadamard"] else w  # quantisation happens in the rotated domain
     codes, scales = reader.codes_and_scales(name)
     deq = reader.dequantize(name)
@@ -61,6 +61,11 @@ def check_tensor(reader: FgmReader, name: str, w: np.ndarray, group: int) -> Non
     if dtype in ("q8c", "q8r"):
         assert codes.min() >= -127 and codes.max() <= 127, f"{name}: int8 code -128 present"
         bound = 0.501 * np.abs(scales.astype(np.float64))[:, None]
+    elif dtype == "q8g":
+        assert codes.min() >= -127 and codes.max() <= 127, f"{name}: int8 code -128 present"
+        assert info["group"] == group, f"{name}: group {info['group']}, converted with {group}"
+        # half a step of the group's scale: amax/254 when rounded, ~0 when the values were already on a grid
+        bound = np.repeat(0.501 * np.abs(scales.astype(np.float64)).T, group, axis=1)
     elif dtype == "q4g":
         assert info["group"] == group, f"{name}: group {info['group']}, converted with {group}"
         bound = int4_bound(target, scales.astype(np.float64).T, group)
@@ -75,13 +80,35 @@ def check_tensor(reader: FgmReader, name: str, w: np.ndarray, group: int) -> Non
 
 @pytest.mark.parametrize("source,name", CASES, ids=[f"{s}-fgm-of-{n}" for s, n in CASES])
 def test_roundtrip(source, name, converted_fgm, report):
-    cfg, weights = load_hf_checkpoint(ALL_CHECKPOINTS[name])
     if source == "ours":
         path = converted_fgm(name)
         group = int(np.load(ALL_CHECKPOINTS[name] / "reference.npz")["fgm_group"]) if name in OURS else FASTGEMMA_GROUP
     else:
         path, group = fastgemma_fgm(name), FASTGEMMA_GROUP
+    check_file(FgmReader(path), name, group, f"{source}-fgm-of-{name}", report)
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_roundtrip_int8g(name, tmp_path, report):
+    """--weights int8g: every linear, the LM head and the embedding q8g (group 32, unrotated, no twins), the PLE
+    table still q4r."""
+    from splitgemma.fgm.convert import convert_checkpoint
+
+    path = tmp_path / f"{name}-int8g.fgm"
+    convert_checkpoint(ALL_CHECKPOINTS[name], path, weights="int8g", progress=False)
     reader = FgmReader(path)
+    check_file(reader, name, 32, f"ours-int8g-of-{name}", report)
+    for n in reader.names:
+        dtype = reader.info(n)["dtype"]
+        if n == "embed_tokens_per_layer":
+            assert dtype == "q4r"
+        elif hf_name(n) is not None and len(reader.info(n)["shape"]) == 2:
+            assert dtype == "q8g", f"{n}: {dtype}"
+        assert not n.endswith(".i8"), n
+
+
+def check_file(reader: FgmReader, name: str, group: int, label: str, report) -> None:
+    cfg, weights = load_hf_checkpoint(ALL_CHECKPOINTS[name])
     live = live_weights(weights, cfg)
 
     # Inventory: every live tensor once (the embedding twice: gather table + LM head), FFN int8 twins present.
@@ -106,7 +133,7 @@ def test_roundtrip(source, name, converted_fgm, report):
         sq_ref[key] += np.linalg.norm(w) ** 2
         worst[key] = max(worst[key], np.sqrt(d / np.linalg.norm(w) ** 2))
     for key in sorted(sq_err):
-        report(f"roundtrip {source}-fgm-of-{name:14s} {key:26s} rel Frobenius {np.sqrt(sq_err[key] / sq_ref[key]):.5f}"
+        report(f"roundtrip {label:30s} {key:26s} rel Frobenius {np.sqrt(sq_err[key] / sq_ref[key]):.5f}"
                f"  (worst tensor {worst[key]:.5f})")
 
     # RoPE tables and the config an engine routes K/V by.

@@ -1,7 +1,8 @@
 """An independent numpy decoder of FASTGEM1 (.fgm) weight files, for tests and fixture generation.
 
-Written from the byte-level format description (shared/reference/fgm-format.md) only, deliberately without looking
-at the project's converter (splitgemma/fgm/): the converter packs, this module unpacks, and each checks the other.
+Written from the byte-level format descriptions (shared/reference/fgm-format.md, and docs/fgm-extensions.md for the
+q8g type) only, deliberately without looking at the project's converter (splitgemma/fgm/): the converter packs, this
+module unpacks, and each checks the other.
 It also decodes fastgemma's own files, which is how it is validated against a converter we did not write.
 
 The container is read through the native reader (`splitgemma._native.FgmFile`: magic, header, offsets, bounds), so
@@ -21,10 +22,12 @@ import numpy as np
 from splitgemma._native import FgmFile
 
 # Dtype -> bytes per element of the blob, as a fraction (numerator, denominator).
-_BLOB_BYTES = {"f32": (4, 1), "f16": (2, 1), "q8c": (1, 1), "q8r": (1, 1), "q4g": (1, 2), "q4r": (1, 2)}
-_QUANTISED = ("q8c", "q4g", "q8r", "q4r")
+_BLOB_BYTES = {"f32": (4, 1), "f16": (2, 1), "q8c": (1, 1), "q8g": (1, 1), "q8r": (1, 1), "q4g": (1, 2),
+               "q4r": (1, 2)}
+_QUANTISED = ("q8c", "q4g", "q8g", "q8r", "q4r")
 TILE_N = 16  # rows of one AMX tile
 TILE_K = 64  # int8 codes along K of one tile (16 tile rows x 4 consecutive k)
+PANEL_N = 16  # q8g: output rows of one panel (16 consecutive bytes hold them at one k)
 Q4R_GROUP = 64  # the q4r scale group is fixed by the format, whatever the converter's --group was
 
 # .fgm per-layer suffix -> Hugging Face Gemma 4 name suffix (after "layers.{i}.").
@@ -98,6 +101,13 @@ def _tile_order_to_rows(stream: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(tiles.transpose(0, 3, 1, 2, 4)).reshape(n, k)
 
 
+def _panels_to_rows(stream: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Inverse of the q8g panel order: addr = (n/16)*K*16 + k*16 + n%16."""
+    panels = stream.reshape(n // PANEL_N, k, PANEL_N)
+    # axes: panel, k, n%16  ->  panel, n%16, k
+    return np.ascontiguousarray(panels.transpose(0, 2, 1)).reshape(n, k)
+
+
 def hf_name(name: str, prefix: str = HF_PREFIX) -> str | None:
     """The Hugging Face name of the weight an .fgm tensor encodes (an `.i8` twin maps to its primary's name);
     None for `.scale` companions and RoPE tables. Unknown names raise ValueError."""
@@ -159,6 +169,10 @@ class FgmReader:
                 raise ValueError(f"{name}: {dtype} needs N % {TILE_N} == 0 and K % {TILE_K} == 0, shape [{n}, {k}]")
             stream = raw.view(np.int8) if dtype == "q8c" else _nibbles_to_stream(raw)
             codes = _tile_order_to_rows(stream, n, k)
+        elif dtype == "q8g":
+            if n % PANEL_N:
+                raise ValueError(f"{name}: q8g needs N % {PANEL_N} == 0, shape [{n}, {k}]")
+            codes = _panels_to_rows(raw.view(np.int8), n, k)
         else:
             if k % 64:
                 raise ValueError(f"{name}: {dtype} needs K % 64 == 0, shape [{n}, {k}]")
@@ -169,6 +183,11 @@ class FgmReader:
             if group % 64 or k % group:
                 raise ValueError(f"{name}: int4 group {group} must be a multiple of 64 dividing K={k}")
             scale_dtype, scale_shape = "f16", (k // group, n)
+        elif dtype == "q8g":
+            group = info["group"]
+            if group <= 0 or k % group:
+                raise ValueError(f"{name}: q8g group {group} must be a positive divisor of K={k}")
+            scale_dtype, scale_shape = "f32", (k // group, n)
         elif dtype == "q4r":
             scale_dtype, scale_shape = "f16", (n, k // Q4R_GROUP)
         else:
@@ -188,7 +207,7 @@ class FgmReader:
         q = codes.astype(np.float64)
         s = scales.astype(np.float64)
         n, k = q.shape
-        if dtype == "q4g":
+        if dtype in ("q4g", "q8g"):  # scales stored transposed, [K/G, N]
             group = k // s.shape[0]
             return (q.reshape(n, k // group, group) * s.T[:, :, None]).reshape(n, k)
         if dtype == "q4r":
@@ -214,7 +233,8 @@ class FgmReader:
 
         `embed_tokens.weight` comes from the gather table (q4r/q8r) and the LM head from the separate `lm_head`
         tensor, kept apart under `lm_head.weight` (they are two quantisations of the tied matrix).
-        ffn="int4" takes the q4g FFN weights, ffn="int8" their `.i8` int8 twins (or the primary if it is already q8c).
+        ffn="int4" takes the q4g FFN weights, ffn="int8" their `.i8` int8 twins (or the primary if it is already q8c
+        or q8g).
         """
         if ffn not in ("int4", "int8"):
             raise ValueError(f"ffn must be 'int4' or 'int8', got {ffn!r}")
@@ -239,7 +259,7 @@ class FgmReader:
             if self.info(twin)["dtype"] != "q8c":
                 raise ValueError(f"{twin}: an int8 twin must be q8c, found {self.info(twin)['dtype']}")
             return twin
-        if dtype == "q8c":
+        if dtype in ("q8c", "q8g"):
             return name
         raise ValueError(f"{name}: int8 FFN requested but the file has no .i8 twin (converted without dual weights?)")
 
