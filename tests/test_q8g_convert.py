@@ -448,6 +448,17 @@ def test_gguf_group_is_gcd_with_the_sub_block(tiny_gguf, tmp_path):
     assert not (tmp_path / "bad.fgm").exists()
 
 
+def test_gguf_weights_int8_keeps_its_layout(tiny_gguf, tmp_path):
+    """Asked for explicitly, the former GGUF default is unchanged: q8c linears (rotated), q8r table, q8c head."""
+    src, _, _ = tiny_gguf
+    out = tmp_path / "i8.fgm"
+    convert_checkpoint(src, out, weights="int8", progress=False)
+    t = fgm_header(out)["tensors"]
+    assert (t["embed_tokens"]["dtype"], t["lm_head"]["dtype"]) == ("q8r", "q8c")
+    assert {t[f"l2.{p}"]["dtype"] for p in LINEARS} == {"q8c"}
+    assert t["l2.q_proj"]["meta"] == {"hadamard": 128, "group": 0}
+
+
 def test_gguf_sub_blocks():
     from splitgemma.fgm.gguf_source import ggml_sub_block
 
