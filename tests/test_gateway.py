@@ -487,6 +487,21 @@ def test_chat_stream_with_n_choices_and_usage(stack, ref):
     assert chunks[-1].usage.prompt_tokens == len(ref.chat_ids(messages))
 
 
+def test_special_tokens_are_skipped_unless_asked_for(stack, ref):
+    """This prompt's greedy continuation contains <unk> (id 3, a special token): the text leaves it out by default,
+    as tokenizer.decode(skip_special_tokens=True) and OpenAI-style servers do, and keeps it with
+    skip_special_tokens=false; the token itself is generated (and counted) either way."""
+    prompt = _words(106, 30)
+    ids = ref.greedy(ref.encode(prompt), 24, ignore_eos=True)
+    assert 3 in ids, "the fixture prompt no longer produces <unk>: pick another"
+    c = stack.client()
+    for skip in (True, False):
+        r = c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                 extra_body={"ignore_eos": True, "skip_special_tokens": skip})
+        assert r.choices[0].text == ref.tokenizer.decode(ids, skip_special_tokens=skip)
+        assert ("<unk>" in r.choices[0].text) is not skip and r.usage.completion_tokens == 24
+
+
 def test_eight_concurrent_streams_are_batched_and_equal_solo(stack, ref):
     prompts = [_words(100 + i, 12 + 3 * i) for i in range(8)]
     want = [ref.text(ref.greedy(ref.encode(p), 48, ignore_eos=True)) for p in prompts]

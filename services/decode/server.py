@@ -250,7 +250,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                          [(t.token_id, t.logprob) for t in first.top_logprobs]),
             sampling=sampling, rng_state=request.rng_state, max_tokens=request.max_tokens or slot.max_tokens,
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
-            text=TextStream(self.tokenizer, request.stop) if self.tokenizer is not None else None,
+            text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens)
+                  if self.tokenizer is not None else None),
             token_name=self._token_name, queue=asyncio.Queue())
 
     def _verify(self, slot: int, key: int, generation: int) -> float:

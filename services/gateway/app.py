@@ -196,7 +196,8 @@ class Gateway:
                 out.append(ChoiceSpec(index=index, prompt_ids=ids, max_tokens=max_tokens,
                                       sampling=self.sampling(req, index, logprobs, top_logprobs),
                                       stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
-                                      ignore_eos=req.ignore_eos, prompt_param=param))
+                                      ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+                                      prompt_param=param))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class ChoiceSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
 
 
@@ -237,7 +238,7 @@ class Pipelines:
             request_id=run.request_id, lease=run.lease, prompt_tokens=len(spec.prompt_ids),
             first_token=run.prefill_result.first_token, sampling=spec.sampling, max_tokens=run.max_tokens,
             stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
-            rng_state=run.prefill_result.rng_state)
+            rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens)
         w.in_flight += 1
         call = w.stub.Generate(request)
         timeout = self.timeouts.first_event

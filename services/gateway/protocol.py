@@ -76,6 +76,7 @@ class _SamplingRequest(_Strict):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
     ignore_eos: bool = False                                   # extension: for benchmarks
+    skip_special_tokens: bool = True                           # extension (vLLM): drop <unk>, <bos>… from text
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

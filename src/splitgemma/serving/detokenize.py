@@ -4,8 +4,9 @@ TextStream turns one sequence's generated token ids into text pieces as they arr
 
 * Pieces never split a UTF-8 character: the tokenizers library's DecodeStream holds back the bytes of a
   character spread over several byte-fallback tokens until it is complete.
-* The pieces concatenate to ``tokenizer.decode(ids)`` of the ids pushed (special tokens included: they may carry
-  meaning such as tool-call markers; the model's stop tokens are never pushed).
+* The pieces concatenate to ``tokenizer.decode(ids, skip_special_tokens=...)`` of the ids pushed: special tokens
+  (<unk>, <bos>, control tokens) are skipped by default, as OpenAI-style servers do; a caller that needs them (e.g.
+  to see markers the model emits) asks for them. The model's stop tokens are never pushed.
 * Stop strings are matched on the decoded text, across piece boundaries. Text that could be the start of a stop
   string is held back until it either completes the stop string (then the match and everything after it are
   dropped) or can no longer match (then it is released with a later piece, or by flush()).
@@ -20,9 +21,9 @@ from tokenizers.decoders import DecodeStream
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = ()):
+    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._decoder = DecodeStream(skip_special_tokens=False)
+        self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stops = sorted({s for s in stops if s}, key=len, reverse=True)
         self._held = ""
 
