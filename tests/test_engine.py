@@ -30,6 +30,7 @@ from tools.reference_forward import forward, text_config
 TAME, SHARP = "mini-e2b-tame", "mini-e2b"
 WINDOW = 16  # sliding_window of the mini files
 EXACT = 1e-5  # "the same numbers": rows never interact, so these runs should agree to float rounding or better
+KV_DTYPES = ["int8", "f16"]  # the K/V cache element types (int8 with a scale per position, or f16)
 
 
 def cosines(a, b):
@@ -215,17 +216,32 @@ def long_reference():
     return prompt, forward(weights, cfg, prompt)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("chunk", [8, 256])
-def test_long_prompt_through_the_rings(chunk, long_reference, report):
+def test_long_prompt_through_the_rings(chunk, kv_dtype, long_reference, report):
     """Chunk 8 wraps the 24-row rings every 3 chunks; chunk 256 makes 272-row rings that wrap within the second chunk."""
     prompt, want = long_reference
-    m = model(weights="int4", chunk=chunk)
+    m = model(weights="int4", chunk=chunk, kv_dtype=kv_dtype)
     got = m.prefill(arena(m), 0, prompt, all_logits=True)
     cos = cosines(got, want)
     agree = float((got.argmax(-1) == want.argmax(-1)).mean())
-    report(f"engine vs float64 reference, 300 tokens, chunk {chunk}: cosine min {cos.min():.5f}, argmax {agree:.3f}")
+    rms = float(np.sqrt(((got - want) ** 2).mean()))
+    report(f"engine vs float64 reference, 300 tokens, chunk {chunk}, {kv_dtype} K/V: cosine min {cos.min():.5f}, "
+           f"argmax {agree:.3f}, rms {rms:.4f}")
     assert cos.min() >= 0.995, f"position {int(cos.argmin())}: cosine {cos.min():.5f}"
     assert agree >= 0.90
+
+
+def test_f16_kv_is_closer_to_the_reference(long_reference):
+    """With the weights exact (the reference runs the file's own int4 weights), what remains is the activation and
+    K/V quantisation: dropping the K/V part must bring the logits closer."""
+    prompt, want = long_reference
+    rms = {}
+    for kv in KV_DTYPES:
+        m = model(weights="int4", kv_dtype=kv)
+        assert m.kv_layout["kv_dtype"] == kv
+        rms[kv] = float(np.sqrt(((m.prefill(arena(m), 0, prompt, all_logits=True) - want) ** 2).mean()))
+    assert rms["f16"] < rms["int8"], rms
 
 
 def test_decode_past_the_window_matches_reference(long_reference):
@@ -290,11 +306,12 @@ def test_q8r_gather_tables(q8r_variant, report):
 # ---------------------------------------------------------------------------------------------------- invariants
 
 
-def test_chunked_prefill_equals_one_shot():
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_chunked_prefill_equals_one_shot(kv_dtype):
     prompt = rand_prompt(120, seed=3)
     out = {}
     for chunk in (8, 256):
-        m = model(weights="int4", chunk=chunk)
+        m = model(weights="int4", chunk=chunk, kv_dtype=kv_dtype)
         out[chunk] = m.prefill(arena(m), 0, prompt, all_logits=True)
     np.testing.assert_allclose(out[8], out[256], rtol=0, atol=EXACT)
 
@@ -308,10 +325,11 @@ def test_last_row_shortcut_equals_all_rows():
     np.testing.assert_allclose(last, full[-1], rtol=0, atol=EXACT)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("name", [TAME, "g4-e4b"])  # MQA, and GQA with 2 KV heads
-def test_prefill_then_decode_equals_whole_prefill(name, converted_fgm):
+def test_prefill_then_decode_equals_whole_prefill(name, kv_dtype, converted_fgm):
     path = converted_fgm(name) if name in OURS else None
-    m = model(name, path=path, weights="int4", chunk=8)
+    m = model(name, path=path, weights="int4", chunk=8, kv_dtype=kv_dtype)
     seq = rand_prompt(50, seed=5, vocab=m.vocab_size)
     a = arena(m, 2)
     m.prefill(a, 0, seq[:30])
@@ -323,11 +341,12 @@ def test_prefill_then_decode_equals_whole_prefill(name, converted_fgm):
     assert a.checksum(0) == a.checksum(1)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("max_batch", [8, 2])
-def test_batched_decode_equals_each_alone(max_batch):
+def test_batched_decode_equals_each_alone(max_batch, kv_dtype):
     """Three sequences at different positions decoded together (in one pass, or several when max_batch < B) give the
     tokens and logits each gives decoded alone."""
-    m = model(max_batch=max_batch)
+    m = model(max_batch=max_batch, kv_dtype=kv_dtype)
     prompts = [rand_prompt(n, seed=10 + n) for n in (12, 29, 40)]
     together, buf = arena_and_buffer(m, 3)
     toks = [int(np.argmax(m.prefill(together, s, p))) for s, p in enumerate(prompts)]
@@ -489,6 +508,29 @@ def test_kv_layout_is_defined_by_config_and_geometry():
     assert offs[0][0] >= 64 and all(a + n <= b for (a, n), (b, _) in zip(offs, offs[1:]))
     assert offs[-1][0] + offs[-1][1] <= m.kv_slot_bytes
     assert model(chunk=300, max_context=100).kv_layout["layers"][0]["cap"] == 100
+    # f16 K/V: rows twice as wide, no scale arrays
+    h = model(chunk=8, max_context=100, kv_dtype="f16").kv_layout
+    assert h["kv_dtype"] == "f16" and lay["kv_dtype"] == "int8"
+    assert [e["row_bytes"] for e in h["layers"]] == [128, 128, 256, 128]
+    assert all(e["ks_off"] == e["vs_off"] == 0 for e in h["layers"])
+    assert h["slot_bytes"] > lay["slot_bytes"]
+
+
+def test_kv_dtype_mismatch_is_refused():
+    """A slot written with one K/V element type is never read as the other: same model and geometry, but the
+    header records the type and a reader with the other type refuses the slot."""
+    with pytest.raises(ValueError, match="KV cache dtype must be 'int8' or 'f16', got 'bf16'"):
+        model(kv_dtype="bf16")
+    m8, m16 = model(kv_dtype="int8"), model(kv_dtype="f16")
+    buf = bytearray(max(m8.kv_slot_bytes, m16.kv_slot_bytes))
+    a16 = N.KvArena(m16, buf, 1)
+    m16.prefill(a16, 0, rand_prompt(20, seed=2))
+    a16.seal(0, 7, 1)
+    assert a16.header(0)["kv_dtype"] == "f16"
+    a8 = N.KvArena(m8, buf, 1)
+    assert not a8.header(0)["valid"]
+    with pytest.raises(ValueError, match="f16.*expected.*int8"):
+        a8.verify(0, 7, 1)
 
 
 # ------------------------------------------------------------------------------------------------------ sampling

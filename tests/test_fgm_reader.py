@@ -247,6 +247,7 @@ def test_bad_config_values(tmp_path):
     mutate(tmp_path, lambda h: h["config"].update(hidden_size="256"), "config.hidden_size")
     mutate(tmp_path, lambda h: h["config"].update(layer_types=["sliding_attention"]), "layer_types")
     mutate(tmp_path, lambda h: h["config"].update(num_key_value_heads=3), "multiple of num_key_value_heads")
+    mutate(tmp_path, lambda h: h["config"].update(kv_cache_dtype="bf16"), "config.kv_cache_dtype must be")
 
 
 def test_not_a_file(tmp_path):

@@ -28,16 +28,16 @@ import pytest
 from splitgemma import _native as N
 from splitgemma.fgm import ConversionError, convert_checkpoint
 from splitgemma.fgm.hf_config import parse_text_config
-from tools.fgm_decode import FgmReader, _tile_order_to_rows, rotate_k
+from tools.fgm_decode import FgmReader, _panels_to_rows
 from tools.reference_forward import forward, load_hf_checkpoint, max_rel_err
 
 FIX = Path(__file__).parent / "fixtures"
 TINY = FIX / "gemma3-tiny"
 REAL = FIX / "gemma3-270m" / "reference.json"
-# Measured on this machine (AVX2, int8 weights, activations and KV): see the report of the test. transformers
-# runs the GGUF's exact dequantised weights in fp32; the float64 reference forward on our int8 weights alone
-# (no activation quantisation) already agrees on only 93.6% of the positions, so this bounds the whole engine.
-TOP1_FLOOR = 0.90
+# Issue 6: the engine's top-1 equals transformers' (fp32 on the GGUF's exact dequantised weights) on >= 95% of the
+# passage's positions. The default model is q8g (weight-only int8 that keeps the GGUF's symmetric blocks exactly,
+# f32 activations) with a Hadamard-rotated int8 KV cache; docs/gemma3.md has the measured figures.
+TOP1_FLOOR = 0.95
 GREEDY_PREFIX = 20
 
 
@@ -263,16 +263,25 @@ def test_gguf_conversion(real):
                                 ("l7.q_norm", "blk.7.attn_q_norm.weight"), ("l17.k_norm", "blk.17.attn_k_norm.weight"),
                                 ("l9.post_feedforward_layernorm", "blk.9.post_ffw_norm.weight")):
         np.testing.assert_array_equal(rd.dequantize(fgm_name), np.asarray(g[gguf_name].data, np.float64))
-    # the int8 requantisation: within int8's error of the GGUF's own values (embedding: its first rows)
+    # q8g keeps the symmetric blocks (Q8_0, Q5_0, Q6_K's 16-wide sub-blocks) exactly and rounds the asymmetric Q4_K
+    # to int8 per group of 32 (embedding and LM head: their first rows)
     rows = 4096
-    for fgm_name, gguf_name in (("l3.down_proj", "blk.3.ffn_down.weight"), ("l0.q_proj", "blk.0.attn_q.weight"),
-                                ("l11.v_proj", "blk.11.attn_v.weight"), ("lm_head", "token_embd.weight"),
-                                ("embed_tokens", "token_embd.weight")):
+    for fgm_name, gguf_name, exact in (("l3.down_proj", "blk.3.ffn_down.weight", False),       # Q4_K
+                                       ("l0.o_proj", "blk.0.attn_output.weight", False),       # Q4_K
+                                       ("l4.down_proj", "blk.4.ffn_down.weight", True),        # Q6_K
+                                       ("l0.q_proj", "blk.0.attn_q.weight", True),             # Q5_0
+                                       ("l11.v_proj", "blk.11.attn_v.weight", True),           # Q5_0
+                                       ("l10.v_proj", "blk.10.attn_v.weight", True),           # Q8_0
+                                       ("lm_head", "token_embd.weight", True),                 # Q8_0
+                                       ("embed_tokens", "token_embd.weight", True)):
         t = g[gguf_name]
         want = gguf.quants.dequantize(t.data[:rows], t.tensor_type).astype(np.float64)
         got = _first_rows(rd, fgm_name, rows)
         assert got.shape == want.shape
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.02, fgm_name
+        if exact:
+            np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=fgm_name)
+        else:
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.01, fgm_name
     j = np.arange(128, dtype=np.float64)
     rope = rd.rope_inv_freq()
     np.testing.assert_allclose(rope["full_attention"], 1e6 ** (-2 * j / 256), rtol=1e-7)
@@ -280,18 +289,15 @@ def test_gguf_conversion(real):
 
 
 def _first_rows(rd: FgmReader, name: str, rows: int) -> np.ndarray:
-    """Rows [0, rows) of a q8c linear or q8r table, dequantised and un-rotated (without decoding the whole
-    262144-row embedding): q8c strips of 16 rows are contiguous in tile order, q8r rows are row-major."""
+    """Rows [0, rows) of a q8g weight or table, dequantised (without decoding the whole 262144-row embedding): its
+    16-row panels are contiguous, and its scales are [K/G, N]."""
     info = rd.info(name)
     n, k = info["shape"]
     rows = min(rows, n)
-    raw = rd.file.raw(name).view(np.int8)[: rows * k]
-    scale = rd.file.raw(name + ".scale").view(np.float32)[:rows].astype(np.float64)
-    if info["dtype"] == "q8r":
-        return raw.reshape(rows, k) * scale[:, None]
-    assert info["dtype"] == "q8c" and rows % 16 == 0
-    w = _tile_order_to_rows(raw, rows, k) * scale[:, None]
-    return rotate_k(w, info["hadamard"]) if info["hadamard"] else w
+    assert info["dtype"] == "q8g" and rows % 16 == 0, info
+    codes = _panels_to_rows(rd.file.raw(name).view(np.int8)[: rows * k], rows, k).astype(np.float64)
+    scale = rd.file.raw(name + ".scale").view(np.float32).reshape(k // info["group"], n)[:, :rows]
+    return codes * np.repeat(scale.T.astype(np.float64), info["group"], axis=1)
 
 
 def test_truncated_gguf_is_refused(real, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from splitgemma import _native as N
 from splitgemma.fgm import ConversionError, convert_checkpoint, quant
 from splitgemma.fgm import random_model as rm
 from splitgemma.fgm.writer import BODY_START
@@ -235,6 +236,10 @@ def test_int8g_header(tiny_int8g):
     h = fgm_header(tiny_int8g)
     c, t = h["config"], h["tensors"]
     assert c["hadamard"] == 0 and c["group"] == 32 and c["quant"] == {"ffn": 8, "attn": 8, "ple": 4, "emb": 8}
+    # int8g asks for an f16 K/V cache; the engine follows the file unless told otherwise
+    assert c["kv_cache_dtype"] == "f16"
+    assert N.Model(str(tiny_int8g), max_context=64, threads=1).kv_layout["kv_dtype"] == "f16"
+    assert N.Model(str(tiny_int8g), max_context=64, threads=1, kv_dtype="int8").kv_layout["kv_dtype"] == "int8"
     assert not any(".i8" in n for n in t)
     quantised = ["embed_tokens", "lm_head"] + [f"l{i}.{p}" for i in range(6) for p in LINEARS]
     assert sorted(n for n, e in t.items() if e["dtype"] not in ("f32", "f16")) == sorted(quantised)
@@ -490,7 +495,6 @@ def test_random_model_int8g_layout_equals_converter(tmp_path, monkeypatch):
 
 def test_engine_runs_int8g(tiny_int8g):
     """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights."""
-    from splitgemma import _native as N
     from tools.reference_forward import forward
 
     cfg, _ = load_hf_checkpoint(TINY)
@@ -500,7 +504,9 @@ def test_engine_runs_int8g(tiny_int8g):
     got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
     want = forward(decoded, cfg, ids, norms_as_stored=True)
     cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
-    assert cos.min() >= 0.999 and (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95, cos.min()
+    # Nothing is quantised at run time (f32 activations, the f16 K/V the file asks for): only float rounding is left
+    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06).
+    assert 1 - cos.min() <= 1e-5 and np.abs(got - want).max() <= 0.01, (cos.min(), np.abs(got - want).max())
 
 
 def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkeypatch):
@@ -529,6 +535,6 @@ def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkey
     assert dm.resolve_default_model(progress=False)[0] == str(fgm)
     assert calls == [{"weights": "int8g", "group": 32, "progress": False}], "an old cache is converted again"
     stamp = json.loads((d / "converted.json").read_text())
-    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r2" and stamp["fgm_bytes"] == 100
+    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r3" and stamp["fgm_bytes"] == 100
     dm.resolve_default_model(progress=False)
     assert len(calls) == 1, "the new cache is reused"

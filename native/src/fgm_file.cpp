@@ -290,6 +290,11 @@ void FgmFile::parse_config(const JsonValue& cfg) {
   c.use_v_norm = get_bool(this, cfg, "use_v_norm", true, failer);
   c.use_layer_scalar = get_bool(this, cfg, "use_layer_scalar", true, failer);
   if (!(c.attention_scale > 0)) fail("config.attention_scale must be positive");
+  if (const JsonValue* kd = cfg.get("kv_cache_dtype"); kd && kd->kind != JsonValue::Kind::Null) {
+    if (kd->kind != JsonValue::Kind::String || (kd->str != "int8" && kd->str != "f16"))
+      fail("config.kv_cache_dtype must be \"int8\" or \"f16\"");
+    c.kv_cache_dtype = kd->str;
+  }
 
   if (c.hidden_size <= 0 || c.num_layers <= 0 || c.intermediate_size <= 0 || c.num_heads <= 0 ||
       c.num_kv_heads <= 0 || c.head_dim <= 0 || c.global_head_dim <= 0 || c.vocab_size <= 0)

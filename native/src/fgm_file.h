@@ -72,7 +72,10 @@ struct ModelConfig {
   // Where Gemma 3 differs from Gemma 4; absent keys mean Gemma 4 (fastgemma's files carry none of them).
   double attention_scale = 1.0;  // multiplies q.k (Gemma 3: query_pre_attn_scalar^-1/2)
   bool use_v_norm = true;        // weightless RMSNorm of v per head
-  bool use_layer_scalar = true;  // l<i>.layer_scalar exists and scales each layer's output
+  bool use_layer_scalar = true;
+  // The K/V cache element type the model asks for ("int8" or "f16"; "" = absent, the engine's default int8).
+  // splitgemma's converter sets f16 for q8g files (docs/fgm-extensions.md); a caller can override it.
+  std::string kv_cache_dtype;  // l<i>.layer_scalar exists and scales each layer's output
   std::vector<LayerSpec> layers;
   std::vector<int> store_full_length_kv;
 };

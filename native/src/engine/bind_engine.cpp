@@ -89,6 +89,7 @@ py::dict header_dict(const sg::KvArena& a, int slot) {
   d["model_signature"] = h->model_signature;
   d["max_context"] = h->max_context;
   d["chunk"] = h->chunk;
+  d["kv_dtype"] = sg::kv_dtype_name(sg::KvDtype((h->flags >> 8) & 0xFF));
   return d;
 }
 
@@ -100,6 +101,7 @@ py::dict layout_dict(const sg::KvLayout& L) {
   d["chunk"] = L.chunk();
   d["sliding_window"] = L.sliding_window();
   d["model_signature"] = L.model_signature();
+  d["kv_dtype"] = sg::kv_dtype_name(L.dtype());
   py::list layers;
   for (int i = 0; i < L.num_layers(); ++i) {
     const sg::KvLayerLayout& l = L.layer(i);
@@ -135,7 +137,7 @@ void bind_engine(py::module_& m) {
   py::class_<sg::Model, std::shared_ptr<sg::Model>>(
       m, "Model", "The Gemma 4 forward pass over a .fgm file: prefill and batched decode into KV slots.")
       .def(py::init([](py::object path, py::object threads, int max_context, int chunk, int max_batch,
-                       py::object weights, py::object backend) {
+                       py::object weights, py::object backend, py::object kv_dtype) {
              const std::string p = py::str(py::module_::import("os").attr("fspath")(path));
              sg::ModelOptions o;
              if (!threads.is_none()) {
@@ -147,15 +149,18 @@ void bind_engine(py::module_& m) {
              o.max_batch = max_batch;
              if (!weights.is_none()) o.weights = weights.cast<std::string>();
              if (!backend.is_none()) o.backend = backend.cast<std::string>();
+             if (!kv_dtype.is_none()) o.kv_dtype = kv_dtype.cast<std::string>();
              py::gil_scoped_release nogil;
              return std::make_shared<sg::Model>(std::make_shared<sg::FgmFile>(p), o);
            }),
            py::arg("path"), py::arg("threads") = py::none(), py::arg("max_context") = 4096, py::arg("chunk") = 256,
            py::arg("max_batch") = 8, py::arg("weights") = py::none(), py::arg("backend") = py::none(),
+           py::arg("kv_dtype") = py::none(),
            "Open a .fgm file. threads: pool size (None: FGM_THREADS or all CPUs); max_context: longest sequence a "
            "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
            "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
-           "default, FGM_BACKEND or CPUID).")
+           "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16, the K/V cache element type (None: what the file's "
+           "config asks for, else int8).")
       .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
       .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
       .def_property_readonly("hidden_size", [](const sg::Model& md) { return md.config().hidden_size; })

@@ -60,13 +60,24 @@ class Checksum {
 
 }  // namespace
 
-KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk) {
+const char* kv_dtype_name(KvDtype d) {
+  return d == KvDtype::F16 ? "f16" : d == KvDtype::Int8 ? "int8" : "unknown";
+}
+
+KvDtype kv_dtype_from_name(const std::string& name) {
+  if (name == "int8") return KvDtype::Int8;
+  if (name == "f16") return KvDtype::F16;
+  throw std::invalid_argument("KV cache dtype must be 'int8' or 'f16', got '" + name + "'");
+}
+
+KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk, KvDtype dtype) {
   const ModelConfig& c = file.config();
   if (max_context < 1) throw std::invalid_argument("max_context must be at least 1, got " + std::to_string(max_context));
   if (chunk < 1) throw std::invalid_argument("chunk must be at least 1, got " + std::to_string(chunk));
   model_sig_ = file.layout_signature();
   max_context_ = max_context;
   chunk_ = chunk;
+  dtype_ = dtype;
   window_ = c.sliding_window;
   layers_.assign(c.num_layers, KvLayerLayout{});
   sliding_.assign(c.num_layers, false);
@@ -78,12 +89,14 @@ KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk) {
     KvLayerLayout& L = layers_[i];
     L.layer = i;
     L.cap = ls.sliding ? int(std::min<int64_t>(max_context, int64_t(c.sliding_window) + chunk)) : max_context;
-    L.row_bytes = c.num_kv_heads * ls.head_dim;
+    L.row_bytes = c.num_kv_heads * ls.head_dim * (dtype == KvDtype::F16 ? 2 : 1);
     const uint64_t codes = uint64_t(L.cap) * L.row_bytes, scales = uint64_t(L.cap) * sizeof(float);
     off = align64(off), L.k_off = off, off += codes;
     off = align64(off), L.v_off = off, off += codes;
-    off = align64(off), L.ks_off = off, off += scales;
-    off = align64(off), L.vs_off = off, off += scales;
+    if (dtype == KvDtype::Int8) {
+      off = align64(off), L.ks_off = off, off += scales;
+      off = align64(off), L.vs_off = off, off += scales;
+    }
   }
   slot_bytes_ = align64(off);
 }
@@ -127,7 +140,8 @@ bool KvArena::header_matches(int s) const {
   const SlotHeader* h = header(s);
   return std::memcmp(h->magic, kSlotMagic, 8) == 0 && h->model_signature == layout_.model_signature() &&
          h->max_context == uint32_t(layout_.max_context()) && h->chunk == uint32_t(layout_.chunk()) &&
-         h->slot_bytes == layout_.slot_bytes() && h->n_tokens <= uint32_t(layout_.max_context());
+         h->slot_bytes == layout_.slot_bytes() && h->n_tokens <= uint32_t(layout_.max_context()) &&
+         ((h->flags >> 8) & 0xFF) == uint32_t(layout_.dtype());
 }
 
 void KvArena::check_write(int s, int pos, int count) const {
@@ -149,6 +163,7 @@ void KvArena::mark_written(int s, uint32_t n_tokens) {
     h->max_context = uint32_t(layout_.max_context());
     h->chunk = uint32_t(layout_.chunk());
     h->slot_bytes = layout_.slot_bytes();
+    h->flags = uint32_t(layout_.dtype()) << 8;
   }
   h->n_tokens = n_tokens;
   h->flags &= ~kSlotSealed;
@@ -168,8 +183,10 @@ uint64_t KvArena::kv_checksum(int s) const {
       const uint64_t row = uint64_t(p % L.cap);
       ck.update(base + L.k_off + row * L.row_bytes, L.row_bytes);
       ck.update(base + L.v_off + row * L.row_bytes, L.row_bytes);
-      ck.update(base + L.ks_off + row * sizeof(float), sizeof(float));
-      ck.update(base + L.vs_off + row * sizeof(float), sizeof(float));
+      if (layout_.dtype() == KvDtype::Int8) {
+        ck.update(base + L.ks_off + row * sizeof(float), sizeof(float));
+        ck.update(base + L.vs_off + row * sizeof(float), sizeof(float));
+      }
     }
   }
   return ck.finish();
@@ -196,8 +213,9 @@ void KvArena::verify(int s, uint64_t request_id, uint64_t generation, bool check
   if (!header_matches(s))
     throw std::invalid_argument(where + "K/V was written with a different slot geometry (max_context " +
                                 std::to_string(h->max_context) + ", chunk " + std::to_string(h->chunk) + ", " +
-                                std::to_string(h->slot_bytes) + " bytes; expected " +
-                                std::to_string(layout_.max_context()) + ", " + std::to_string(layout_.chunk()) + ", " +
+                                kv_dtype_name(KvDtype((h->flags >> 8) & 0xFF)) + ", " + std::to_string(h->slot_bytes) +
+                                " bytes; expected " + std::to_string(layout_.max_context()) + ", " +
+                                std::to_string(layout_.chunk()) + ", " + kv_dtype_name(layout_.dtype()) + ", " +
                                 std::to_string(layout_.slot_bytes()) + ")");
   if (check_ids && h->request_id != request_id)
     throw std::invalid_argument(where + "request id " + std::to_string(h->request_id) + " != expected " +

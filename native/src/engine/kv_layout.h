@@ -13,6 +13,8 @@
 //      head's outlier dimensions over the block, so the shared int8 scale loses less; queries are rotated alike)
 //     K scales  f32  [cap_i]               one scale per position, shared over the KV heads (value = code * scale)
 //     V scales  f32  [cap_i]
+//   or, with the f16 element type, K and V as f16 [cap_i][nkv * hd_i] (rotated the same way) and no scales: twice
+//   the bytes, and no quantisation error (int8 K costs small models with sharp attention most of their accuracy).
 //   every array starts on a 64-byte boundary relative to the slot start.
 //
 // Position p of layer i lives in row p % cap_i. Full-attention layers have cap = max_context (so the row is p).
@@ -34,6 +36,11 @@ namespace sg {
 constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '2'};
 constexpr uint32_t kSlotSealed = 1u;  // SlotHeader::flags: checksum matches the K/V as written
 
+// The K/V element type; SlotHeader::flags bits 8-15 record it.
+enum class KvDtype : uint8_t { Int8 = 0, F16 = 1 };
+const char* kv_dtype_name(KvDtype d);
+KvDtype kv_dtype_from_name(const std::string& name);  // "int8" | "f16"; throws std::invalid_argument
+
 // Little-endian, 64 bytes, no padding; written by whoever writes the slot's K/V.
 struct SlotHeader {
   char magic[8];
@@ -43,7 +50,7 @@ struct SlotHeader {
   uint32_t n_tokens;         // positions [0, n_tokens) hold valid K/V
   uint32_t max_context;      // geometry the slot was laid out with
   uint32_t chunk;            // ring headroom the slot was laid out with
-  uint32_t flags;            // kSlotSealed
+  uint32_t flags;            // kSlotSealed | KvDtype << 8
   uint64_t checksum;         // kv_checksum() at seal time
   uint64_t slot_bytes;
 };
@@ -52,26 +59,27 @@ static_assert(sizeof(SlotHeader) == 64, "SlotHeader must stay 64 bytes");
 struct KvLayerLayout {
   int layer = -1;    // -1: this layer stores nothing
   int cap = 0;       // rows (positions) held
-  int row_bytes = 0; // nkv * head_dim
-  uint64_t k_off = 0, v_off = 0, ks_off = 0, vs_off = 0;  // from the slot start
+  int row_bytes = 0; // nkv * head_dim * element size
+  uint64_t k_off = 0, v_off = 0, ks_off = 0, vs_off = 0;  // from the slot start (f16: no scales, ks/vs_off 0)
 };
 
 class KvLayout {
  public:
   KvLayout() = default;
   // max_context: longest sequence a slot holds; chunk: most rows one forward call writes into a slot.
-  KvLayout(const FgmFile& file, int max_context, int chunk);
+  KvLayout(const FgmFile& file, int max_context, int chunk, KvDtype dtype = KvDtype::Int8);
 
   uint64_t slot_bytes() const { return slot_bytes_; }
   int max_context() const { return max_context_; }
   int chunk() const { return chunk_; }
   int sliding_window() const { return window_; }
   uint64_t model_signature() const { return model_sig_; }
+  KvDtype dtype() const { return dtype_; }
   const KvLayerLayout& layer(int i) const { return layers_[i]; }  // by model layer index
   int num_layers() const { return int(layers_.size()); }
   bool same_as(const KvLayout& o) const {
     return model_sig_ == o.model_sig_ && max_context_ == o.max_context_ && chunk_ == o.chunk_ &&
-           slot_bytes_ == o.slot_bytes_;
+           dtype_ == o.dtype_ && slot_bytes_ == o.slot_bytes_;
   }
   // Empty when a slot holding n_tokens positions can take new tokens from position pos on (pos <= n_tokens, and
   // every ring still holds the window pos needs); otherwise the reason.
@@ -80,6 +88,7 @@ class KvLayout {
  private:
   uint64_t model_sig_ = 0;
   int max_context_ = 0, chunk_ = 0, window_ = 0;
+  KvDtype dtype_ = KvDtype::Int8;
   std::vector<KvLayerLayout> layers_;
   std::vector<bool> sliding_;
   uint64_t slot_bytes_ = 0;

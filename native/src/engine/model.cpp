@@ -130,7 +130,8 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
 
   chunk_ = std::min(opt.chunk, opt.max_context);
   max_rows_ = std::max(chunk_, opt.max_batch);
-  layout_ = KvLayout(*file_, opt.max_context, chunk_);
+  const std::string& kv = !opt.kv_dtype.empty() ? opt.kv_dtype : c.kv_cache_dtype;
+  layout_ = KvLayout(*file_, opt.max_context, chunk_, kv.empty() ? KvDtype::Int8 : kv_dtype_from_name(kv));
   pool_ = std::make_unique<ThreadPool>(opt.threads > 0 ? opt.threads : default_threads(), backend_thread_init);
   resolve_weights();
 
@@ -357,6 +358,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     const LayerWeights& W = layers_[l];
     const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
     const int rot = ops::kv_rotation_block(hd);
+    const bool f16_kv = layout_.dtype() == KvDtype::F16;
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---
@@ -393,10 +395,15 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         ops::fwht_blocks(vr, kvw, rot);
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
-        ops::quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
-                             reinterpret_cast<float*>(s + kl.ks_off) + row);
-        ops::quantize_row_i8(vr, kvw, reinterpret_cast<int8_t*>(s + kl.v_off) + row * kvw,
-                             reinterpret_cast<float*>(s + kl.vs_off) + row);
+        if (f16_kv) {
+          ops::store_row_f16(kr, kvw, reinterpret_cast<uint16_t*>(s + kl.k_off) + row * kvw);
+          ops::store_row_f16(vr, kvw, reinterpret_cast<uint16_t*>(s + kl.v_off) + row * kvw);
+        } else {
+          ops::quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
+                               reinterpret_cast<float*>(s + kl.ks_off) + row);
+          ops::quantize_row_i8(vr, kvw, reinterpret_cast<int8_t*>(s + kl.v_off) + row * kvw,
+                               reinterpret_cast<float*>(s + kl.vs_off) + row);
+        }
       });
     }
     {
@@ -414,10 +421,10 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
         uint8_t* s = rows[r].slot;
         const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
-        const ops::AttnCache cache{reinterpret_cast<const int8_t*>(s + src.k_off),
-                                   reinterpret_cast<const int8_t*>(s + src.v_off),
-                                   reinterpret_cast<const float*>(s + src.ks_off),
-                                   reinterpret_cast<const float*>(s + src.vs_off), kvw, g * hd, src.cap};
+        const ops::AttnCache cache{s + src.k_off, s + src.v_off,
+                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
+                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
+                                   g * hd * (f16_kv ? 2 : 1), src.cap};
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
         ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
                     &row_scratch_[size_t(w) * row_scratch_per_worker_]);

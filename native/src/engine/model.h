@@ -73,6 +73,7 @@ struct ModelOptions {
   int max_batch = 8;      // decode rows per forward pass (more are processed in several passes)
   std::string weights;    // "" : FGM_WEIGHTS, else auto:16
   std::string backend;    // "" : the process's active_backend() (FGM_BACKEND or CPUID); else amx|vnni|avx2
+  std::string kv_dtype;   // "" : the file's config.kv_cache_dtype, else int8; or "int8" | "f16"
 };
 
 struct DecodeRow {

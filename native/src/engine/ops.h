@@ -24,6 +24,8 @@ void softcap(float* x, int n, float cap);
 void rope(float* x, int half, const float* cos, const float* sin);
 // Symmetric int8 of one row: scale = max|x| / 127 (0 for an all-zero row), code = round-half-even(x / scale).
 void quantize_row_i8(const float* x, int n, int8_t* q, float* scale);
+// One row to IEEE half precision (round to nearest even).
+void store_row_f16(const float* x, int n, uint16_t* out);
 // One row of a q4r gather table (64-code blocks, f16 scale per block) times mult.
 void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult, float* out);
 // One row of a q8r gather table times (row scale * mult).
@@ -40,13 +42,14 @@ void fwht_blocks(float* x, int n, int block);
 int kv_rotation_block(int head_dim);
 
 // Attention of nq query heads that share one KV head, for one query row, over the cached positions
-// [lo, hi] (hi = the query's own position): softmax(q . k * kscale) . (v * vscale), scale 1.0, fp32 softmax.
+// [lo, hi] (hi = the query's own position): softmax(q . k) . v with k = code * kscale, v = code * vscale (int8) or
+// the f16 values (ks, vs null), scale 1.0, fp32 softmax.
 // Position p sits in cache row p % cap; rows are row_bytes apart and the KV head starts at byte head_off.
 // scratch holds nq * (hi - lo + 1) floats.
 struct AttnCache {
-  const int8_t* k;
-  const int8_t* v;
-  const float* ks;
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* ks;  // null: f16 elements
   const float* vs;
   int row_bytes, head_off, cap;
 };

@@ -85,6 +85,13 @@ inline __m256 load_i8_as_f32(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// 8 cached K/V elements at byte address p as f32: int8 codes (the row's scale is applied by the caller) or f16.
+template <bool F16>
+inline __m256 load_kv8(const uint8_t* p, int i) {
+  if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + i / 8));
+  else return load_i8_as_f32(reinterpret_cast<const int8_t*>(p) + i);
+}
+
 float sum_squares(const float* x, int n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int i = 0;
@@ -118,22 +125,22 @@ int ring_runs(int lo, int span, int cap, Run* runs) {
   return 2;
 }
 
-// Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j * kscale_j.
-template <int NH>
+// Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j (times kscale_j for int8).
+template <int NH, bool F16>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                float* s) {
   for (int ri = 0; ri < n_runs; ++ri) {
-    const int8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
-    const float* ks = c.ks + runs[ri].row;
+    const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
+    const float* ks = F16 ? nullptr : c.ks + runs[ri].row;
     float* out = s + runs[ri].off;
     for (int j = 0; j < runs[ri].len; ++j, k += c.row_bytes) {
       __m256 acc[NH];
       for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
       for (int d = 0; d < hd; d += 8) {
-        const __m256 kf = load_i8_as_f32(k + d);
+        const __m256 kf = load_kv8<F16>(k, d);
         for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
       }
-      for (int h = 0; h < NH; ++h) out[h * span + j] = hsum(acc[h]) * ks[j];
+      for (int h = 0; h < NH; ++h) out[h * span + j] = F16 ? hsum(acc[h]) : hsum(acc[h]) * ks[j];
     }
   }
 }
@@ -141,7 +148,7 @@ void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const R
 // out_h[d] = sum_j w[h * span + j] * vcode_j[d] (the weights already carry the softmax normaliser and the V scale).
 // Positions go in tiles whose V bytes stay in L1 while all dims are swept; each pass keeps NH x DB accumulators
 // (DB blocks of 8 dims) so that enough independent FMA chains are in flight when few heads share the KV head.
-template <int NH, int DB>
+template <int NH, int DB, bool F16>
 void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
                    int out_stride) {
   for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
@@ -149,16 +156,16 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
   for (int ri = 0; ri < n_runs; ++ri) {
     for (int t0 = 0; t0 < runs[ri].len; t0 += tile) {
       const int tn = runs[ri].len - t0 < tile ? runs[ri].len - t0 : tile;
-      const int8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
+      const uint8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
       const float* w0 = w + runs[ri].off + t0;
       for (int d = 0; d < hd; d += 8 * DB) {
         __m256 acc[NH][DB];
         for (int h = 0; h < NH; ++h)
           for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_loadu_ps(out + h * out_stride + d + 8 * b);
-        const int8_t* v = v0 + d;
+        const uint8_t* v = v0 + (F16 ? 2 : 1) * d;
         for (int j = 0; j < tn; ++j, v += c.row_bytes) {
           __m256 vf[DB];
-          for (int b = 0; b < DB; ++b) vf[b] = load_i8_as_f32(v + 8 * b);
+          for (int b = 0; b < DB; ++b) vf[b] = load_kv8<F16>(v, 8 * b);
           for (int h = 0; h < NH; ++h) {
             const __m256 wj = _mm256_broadcast_ss(w0 + h * span + j);
             for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_fmadd_ps(wj, vf[b], acc[h][b]);
@@ -171,13 +178,13 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
   }
 }
 
-template <int NH>
+template <int NH, bool F16>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
                   int out_stride, float* s) {
   const int span = hi - lo + 1;
   Run runs[2];
   const int n_runs = ring_runs(lo, span, c.cap, runs);
-  qk_scores<NH>(q, q_stride, hd, c, runs, n_runs, span, s);
+  qk_scores<NH, F16>(q, q_stride, hd, c, runs, n_runs, span, s);
   for (int h = 0; h < NH; ++h) {
     float* sh = s + h * span;
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -198,17 +205,21 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     const float inv = 1.0f / sum;
     for (int ri = 0; ri < n_runs; ++ri) {
       float* w = sh + runs[ri].off;
-      const float* vs = c.vs + runs[ri].row;
-      for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
+      if constexpr (F16) {
+        for (int i = 0; i < runs[ri].len; ++i) w[i] *= inv;
+      } else {
+        const float* vs = c.vs + runs[ri].row;
+        for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
+      }
     }
   }
   if constexpr (NH <= 2) {
-    if (hd % 32 == 0) return pv_accumulate<NH, 4>(s, span, hd, c, runs, n_runs, out, out_stride);
+    if (hd % 32 == 0) return pv_accumulate<NH, 4, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
   }
   if constexpr (NH <= 4) {
-    if (hd % 16 == 0) return pv_accumulate<NH, 2>(s, span, hd, c, runs, n_runs, out, out_stride);
+    if (hd % 16 == 0) return pv_accumulate<NH, 2, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
   }
-  pv_accumulate<NH, 1>(s, span, hd, c, runs, n_runs, out, out_stride);
+  pv_accumulate<NH, 1, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
 }  // namespace
@@ -301,6 +312,13 @@ void quantize_row_i8(const float* x, int n, int8_t* q, float* scale_out) {
   }
 }
 
+void store_row_f16(const float* x, int n, uint16_t* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult, float* out) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   for (int b = 0; b < k / 64; ++b) {
@@ -350,6 +368,21 @@ void fwht_blocks(float* x, int n, int block) {
 
 int kv_rotation_block(int head_dim) { return std::min(128, head_dim & -head_dim); }
 
+template <bool F16>
+void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
+                  int out_stride, float* scratch) {
+  switch (nh) {
+    case 1: return attend_block<1, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 2: return attend_block<2, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 3: return attend_block<3, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 4: return attend_block<4, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 5: return attend_block<5, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 6: return attend_block<6, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 7: return attend_block<7, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    default: return attend_block<8, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+  }
+}
+
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch) {
   // Heads are processed in blocks of up to 8 so each block reads (and converts) every K/V row once.
@@ -357,16 +390,8 @@ void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, in
     const int nh = nq - h0 < 8 ? nq - h0 : 8;
     const float* qh = q + int64_t(h0) * q_stride;
     float* oh = out + int64_t(h0) * out_stride;
-    switch (nh) {
-      case 1: attend_block<1>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 2: attend_block<2>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 3: attend_block<3>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 4: attend_block<4>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 5: attend_block<5>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 6: attend_block<6>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      case 7: attend_block<7>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-      default: attend_block<8>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch); break;
-    }
+    if (c.ks) attend_heads<false>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    else attend_heads<true>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
   }
 }
 

@@ -11,6 +11,7 @@ import math
 import sys
 import time
 
+from splitgemma.commands import add_kv_dtype_option
 from splitgemma.commands.convert import positive_int
 
 SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the gateway's seed does
@@ -26,6 +27,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "FGM_WEIGHTS, else auto:16 = int8 for passes of at least 16 rows, int4 below)")
     p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
                    help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
+    add_kv_dtype_option(p)
 
 
 def open_model(args, *, max_context: int, max_batch: int = 1, chunk: int = 256):
@@ -36,7 +38,7 @@ def open_model(args, *, max_context: int, max_batch: int = 1, chunk: int = 256):
 
     try:
         return Model(args.model, threads=args.threads, max_context=max_context, chunk=chunk, max_batch=max_batch,
-                     weights=args.weights, backend=args.backend)
+                     weights=args.weights, backend=args.backend, kv_dtype=args.kv_dtype)
     except FgmError:
         raise
     except (ValueError, RuntimeError) as e:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from splitgemma.commands import add_kv_dtype_option
+
 DEFAULT_PORT = 50051
 
 
@@ -45,6 +47,7 @@ def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_we
                         f"(default: {default_weights})")
     p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
                    help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
+    add_kv_dtype_option(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR",
                    help="folder of the shared-memory KV arenas; prefill and decode workers must agree "
                         "(default: /dev/shm)")

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import CommandError
+from splitgemma.commands import CommandError, add_kv_dtype_option
 
 
 def register(subparsers) -> None:
@@ -36,6 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill rows per pass (default: 256)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads per worker (default: the workers' own default)")
+    add_kv_dtype_option(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on stop, how long requests in flight may finish (default: 30)")
@@ -109,6 +110,8 @@ def run(args) -> int:
                 "--chunk", str(args.chunk), "--shm-dir", args.shm_dir, "--log-level", args.log_level]
     if args.threads:
         geometry += ["--threads", str(args.threads)]
+    if args.kv_dtype:
+        geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--slots", str(args.slots),
                          "--drain-seconds", str(args.drain_timeout)]
     if args.tokenizer:

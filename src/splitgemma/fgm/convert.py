@@ -28,7 +28,8 @@ from .hadamard import rotate_k
 from .gguf_source import GgufCheckpoint, is_gguf
 from .hf_config import TextConfig, load_text_config, parse_text_config
 from .inventory import (Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of,
-                        fitting_group, header_hadamard, layout_problems, probe_names, quant_bits)
+                        fitting_group, header_hadamard, header_kv_cache_dtype, layout_problems, probe_names,
+                        quant_bits)
 from .progress import byte_progress
 from .safetensors import READABLE_DTYPES, Checkpoint
 from .writer import FgmWriter
@@ -262,7 +263,8 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
         problems = layout_problems(items)
         if problems:
             raise ConversionError(f"this model cannot be stored with --weights {weights} --group {g}", problems)
-        return items, cfg.fgm_config(hadamard=header_hadamard(weights), group=g, quant=quant_bits(weights, emb_bits))
+        return items, cfg.fgm_config(hadamard=header_hadamard(weights), group=g, quant=quant_bits(weights, emb_bits),
+                                     kv_cache_dtype=header_kv_cache_dtype(weights))
 
     # A checkpoint's config.json is checked before its weights are opened; a GGUF holds both.
     cfg = None if gguf else load_text_config(src)

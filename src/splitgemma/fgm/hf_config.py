@@ -132,8 +132,9 @@ class TextConfig:
 
     # -- the .fgm header ------------------------------------------------------------------------
 
-    def fgm_config(self, *, hadamard: int, group: int, quant: dict) -> dict:
-        """The header ``config`` object, with fastgemma's keys in fastgemma's order (fgm-format §6)."""
+    def fgm_config(self, *, hadamard: int, group: int, quant: dict, kv_cache_dtype: str | None = None) -> dict:
+        """The header ``config`` object, with fastgemma's keys in fastgemma's order (fgm-format §6), then ours
+        (absent unless they differ from what a fastgemma file means)."""
         h, ple = self.hidden_size, self.hidden_size_per_layer_input
         cfg = {
             "hidden_size": h,
@@ -173,6 +174,8 @@ class TextConfig:
                 # multiplies by them as stored.
                 "norm_offset": self.norm_offset,
             })
+        if kv_cache_dtype is not None:
+            cfg["kv_cache_dtype"] = kv_cache_dtype
         return cfg
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .hf_config import FULL, SLIDING, TextConfig, parse_text_config
 from .inventory import Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of, \
-    header_hadamard, layout_problems, quant_bits
+    header_hadamard, header_kv_cache_dtype, layout_problems, quant_bits
 from .errors import ConversionError
 from .progress import byte_progress
 from .quant import Q4_TABLE_GROUP, unpack_nibbles
@@ -164,7 +164,8 @@ def write_random_model(cfg: TextConfig, out: str | os.PathLike, seed: int = 0, w
     problems = layout_problems(items)
     if problems:
         raise ConversionError(f"this model cannot be stored with --weights {weights} --group {group}", problems)
-    header_config = cfg.fgm_config(hadamard=header_hadamard(weights), group=group, quant=quant_bits(weights))
+    header_config = cfg.fgm_config(hadamard=header_hadamard(weights), group=group, quant=quant_bits(weights),
+                                   kv_cache_dtype=header_kv_cache_dtype(weights))
     entries = entries_of(items)
     out = Path(out)
     with FgmWriter(out) as writer:
