@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,3 +311,23 @@ def test_bench_work_model():
     q4 = sum(f.tensor_info(n[: -len(".i8")])["nbytes"] + f.tensor_info(n[: -len(".i8")] + ".scale")["nbytes"]
              for n in f.tensor_names if n.endswith(".i8"))
     assert int8 - int4 == i8 - q4
+
+
+def test_bench_counts_weight_only_gemms_apart(tmp_path):
+    """A q8g (int8g) file runs its GEMMs as f32 FMAs: none of its multiply-adds count against the int8 peak, all of
+    them in the f32 figure, and its decode bytes are the q8g codes and f32 scales."""
+    from splitgemma._native import FgmFile
+    from splitgemma.commands.bench import _linears, decode_step_bytes, prefill_macs
+    from splitgemma.fgm import convert_checkpoint
+    out = tmp_path / "tiny-int8g.fgm"
+    convert_checkpoint(Path(__file__).parent / "fixtures" / "gemma3-tiny", out, weights="int8g", progress=False)
+    f = FgmFile(str(out))
+    cfg = json.loads(f.header_json)["config"]
+    lin = _linears(f)
+    q8g = [n for n in f.tensor_names if f.tensor_info(n)["dtype"] == "q8g" and n != "embed_tokens"]
+    assert sorted(w["name"] for w in lin) == sorted(q8g) and all(w["f32"] for w in lin)
+    assert prefill_macs(lin, cfg, 7) == 0
+    assert prefill_macs(lin, cfg, 1, f32=True) == sum(f.tensor_info(n)["shape"][0] * f.tensor_info(n)["shape"][1]
+                                                      for n in q8g)
+    assert decode_step_bytes(lin, "auto:16", 1, 8) == sum(f.tensor_info(n)["nbytes"] +
+                                                          f.tensor_info(n + ".scale")["nbytes"] for n in q8g)

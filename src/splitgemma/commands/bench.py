@@ -80,9 +80,14 @@ def register(subparsers) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The model's work: GEMM multiply-adds per prefill and weight bytes per decode step, from the file's tensor table.
 
+# q8g is a gather-table type too (a tied embedding): tables are looked up, not multiplied.
+_GATHER_TABLES = ("embed_tokens", "embed_tokens_per_layer")
+
+
 def _linears(f) -> list[dict]:
-    """Every quantised linear of the file: name, layer (None for global ones), N, K, and the bytes (codes +
-    scales) of its own copy and of its int8 twin when the file has one."""
+    """Every quantised linear of the file: name, layer (None for global ones), N, K, whether it runs on int8
+    activations (q8c/q4g) or f32 ones (q8g, weight-only), and the bytes (codes + scales) of its own copy and of its
+    int8 twin when the file has one."""
     names = set(f.tensor_names)
 
     def nbytes(name: str) -> int:
@@ -92,23 +97,27 @@ def _linears(f) -> list[dict]:
     out = []
     for name in f.tensor_names:
         info = f.tensor_info(name)
-        if info["dtype"] not in ("q8c", "q4g") or name.endswith(".i8"):
+        if info["dtype"] not in ("q8c", "q4g", "q8g") or name.endswith(".i8") or name in _GATHER_TABLES:
             continue
         m = _LAYER.match(name)
         n, k = info["shape"]
         out.append({"name": name, "layer": int(m.group(1)) if m else None, "n": n, "k": k, "bytes": nbytes(name),
-                    "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None})
+                    "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None,
+                    "f32": info["dtype"] == "q8g"})
     return out
 
 
-def prefill_macs(linears: list[dict], config: dict, tokens: int) -> int:
+def prefill_macs(linears: list[dict], config: dict, tokens: int, f32: bool = False) -> int:
     """GEMM multiply-adds of one prefill of `tokens` tokens with the KV-shared shortcut: layers from
     first_shared_layer on, the LM head and those layers' rows of per_layer_model_projection run on the last row
-    only (attention's own products are not counted)."""
+    only (attention's own products are not counted). f32: count the weight-only (q8g) GEMMs, whose multiply-adds
+    are f32 FMAs, instead of the int8 ones."""
     layers = config["num_hidden_layers"]
     shared_from = config.get("first_shared_layer", layers)
     total = 0
     for w in linears:
+        if w["f32"] != f32:
+            continue
         if w["name"] == "lm_head":
             rows_nk = w["n"] * w["k"]
         elif w["name"] == "per_layer_model_projection":
@@ -279,9 +288,12 @@ def run(args) -> int:
             model.prefill(arena, 0, ids)
             seconds.append(time.perf_counter() - t0)
         r = {"prompt_len": n, **_spread(n, seconds)}
-        macs = prefill_macs(linears, config, n)
+        macs, f32_macs = prefill_macs(linears, config, n), prefill_macs(linears, config, n, f32=True)
         r["gemm_macs"] = macs
         r["int8_tops"] = 2 * macs / statistics.median(seconds) / 1e12
+        if f32_macs:  # q8g GEMMs: f32 FMAs, which the int8 peak does not bound
+            r["f32_gemm_macs"] = f32_macs
+            r["f32_gflops"] = 2 * f32_macs / statistics.median(seconds) / 1e9
         r["load_1min"] = watch.check(f"prefill {n}")
         prefill.append(r)
 
@@ -372,9 +384,11 @@ def render(r: dict) -> str:
            f"{load['limit_while_running']:.2f} with this benchmark's threads)", ""]
     rows = [["test", "tok/s", "range", "load", "vs limit", "published / floor"]]
     for p in r["prefill"]:
+        vs = [f"{p['int8_tops']:.3f} TOPS = {p['ratio_to_peak']:.0%} of peak"] if p["gemm_macs"] else []
+        if "f32_gflops" in p:
+            vs.append(f"{p['f32_gflops']:.1f} GFLOP/s f32 (q8g)")
         rows.append([f"prefill {p['prompt_len']}", f"{p['tok_s']:.2f}", f"{p['tok_s_min']:.2f}–{p['tok_s_max']:.2f}",
-                     f"{p['load_1min']:.2f}", f"{p['int8_tops']:.3f} TOPS = {p['ratio_to_peak']:.0%} of peak",
-                     _anchor_text("prefill", p["prompt_len"])])
+                     f"{p['load_1min']:.2f}", " + ".join(vs), _anchor_text("prefill", p["prompt_len"])])
     for d in r["decode"]:
         rows.append([f"decode B={d['batch']} @{d['context']}", f"{d['tok_s']:.2f}",
                      f"{d['tok_s_min']:.2f}–{d['tok_s_max']:.2f}", f"{d['load_1min']:.2f}",
@@ -387,8 +401,8 @@ def render(r: dict) -> str:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
-                f"the batch; load: the 1-minute load average after the figure. Prefill TOPS count the GEMM multiply-adds (×2) of the prompt with the KV-shared "
-                f"shortcut; decode GB/s count the weight bytes one step streams.",
+                f"the batch; load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
+                f"shortcut (q8g weight-only GEMMs run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams.",
             f"Published: fastgemma on an AMX host ({ANCHORS['fastgemma_amx']['host']}) and an AVX-512 VNNI host; "
             f"the floors are the issue's, set for AMX. Compare like with like: this {r['backend']} host with "
             f"{r['threads']} threads is neither of those machines."]
