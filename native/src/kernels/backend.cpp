@@ -222,11 +222,13 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   if (ldy < w.n) bad("ldy " + std::to_string(ldy) + " < N " + std::to_string(w.n));
   if (!cpu_supports(Backend::Avx2)) throw std::runtime_error("gemm_q8g: this CPU lacks AVX2/FMA");
   if (m == 0) return;
+  // 12 panels a task: a whole number of the kernel's panel blocks for every row count (6, 3, 2 or 1 panels).
+  constexpr int kTaskPanels = 12;
   const int panels = w.n / 16;
-  const int n_tasks = (panels + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
+  const int n_tasks = (panels + kTaskPanels - 1) / kTaskPanels;
   auto task = [&](int t, int) {
-    const int p0 = t * detail::kTaskBlocks;
-    detail::gemm_q8g_panels(x, ldx, m, w, y, ldy, p0, std::min(p0 + detail::kTaskBlocks, panels));
+    const int p0 = t * kTaskPanels;
+    detail::gemm_q8g_panels(x, ldx, m, w, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
   };
   detail::run_tasks(pool, n_tasks, task);
 }

@@ -259,6 +259,16 @@ void bind_kernels(py::module_& parent) {
       "int8 TOPS of the backend's multiply-accumulate instruction back to back on `threads` threads.");
 
   m.def(
+      "peak_f32_gflops",
+      [](int threads, double seconds) {
+        py::gil_scoped_release nogil;
+        sg::ThreadPool pool(threads);
+        return sg::peak_f32_gflops(&pool, seconds);
+      },
+      py::arg("threads") = 1, py::arg("seconds") = 0.2,
+      "f32 GFLOP/s of AVX2 FMAs back to back on `threads` threads (the limit of the weight-only q8g GEMM).");
+
+  m.def(
       "read_bandwidth",
       [](size_t bytes, int threads) {
         py::gil_scoped_release nogil;

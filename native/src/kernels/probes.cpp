@@ -29,13 +29,22 @@ uint64_t (*peak_loop_for(Backend b))(uint64_t) {
   return detail::peak_loop_avx2;
 }
 
-}  // namespace
+// Ten independent FMA chains: enough to cover the FMA latency (4-5 cycles) on two FMA ports.
+uint64_t peak_loop_fma(uint64_t iters) {
+  __m256 acc[10];
+  for (int i = 0; i < 10; ++i) acc[i] = _mm256_set1_ps(float(i));
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-3f);
+  for (uint64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 10; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  __m256 s = acc[0];
+  for (int i = 1; i < 10; ++i) s = _mm256_add_ps(s, acc[i]);
+  volatile float keep = _mm256_cvtss_f32(s);
+  (void)keep;
+  return iters * 10 * 8 * 2;
+}
 
-double peak_tops(Backend b, ThreadPool* pool, double seconds) {
-  if (!cpu_supports(b)) throw std::runtime_error(std::string("peak_tops: this CPU cannot run the ") + backend_name(b) + " backend");
-  backend_thread_init();
-  auto loop = peak_loop_for(b);
-  // Calibrate on one thread, then run every thread for about `seconds`.
+// Calibrates `loop` on one thread to about `seconds`, then runs it on every pool thread at once: operations / s.
+double run_peak(uint64_t (*loop)(uint64_t), ThreadPool* pool, double seconds) {
   uint64_t iters = 1 << 14;
   for (;;) {
     const auto t0 = Clock::now();
@@ -58,7 +67,20 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds) {
   const double dt = seconds_since(t0);
   uint64_t total = 0;
   for (uint64_t o : ops) total += o;
-  return double(total) / dt / 1e12;
+  return double(total) / dt;
+}
+
+}  // namespace
+
+double peak_f32_gflops(ThreadPool* pool, double seconds) {
+  if (!cpu_supports(Backend::Avx2)) throw std::runtime_error("peak_f32_gflops: this CPU lacks AVX2/FMA");
+  return run_peak(peak_loop_fma, pool, seconds) / 1e9;
+}
+
+double peak_tops(Backend b, ThreadPool* pool, double seconds) {
+  if (!cpu_supports(b)) throw std::runtime_error(std::string("peak_tops: this CPU cannot run the ") + backend_name(b) + " backend");
+  backend_thread_init();
+  return run_peak(peak_loop_for(b), pool, seconds) / 1e12;
 }
 
 double read_bandwidth_gbs(size_t bytes, ThreadPool* pool) {
