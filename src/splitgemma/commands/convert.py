@@ -68,8 +68,8 @@ def register(subparsers) -> None:
                     "converter. Vision and audio towers are skipped.\n\n"
                     "A GGUF file (llama.cpp's format, architecture gemma3, any GGML quantisation) is dequantised "
                     "and stored --weights int8g: int8 with one scale per row and group of 32 inputs (16 for "
-                    "Q6_K/Q3_K/Q2_K), which holds Q8_0/Q5_0/Q4_0/Q6_K blocks exactly; its vocabulary is written beside "
-                    "OUT as OUT's name with .tokenizer.json (and its chat template, if it has one, as "
+                    "Q6_K/Q3_K/Q2_K), which holds Q8_0/Q5_0/Q4_0/Q6_K blocks exactly (an int8g file also asks the "
+                    "engine for an f16 K/V cache); its vocabulary is written beside OUT as OUT's name with .tokenizer.json (and its chat template, if it has one, as "
                     ".chat_template.jinja), where the services look for them.\n\n"
                     "Nothing is written at OUT unless the conversion succeeds.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
