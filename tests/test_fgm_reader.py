@@ -232,6 +232,11 @@ def test_missing_tensor(tmp_path):
     mutate(tmp_path, lambda h: h["tensors"].pop("l1.k_norm"), "'l1.k_norm' is missing")
 
 
+def test_lm_head_may_only_be_left_out_for_a_q8g_table(tmp_path):
+    # fastgemma's q4r table is no linear: the head must be there (a q8g table may be the head: test_q8g_convert)
+    mutate(tmp_path, lambda h: h["tensors"].pop("lm_head"), "'lm_head' is missing")
+
+
 def test_missing_scale(tmp_path):
     mutate(tmp_path, lambda h: h["tensors"].pop("lm_head.scale"), "'lm_head.scale' is missing")
 

@@ -241,7 +241,8 @@ def test_int8g_header(tiny_int8g):
     assert N.Model(str(tiny_int8g), max_context=64, threads=1).kv_layout["kv_dtype"] == "f16"
     assert N.Model(str(tiny_int8g), max_context=64, threads=1, kv_dtype="int8").kv_layout["kv_dtype"] == "int8"
     assert not any(".i8" in n for n in t)
-    quantised = ["embed_tokens", "lm_head"] + [f"l{i}.{p}" for i in range(6) for p in LINEARS]
+    assert "lm_head" not in t  # the q8g embedding table is the tied head
+    quantised = ["embed_tokens"] + [f"l{i}.{p}" for i in range(6) for p in LINEARS]
     assert sorted(n for n, e in t.items() if e["dtype"] not in ("f32", "f16")) == sorted(quantised)
     for n in quantised:
         e, sc = t[n], t[n + ".scale"]
@@ -252,8 +253,8 @@ def test_int8g_header(tiny_int8g):
 
 
 def test_int8g_values_are_the_quantisers(tiny_int8g):
-    """fgm_decode (written from the spec) reads back exactly quantize_q8_groups of the checkpoint weights; the tied
-    embedding and LM head are the same bytes; the native reader reports the groups."""
+    """fgm_decode (written from the spec) reads back exactly quantize_q8_groups of the checkpoint weights; the native
+    reader reports the groups."""
     from splitgemma._native import FgmFile
 
     _, weights = load_hf_checkpoint(TINY)
@@ -268,8 +269,6 @@ def test_int8g_values_are_the_quantisers(tiny_int8g):
         w = weights[LM + hf].astype(np.float64)
         assert np.linalg.norm(rd.weight(name) - w) / np.linalg.norm(w) < 0.01, name
     h = fgm_header(tiny_int8g)["tensors"]
-    for suffix in ("", ".scale"):
-        assert fgm_blob(tiny_int8g, h["embed_tokens" + suffix]) == fgm_blob(tiny_int8g, h["lm_head" + suffix])
     f = FgmFile(str(tiny_int8g))
     assert f.tensor_info("l3.down_proj") == {"dtype": "q8g", "shape": (128, 256), "offset": h["l3.down_proj"]["offset"],
                                              "nbytes": 128 * 256, "hadamard": 0, "group": 32}
@@ -300,7 +299,7 @@ def test_int8g_other_groups_and_bad_options(tmp_path):
     assert msg.startswith("this model cannot be stored with --weights int8g --group 48")
     assert "embed_tokens [512, 128]: int8 group 48 does not divide K = 128" in msg
     assert "l5.down_proj [128, 256]: int8 group 48 does not divide K = 256" in msg
-    assert len(err.value.problems) == 2 + 6 * 7
+    assert len(err.value.problems) == 1 + 6 * 7  # the embedding (also the head) and 7 linears a layer
     # 256 divides the down projections' K only
     with pytest.raises(ConversionError) as err:
         convert_checkpoint(TINY, out, weights="int8g", group=256, progress=False)
@@ -319,7 +318,7 @@ def test_int8g_cli(tmp_path, capsys):
 
     out = tmp_path / "c.fgm"
     assert cli.main(["convert", str(TINY), str(out), "--weights", "int8g", "--no-progress"]) == 0
-    assert fgm_header(out)["tensors"]["lm_head"]["dtype"] == "q8g"
+    assert fgm_header(out)["tensors"]["embed_tokens"]["dtype"] == "q8g"
     assert cli.main(["convert", str(TINY), str(tmp_path / "x.fgm"), "--weights", "int8g", "--group", "96"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("splitgemma: error: this model cannot be stored with --weights int8g --group 96")
@@ -410,7 +409,7 @@ def tiny_gguf(tmp_path_factory):
 def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
     src, out, values = tiny_gguf
     t = fgm_header(out)["tensors"]
-    assert t["embed_tokens"]["dtype"] == t["lm_head"]["dtype"] == "q8g"
+    assert t["embed_tokens"]["dtype"] == "q8g" and "lm_head" not in t
     rd = FgmReader(out)
     exact_types = {"Q8_0", "Q5_0", "Q4_0", "Q6_K", "Q3_K"}
     for i in range(6):
@@ -429,7 +428,6 @@ def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
             else:
                 assert np.abs(got - want).max() <= np.abs(want).max() / 254 * (1 + 1e-6), name
     np.testing.assert_array_equal(rd.dequantize("embed_tokens").astype(np.float32), values["token_embd.weight"])
-    np.testing.assert_array_equal(rd.dequantize("lm_head").astype(np.float32), values["token_embd.weight"])
     assert out.with_suffix(".tokenizer.json").is_file()
 
 
@@ -489,7 +487,7 @@ def test_random_model_int8g_layout_equals_converter(tmp_path, monkeypatch):
     assert json.loads(fa.header_json)["config"] == json.loads(fb.header_json)["config"]
     assert fa.tensor_info("embed_tokens_per_layer")["dtype"] == "q4r"
     rd = FgmReader(a)
-    for name in ("embed_tokens", "lm_head", "per_layer_model_projection", "l0.q_proj", "l5.down_proj"):
+    for name in ("embed_tokens", "per_layer_model_projection", "l0.q_proj", "l5.down_proj"):
         assert rd.info(name)["dtype"] == "q8g" and 0.02 <= rd.dequantize(name).std() <= 0.05, name
 
 
@@ -535,6 +533,6 @@ def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkey
     assert dm.resolve_default_model(progress=False)[0] == str(fgm)
     assert calls == [{"weights": "int8g", "group": 32, "progress": False}], "an old cache is converted again"
     stamp = json.loads((d / "converted.json").read_text())
-    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r3" and stamp["fgm_bytes"] == 100
+    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r4" and stamp["fgm_bytes"] == 100
     dm.resolve_default_model(progress=False)
     assert len(calls) == 1, "the new cache is reused"

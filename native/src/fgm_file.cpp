@@ -376,7 +376,8 @@ void FgmFile::check_inventory() {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size, P = c.ple_dim, L = c.num_layers;
   check_table("embed_tokens", V, H);
-  check_linear("lm_head", V, H);
+  // A q8g table is also a linear in the same layout (docs/fgm-extensions.md): it may serve as the tied LM head.
+  if (find("lm_head") || require("embed_tokens").dtype != DType::Q8G) check_linear("lm_head", V, H);
   check_plain("norm", DType::F32, {H});
   if (P > 0) {
     check_table("embed_tokens_per_layer", c.ple_vocab_size, L * P);

@@ -40,9 +40,10 @@ GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # How the default model is converted. converted.json records CONVERSION, and a cache made any other way (older
 # options, an older converter) is converted again: bump CONVERTER_REVISION whenever the converter's output for
 # these options changes. History: "int8-q8r-1" (q8c linears, q8r table; before revision numbers); "int8g-g32-r2"
-# (q8g); r3: the header asks for an f16 K/V cache (config.kv_cache_dtype).
+# (q8g); r3: the header asks for an f16 K/V cache (config.kv_cache_dtype); r4: no lm_head tensor (the q8g
+# embedding table is the tied head).
 WEIGHTS, GROUP = "int8g", 32
-CONVERTER_REVISION = 3
+CONVERTER_REVISION = 4
 CONVERSION = f"{WEIGHTS}-g{GROUP}-r{CONVERTER_REVISION}"
 
 _PART_RE = re.compile(re.escape(GGUF_NAME) + r"\.part(\d+)$")

@@ -207,7 +207,9 @@ void Model::resolve_weights() {
     return g;
   };
   embed_ = table("embed_tokens");
-  lm_head_ = dual("lm_head");
+  // Without an lm_head tensor the reader has checked that embed_tokens is q8g: the tied table is the head.
+  if (file_->find("lm_head")) lm_head_ = dual("lm_head");
+  else lm_head_.w = qlinear_from(*file_, file_->require("embed_tokens"));
   final_norm_ = f32("norm");
   if (c.ple_dim > 0) {
     ple_table_ = table("embed_tokens_per_layer");

@@ -97,12 +97,14 @@ def _linears(f) -> list[dict]:
     out = []
     for name in f.tensor_names:
         info = f.tensor_info(name)
-        if info["dtype"] not in ("q8c", "q4g", "q8g") or name.endswith(".i8") or name in _GATHER_TABLES:
+        # Without an lm_head tensor the q8g embedding table is the tied head (docs/fgm-extensions.md).
+        head = name == "embed_tokens" and "lm_head" not in names
+        if info["dtype"] not in ("q8c", "q4g", "q8g") or name.endswith(".i8") or name in _GATHER_TABLES and not head:
             continue
         m = _LAYER.match(name)
         n, k = info["shape"]
-        out.append({"name": name, "layer": int(m.group(1)) if m else None, "n": n, "k": k, "bytes": nbytes(name),
-                    "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None,
+        out.append({"name": "lm_head" if head else name, "layer": int(m.group(1)) if m else None, "n": n, "k": k,
+                    "bytes": nbytes(name), "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None,
                     "f32": info["dtype"] == "q8g"})
     return out
 

@@ -18,8 +18,9 @@ per_layer_model_projection / _input_gate / _projection q8c
 norms, layer_scalar, rope.<type>.inv_freq              f32
 =====================================================  =======================================
 
-"int8g" (docs/fgm-extensions.md) stores every linear above, lm_head included, and the embed_tokens table as q8g
-(int8, one f32 scale per row and group of G inputs, unrotated, no .i8 twins); embed_tokens_per_layer stays q4r.
+"int8g" (docs/fgm-extensions.md) stores every linear above and the embed_tokens table as q8g (int8, one f32 scale
+per row and group of G inputs, unrotated, no .i8 twins); that table is also the tied LM head, so there is no lm_head
+tensor. embed_tokens_per_layer stays q4r.
 A tensor's group may be smaller than G when its source says so (a GGUF block type: gguf_source.ggml_sub_block).
 
 Gemma 3 configs have no per-layer-input tensors, no layer_scalar, and their norms are stored as 1 + w
@@ -266,7 +267,8 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
 
     if weights == "int8g":
         emb = "embed_tokens.weight"
-        items: list[Item] = [Table("embed_tokens", emb, v, h, "q8g", q8g_group(emb)), q8("lm_head", emb, v, h)]
+        # one q8g table is both the embedding and the tied LM head (no lm_head tensor: docs/fgm-extensions.md)
+        items: list[Item] = [Table("embed_tokens", emb, v, h, "q8g", q8g_group(emb))]
     else:
         items = [
             Table("embed_tokens", "embed_tokens.weight", v, h, "q8r" if emb_bits == 8 else "q4r"),
@@ -338,7 +340,7 @@ def entries_of(items: list[Item]) -> list[TensorEntry]:
 def probe_names(cfg: TextConfig) -> list[str]:
     """Weights whose quantisation error goes into the header's meta.quant_rel_err (as fastgemma)."""
     L = cfg.num_hidden_layers
-    names = ["lm_head"]
+    names = ["lm_head", "embed_tokens"]  # embed_tokens only counts where it is q8g (int8g: the tied head itself)
     for i in sorted({0, L // 2, L - 1}):
         names += [f"l{i}.gate_proj", f"l{i}.down_proj"]
     return names
