@@ -8,8 +8,8 @@ For every backend the CPU can run (or --backend):
   * decode    q4g (group 256) GEMM N=6144, K=1536 at M = 1, 8, 32: GB/s of weight bytes
               (codes + scales) streamed from DRAM (the weights cycle through copies larger than
               the last-level cache) and ratio to the DRAM figure; TOPS and ratio to peak too.
-And once for q8g (weight-only int8, f32 activations: one AVX2+FMA kernel on every backend), on
-Gemma 3 270M's shapes, against the f32 FMA peak and DRAM:
+And for q8g (weight-only int8, f32 activations: ymm on avx2, zmm on vnni/amx), on Gemma 3 270M's
+shapes, against the backend's f32 FMA peak and DRAM:
   * prefill   M=256, N=2048, K=640, group 32 (an FFN gate/up projection): GFLOP/s and ratio to peak;
   * decode    the tied LM head N=262144, K=640 (168 MB of codes: streamed from DRAM) at M = 1, 8.
 Every figure is the median of --repeats runs. The machine is shared: the load average is
@@ -96,28 +96,31 @@ def main() -> None:
             tops = 2 * m * N * K_DIM / t / 1e12
             print(f"{b:8} {f'decode q4g g{GROUP} M={m} N={N} K={K_DIM}':34} {t * 1e3:8.3f}ms "
                   f"{gbs:9.2f} GB/s {dram:9.2f} GB/s {gbs / dram:7.1%}   ({tops:.3f} TOPS, {tops / peak:.1%} of peak)")
-    q8g_section(rng, args.threads, args.repeats, dram)
+    for b in backends:
+        q8g_section(rng, b, args.threads, args.repeats, dram)
 
 
-def q8g_section(rng, threads: int, repeats: int, dram: float) -> None:
-    peak = statistics.median(K.peak_f32_gflops(threads) for _ in range(repeats))
+def q8g_section(rng, backend: str, threads: int, repeats: int, dram: float) -> None:
+    peak = statistics.median(K.peak_f32_gflops(threads, backend=backend) for _ in range(repeats))
     print()
-    print(f"[q8g] peak f32 FMA: {peak:.1f} GFLOP/s on {threads} threads")
-    print(f"{'kernel':8} {'shape':34} {'time':>10} {'result':>14} {'limit':>14} {'ratio':>7}")
+    width = "ymm" if backend == "avx2" else "zmm"
+    print(f"[{backend} q8g] peak f32 FMA ({width}): {peak:.1f} GFLOP/s on {threads} threads")
+    print(f"{'backend':8} {'shape':34} {'time':>10} {'result':>14} {'limit':>14} {'ratio':>7}")
     for m, n, k, group in ((256, 2048, 640, 32), (1, 262144, 640, 32), (8, 262144, 640, 32)):
         codes = rng.integers(-127, 128, n * k, dtype=np.int8).view(np.uint8)
         scales = rng.uniform(-1e-2, 1e-2, (k // group, n)).astype(np.float32)
         x = rng.standard_normal((m, k)).astype(np.float32)
-        K.bench_linear(x, codes, scales, "q8g", n, k, group=group, threads=threads, repeats=2)  # warm-up
+        K.bench_linear(x, codes, scales, "q8g", n, k, group=group, backend=backend, threads=threads, repeats=2)
         t = statistics.median(statistics.median(K.bench_linear(x, codes, scales, "q8g", n, k, group=group,
-                                                               threads=threads, repeats=3)) for _ in range(repeats))
+                                                               backend=backend, threads=threads, repeats=3))
+                              for _ in range(repeats))
         gflops = 2 * m * n * k / t / 1e9
         shape = f"{'prefill' if m > 8 else 'decode'} q8g g{group} M={m} N={n} K={k}"
         if m > 8:
-            print(f"{'q8g':8} {shape:34} {t * 1e3:8.2f}ms {gflops:7.1f} GFLOP/s {peak:7.1f} GFLOP/s {gflops / peak:7.1%}")
+            print(f"{backend:8} {shape:34} {t * 1e3:8.2f}ms {gflops:7.1f} GFLOP/s {peak:7.1f} GFLOP/s {gflops / peak:7.1%}")
         else:
             gbs = (n * k + scales.nbytes) / t / 1e9
-            print(f"{'q8g':8} {shape:34} {t * 1e3:8.2f}ms {gbs:9.2f} GB/s {dram:9.2f} GB/s {gbs / dram:7.1%}   "
+            print(f"{backend:8} {shape:34} {t * 1e3:8.2f}ms {gbs:9.2f} GB/s {dram:9.2f} GB/s {gbs / dram:7.1%}   "
                   f"({gflops:.1f} GFLOP/s, {gflops / peak:.1%} of peak)")
 
 

@@ -278,7 +278,7 @@ void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_l
     const QLinear& w = o.w->pick(m, policy_);
     if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
       Timer t(this, phase);
-      gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get());
+      gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
       continue;
     }
     if (w.hadamard != quantised_for) {

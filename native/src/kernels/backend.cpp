@@ -210,6 +210,10 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
 namespace sg {
 
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool) {
+  gemm_q8g(x, ldx, m, w, y, ldy, pool, active_backend());
+}
+
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b) {
   auto bad = [](const std::string& msg) { throw std::invalid_argument("gemm_q8g: " + msg); };
   if (w.dtype != DType::Q8G) bad("weight dtype must be q8g");
   if (w.n <= 0 || w.n % 16 != 0 || w.k <= 0 || w.group <= 0 || w.k % w.group != 0)
@@ -220,15 +224,17 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   if (m > 0 && (!x || !y)) bad("null buffer");
   if (ldx < w.k) bad("ldx " + std::to_string(ldx) + " < K " + std::to_string(w.k));
   if (ldy < w.n) bad("ldy " + std::to_string(ldy) + " < N " + std::to_string(w.n));
-  if (!cpu_supports(Backend::Avx2)) throw std::runtime_error("gemm_q8g: this CPU lacks AVX2/FMA");
+  if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm_q8g: this CPU cannot run the ") + backend_name(b) +
+                                                 " backend");
   if (m == 0) return;
+  const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
   // 12 panels a task: a whole number of the kernel's panel blocks for every row count (6, 3, 2 or 1 panels).
   constexpr int kTaskPanels = 12;
   const int panels = w.n / 16;
   const int n_tasks = (panels + kTaskPanels - 1) / kTaskPanels;
   auto task = [&](int t, int) {
     const int p0 = t * kTaskPanels;
-    detail::gemm_q8g_panels(x, ldx, m, w, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
+    panels_fn(x, ldx, m, w, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
   };
   detail::run_tasks(pool, n_tasks, task);
 }

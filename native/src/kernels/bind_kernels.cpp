@@ -78,7 +78,7 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
     sg::backend_thread_init();
     sg::ThreadPool pool(threads, sg::backend_thread_init);
     if (w.dtype == sg::DType::Q8G) {  // weight-only: no activation quantisation, one code path for every backend
-      sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool);
+      sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool, b);
     } else {
       sg::quantize_activations(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
       sg::gemm(qa.q, w, yp, w.n, &pool, b);
@@ -217,7 +217,7 @@ void bind_kernels(py::module_& parent) {
             w.codes += code_bytes * (r % copies);
             w.scales = static_cast<const uint8_t*>(w0.scales) + scale_bytes * (r % copies);
             const auto t0 = std::chrono::steady_clock::now();
-            if (q8g) sg::gemm_q8g(x.data(), k, mr, w, y.get(), n, &pool);
+            if (q8g) sg::gemm_q8g(x.data(), k, mr, w, y.get(), n, &pool, b);
             else sg::gemm(qa.q, w, y.get(), n, &pool, b);
             times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           }
@@ -260,13 +260,15 @@ void bind_kernels(py::module_& parent) {
 
   m.def(
       "peak_f32_gflops",
-      [](int threads, double seconds) {
+      [](int threads, double seconds, const std::optional<std::string>& backend) {
+        const sg::Backend b = pick_backend(backend);
         py::gil_scoped_release nogil;
         sg::ThreadPool pool(threads);
-        return sg::peak_f32_gflops(&pool, seconds);
+        return sg::peak_f32_gflops(b, &pool, seconds);
       },
-      py::arg("threads") = 1, py::arg("seconds") = 0.2,
-      "f32 GFLOP/s of AVX2 FMAs back to back on `threads` threads (the limit of the weight-only q8g GEMM).");
+      py::arg("threads") = 1, py::arg("seconds") = 0.2, py::arg("backend") = py::none(),
+      "f32 GFLOP/s of the backend's FMAs (ymm on avx2, zmm on vnni/amx) back to back on `threads` threads: the "
+      "limit of the weight-only q8g GEMM.");
 
   m.def(
       "read_bandwidth",

@@ -98,10 +98,13 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
 
 // Weight-only int8 on a q8g weight (docs/fgm-extensions.md): y[m, n] = Σ_g s[g][n] · Σ_{k in group g} x[m, k] · code
 // with x in f32 (no rotation, no quantisation), as: acc = +0; for each group g in order { p = +0; for k in the group,
-// ascending: p = fmaf(x[m, k], (float)code, p); acc = fmaf(p, s[g][n], acc) }; y = acc. One AVX2+FMA implementation
-// serves every backend, so all give the same bits; work is split over the pool in whole 16-column panels, so the
-// result depends neither on the thread count nor on m.
+// ascending: p = fmaf(x[m, k], (float)code, p); acc = fmaf(p, s[g][n], acc) }; y = acc. The AVX2 backend runs it
+// with ymm, the VNNI and AMX backends with zmm (one panel a register); every lane follows that sequence, so all
+// backends give the same bits. Work is split over the pool in whole 16-column panels, so the result depends neither
+// on the thread count nor on m.
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
+// The same on an explicit backend. Throws std::runtime_error when the CPU cannot run it.
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
 
 // In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n)
 // (n % 128 == 0): x·H with H = H₁₂₈/√128 in Sylvester order.

@@ -4,8 +4,8 @@
 // requantising its activations. One 16-byte row of a panel holds the codes of its 16 output columns at one k; they
 // are widened to two ymm of f32 and each of MR activation rows adds x[m, k] · code to the group's partial sum with one
 // FMA per column, k ascending; at the group's end acc = fma(partial, s[g], acc). That sequence per output is fixed
-// by the format (gemm.h), not by the blocking, so every row count, thread count and backend gives the same bits
-// (AVX-512/AMX hosts run this same code).
+// by the format (gemm.h), not by the blocking, so every row count and thread count gives the same bits, and so does
+// the AVX-512 kernel (gemm_q8g_avx512.cpp), whose lanes run the same sequences.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels_impl.h"
+#include "q8g_driver.h"
 
 namespace sg::detail {
 namespace {
@@ -64,39 +65,19 @@ void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales
     }
 }
 
-using BlockFn = void (*)(const float*, int, const int8_t*, const float*, int, int, int, float*, int);
 // Panels per block for MR rows, and the kernels for each MR with that many and with one panel (the remainder of a
 // panel range). Measured on Zen 3 (bench/bench_gemm.py, LM head N=262144 at M=1): 3 panels for one row beat 1 (too
 // few FMA chains) and 6 (spills, and six weight streams at once); 2 for two rows.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 3, 2, 1, 1, 1, 1};
-constexpr BlockFn kWide[kMaxRows + 1] = {nullptr,           q8g_block<1, 3>, q8g_block<2, 2>, q8g_block<3, 1>,
-                                         q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
-constexpr BlockFn kOne[kMaxRows + 1] = {nullptr,           q8g_block<1, 1>, q8g_block<2, 1>, q8g_block<3, 1>,
-                                        q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
+constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,           q8g_block<1, 3>, q8g_block<2, 2>, q8g_block<3, 1>,
+                                            q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
+constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,           q8g_block<1, 1>, q8g_block<2, 1>, q8g_block<3, 1>,
+                                           q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
 
 }  // namespace
 
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
-  const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes);
-  const float* scales = static_cast<const float*>(w.scales);
-  // Rows in balanced blocks of at most kMaxRows (8 rows: 4 + 4, not 6 + 2, whose 2-row block would be bound by
-  // its few FMA chains). Panels in blocks of kPanelBlock, outermost: a block's codes (K·16 bytes a panel) stay in
-  // L1/L2 while the row blocks walk them.
-  constexpr int kPanelBlock = 6;
-  const int row_blocks = (m + kMaxRows - 1) / kMaxRows;
-  const int rows_per_block = (m + row_blocks - 1) / row_blocks;
-  for (int pb = p0; pb < p1; pb += kPanelBlock) {
-    const int pe = std::min(pb + kPanelBlock, p1);
-    for (int m0 = 0; m0 < m; m0 += rows_per_block) {
-      const int mr = std::min(rows_per_block, m - m0);
-      for (int q = pb; q < pe;) {
-        const bool wide = q + kPanelsFor[mr] <= pe;
-        (wide ? kWide : kOne)[mr](x + size_t(m0) * ldx, ldx, codes + size_t(q) * w.k * 16, scales + size_t(q) * 16,
-                                  w.n, w.k, w.group, y + size_t(m0) * ldy + size_t(q) * 16, ldy);
-        q += wide ? kPanelsFor[mr] : 1;
-      }
-    }
-  }
+  q8g_drive(Q8gKernels{kMaxRows, 6, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

@@ -14,9 +14,10 @@ namespace sg::detail {
 void gemm_avx2(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
-// q8g (weight-only int8, f32 activations): output columns of the 16-column panels [p0, p1), all m rows; one
-// implementation (AVX2 + FMA) for every backend.
+// q8g (weight-only int8, f32 activations): output columns of the 16-column panels [p0, p1), all m rows; AVX2 + FMA
+// (the AVX2 backend) and AVX-512 (the VNNI and AMX backends), bit-identical.
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1);
+void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1);
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of
@@ -24,6 +25,9 @@ void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y,
 uint64_t peak_loop_avx2(uint64_t iters);
 uint64_t peak_loop_vnni(uint64_t iters);
 uint64_t peak_loop_amx(uint64_t iters);
+// f32 FMAs back to back, 2 flops each: ymm (probes.cpp) and zmm (gemm_q8g_avx512.cpp), the q8g kernels' limits.
+uint64_t peak_loop_fma(uint64_t iters);
+uint64_t peak_loop_fma512(uint64_t iters);
 
 // AMX: ARCH_REQ_XCOMP_PERM for the calling thread (backend.cpp); true when granted.
 bool amx_request_permission();

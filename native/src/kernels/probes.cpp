@@ -29,6 +29,9 @@ uint64_t (*peak_loop_for(Backend b))(uint64_t) {
   return detail::peak_loop_avx2;
 }
 
+}  // namespace
+
+namespace detail {
 // Ten independent FMA chains: enough to cover the FMA latency (4-5 cycles) on two FMA ports.
 uint64_t peak_loop_fma(uint64_t iters) {
   __m256 acc[10];
@@ -42,6 +45,9 @@ uint64_t peak_loop_fma(uint64_t iters) {
   (void)keep;
   return iters * 10 * 8 * 2;
 }
+}  // namespace detail
+
+namespace {
 
 // Calibrates `loop` on one thread to about `seconds`, then runs it on every pool thread at once: operations / s.
 double run_peak(uint64_t (*loop)(uint64_t), ThreadPool* pool, double seconds) {
@@ -72,9 +78,10 @@ double run_peak(uint64_t (*loop)(uint64_t), ThreadPool* pool, double seconds) {
 
 }  // namespace
 
-double peak_f32_gflops(ThreadPool* pool, double seconds) {
-  if (!cpu_supports(Backend::Avx2)) throw std::runtime_error("peak_f32_gflops: this CPU lacks AVX2/FMA");
-  return run_peak(peak_loop_fma, pool, seconds) / 1e9;
+double peak_f32_gflops(Backend b, ThreadPool* pool, double seconds) {
+  if (!cpu_supports(b))
+    throw std::runtime_error(std::string("peak_f32_gflops: this CPU cannot run the ") + backend_name(b) + " backend");
+  return run_peak(b == Backend::Avx2 ? detail::peak_loop_fma : detail::peak_loop_fma512, pool, seconds) / 1e9;
 }
 
 double peak_tops(Backend b, ThreadPool* pool, double seconds) {

@@ -13,9 +13,10 @@ namespace sg {
 // `seconds`. Throws std::runtime_error when the CPU cannot run the backend.
 double peak_tops(Backend b, ThreadPool* pool, double seconds = 0.2);
 
-// f32 GFLOP/s (2 per fused multiply-add) of AVX2 FMAs back to back on every pool thread at once, over about
-// `seconds`: the limit of the weight-only q8g GEMM (gemm_q8g), which runs one such FMA per weight and row.
-double peak_f32_gflops(ThreadPool* pool, double seconds = 0.2);
+// f32 GFLOP/s (2 per fused multiply-add) of the backend's FMAs (ymm on avx2, zmm on vnni/amx) back to back on every
+// pool thread at once, over about `seconds`: the limit of the weight-only q8g GEMM (gemm_q8g), which runs one such
+// FMA per weight and row.
+double peak_f32_gflops(Backend b, ThreadPool* pool, double seconds = 0.2);
 
 // Streaming read bandwidth in GB/s (1e9 bytes/s): every pool thread reads its slice of a
 // `bytes`-long buffer (allocated and touched here, much larger than the caches) once.

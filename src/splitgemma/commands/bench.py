@@ -265,12 +265,16 @@ def run(args) -> int:
     pristine = max_batch
     rng = np.random.default_rng(0)
 
-    probes = {"peak_tops": [], "dram_gbs": []}
+    weight_only = any(w["f32"] for w in linears)  # q8g GEMMs: their limit is the f32 FMA peak
+    probes = {"peak_tops": [], "dram_gbs": [], **({"peak_f32_gflops": []} if weight_only else {})}
 
     def probe() -> None:
-        say(f"measuring the {backend} int8 peak and DRAM read bandwidth on {threads} threads …")
+        say(f"measuring the {backend} int8 peak{', f32 FMA peak' if weight_only else ''} and DRAM read bandwidth on "
+            f"{threads} threads …")
         for _ in range(3):
             probes["peak_tops"].append(K.peak_tops(backend, threads, 0.2))
+            if weight_only:
+                probes["peak_f32_gflops"].append(K.peak_f32_gflops(threads, 0.2, backend=backend))
             probes["dram_gbs"].append(K.read_bandwidth(1 << 28, threads))
 
     probe()
@@ -329,8 +333,11 @@ def run(args) -> int:
 
     probe()
     peak, dram = max(probes["peak_tops"]), max(probes["dram_gbs"])
+    f32_peak = max(probes["peak_f32_gflops"]) if weight_only else None
     for r in prefill:
         r["ratio_to_peak"] = r["int8_tops"] / peak
+        if "f32_gflops" in r:
+            r["ratio_to_f32_peak"] = r["f32_gflops"] / f32_peak
     for r in decode:
         r["ratio_to_dram"] = r["weight_read_gbs"] / dram
 
@@ -341,7 +348,8 @@ def run(args) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "backend": backend, "threads": threads, "weights": model.weights, "chunk": model.chunk,
         "repeats": args.repeats, "page_cache_read_s": warm_s,
-        "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram},
+        "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram,
+                   **({f"{backend}_f32_gflops": f32_peak} if weight_only else {})},
         "limit_readings": probes,  # 3 before the figures, 3 after
         "prefill": prefill, "decode": decode, "load": watch.summary(), "anchors": ANCHORS,
     }
@@ -380,7 +388,9 @@ def render(r: dict) -> str:
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
            f"(amx {'yes' if m['backends']['amx'] else 'no'}, vnni {'yes' if m['backends']['vnni'] else 'no'}); "
            f"{r['threads']} threads; weights {r['weights']}; chunk {r['chunk']}",
-           f"limits, measured in this run (best of {len(r['limit_readings']['dram_gbs'])}): {r['backend']} int8 peak {peak:.3f} TOPS, DRAM read {lim['dram_read_gbs']:.1f} GB/s"
+           f"limits, measured in this run (best of {len(r['limit_readings']['dram_gbs'])}): {r['backend']} int8 peak {peak:.3f} TOPS, "
+           + (f"f32 FMA peak {lim[r['backend'] + '_f32_gflops']:.1f} GFLOP/s, " if r['backend'] + "_f32_gflops" in lim else "")
+           + f"DRAM read {lim['dram_read_gbs']:.1f} GB/s"
            f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
            f"load average: {load['start']:.2f} at start (limit {load['limit']:.2f}), {load['max']:.2f} max (limit "
            f"{load['limit_while_running']:.2f} with this benchmark's threads)", ""]
@@ -388,7 +398,7 @@ def render(r: dict) -> str:
     for p in r["prefill"]:
         vs = [f"{p['int8_tops']:.3f} TOPS = {p['ratio_to_peak']:.0%} of peak"] if p["gemm_macs"] else []
         if "f32_gflops" in p:
-            vs.append(f"{p['f32_gflops']:.1f} GFLOP/s f32 (q8g)")
+            vs.append(f"{p['f32_gflops']:.1f} GFLOP/s f32 (q8g) = {p['ratio_to_f32_peak']:.0%} of f32 peak")
         rows.append([f"prefill {p['prompt_len']}", f"{p['tok_s']:.2f}", f"{p['tok_s_min']:.2f}–{p['tok_s_max']:.2f}",
                      f"{p['load_1min']:.2f}", " + ".join(vs), _anchor_text("prefill", p["prompt_len"])])
     for d in r["decode"]:

@@ -1,12 +1,13 @@
 // The emulated test build's driver: runs the VNNI and AMX backends (their AVX-512 and tile
 // instructions replaced by the scalar stand-ins in this folder) against the real AVX2 backend
-// on random int8/int4 weights and activations of many shapes, and requires bit-identical
-// output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
+// on random int8/int4 weights and activations of many shapes, and the AVX-512 q8g kernel
+// against the AVX2 one, and requires bit-identical output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
 // exits non-zero on any mismatch.
 //
 //   harness <guard 0|1>     (SG_EMULATED_TILE_LOSS_EVERY=N simulates tile-state loss)
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -95,6 +96,37 @@ int main(int argc, char** argv) {
           std::printf("MISMATCH amx %s n=%d k=%d group=%d m=%d guard=%d\n", what, sh.n, sh.k, sh.group, m, guard);
         }
       }
+  // q8g (weight-only, f32 activations): the zmm kernel of the VNNI/AMX hosts against the AVX2 one.
+  const std::vector<Shape> q8g_shapes = {{16, 64, 64, 0}, {48, 640, 32, 0}, {272, 640, 16, 0}, {64, 2048, 32, 0},
+                                         {32, 40, 8, 0},  {400, 96, 1, 0}};
+  for (const Shape& sh : q8g_shapes)
+    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32}) {
+      std::vector<float> x(size_t(m) * sh.k);
+      for (float& v : x) v = normal(rng);
+      std::vector<uint8_t> codes(size_t(sh.n) * sh.k);
+      for (uint8_t& c : codes) c = uint8_t(rng() & 0xFF);
+      for (uint8_t& c : codes)
+        if (c == 0x80) c = 0x81;  // int8 codes are in [-127, 127]
+      std::vector<float> scales(size_t(sh.k / sh.group) * sh.n);
+      for (float& v : scales) v = uni(rng);
+      QLinear w;
+      w.dtype = DType::Q8G;
+      w.n = sh.n;
+      w.k = sh.k;
+      w.group = sh.group;
+      w.codes = codes.data();
+      w.scales = scales.data();
+      std::vector<float> ya(size_t(m) * sh.n, -1.f), yz(ya);
+      detail::gemm_q8g_panels(x.data(), sh.k, m, w, ya.data(), sh.n, 0, sh.n / 16);
+      // the zmm kernel on another split of the panels (its result must not depend on it either)
+      for (int p = 0; p < sh.n / 16; p += 5)
+        detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
+      ++runs;
+      if (std::memcmp(ya.data(), yz.data(), ya.size() * sizeof(float))) {
+        ++failures;
+        std::printf("MISMATCH q8g avx512 n=%d k=%d group=%d m=%d\n", sh.n, sh.k, sh.group, m);
+      }
+    }
   std::printf("runs %d failures %d recoveries %llu\n", runs, failures,
               static_cast<unsigned long long>(detail::g_amx_recoveries.load()));
   return failures ? 1 : 0;

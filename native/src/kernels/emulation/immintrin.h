@@ -56,6 +56,7 @@ inline F512 loadu_ps(const float* p) { F512 v; std::memcpy(v.f, p, 64); return v
 inline F512 load_ps(const float* p) { if ((uintptr_t)p % 64) __builtin_trap(); return loadu_ps(p); }
 inline void storeu_ps(float* p, F512 v) { std::memcpy(p, v.f, 64); }
 inline void store_ps(float* p, F512 v) { if ((uintptr_t)p % 64) __builtin_trap(); storeu_ps(p, v); }
+inline V512 cvtepi8_epi32(__m128i a) { int8_t b[16]; std::memcpy(b, &a, 16); V512 v; for (int i = 0; i < 16; ++i) si(v, i, b[i]); return v; }
 inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v; for (int i = 0; i < 16; ++i) v.f[i] = _cvtsh_ss(u[i]); return v; }
 }  // namespace emu
 
@@ -86,3 +87,4 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_storeu_ps emu::storeu_ps
 #define _mm512_store_ps emu::store_ps
 #define _mm512_cvtph_ps emu::cvtph_ps
+#define _mm512_cvtepi8_epi32 emu::cvtepi8_epi32

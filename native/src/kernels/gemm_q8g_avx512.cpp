@@ -1,0 +1,75 @@
+// The q8g weight-only GEMM with AVX-512 (F + BW + VL), for the VNNI and AMX backends' hosts: one zmm is one whole
+// 16-column panel, and the 32 registers hold twice the accumulators of the AVX2 kernel (gemm_q8g.cpp). Each output
+// lane runs exactly the AVX2 kernel's sequence (p = fma(x, code, p) for k ascending within a group, then
+// acc = fma(p, s, acc)), so the two give the same bits; the emulated test build checks that on any CPU.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels_impl.h"
+#include "q8g_driver.h"
+
+namespace sg::detail {
+namespace {
+
+constexpr int kMaxRows = 6;
+
+template <int MR, int NP>
+void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* scales, int n_total, int k_total,
+                   int group, float* y, int ldy) {
+  const size_t panel_bytes = size_t(k_total) * 16;
+  __m512 acc[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_setzero_ps();
+  for (int k0 = 0; k0 < k_total; k0 += group) {
+    __m512 part[MR][NP];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) part[i][p] = _mm512_setzero_ps();
+    for (int k = k0; k < k0 + group; ++k) {
+      for (int p = 0; p < NP; ++p) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * panel_bytes + size_t(k) * 16));
+        const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
+        for (int i = 0; i < MR; ++i) part[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(i) * ldx + k]), wv, part[i][p]);
+      }
+    }
+    const float* s = scales + size_t(k0 / group) * n_total;
+    for (int p = 0; p < NP; ++p) {
+      const __m512 sv = _mm512_loadu_ps(s + 16 * p);
+      for (int i = 0; i < MR; ++i) acc[i][p] = _mm512_fmadd_ps(part[i][p], sv, acc[i][p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + size_t(i) * ldy + 16 * p, acc[i][p]);
+}
+
+// MR·NP part accumulators plus as many accs, NP weight vectors and a broadcast: at most 2·12 + 3 of the 32 zmm.
+constexpr int kPanelsFor[kMaxRows + 1] = {0, 4, 3, 2, 2, 2, 2};
+constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,
+                                            q8g_block_zmm<1, 4>, q8g_block_zmm<2, 3>, q8g_block_zmm<3, 2>,
+                                            q8g_block_zmm<4, 2>, q8g_block_zmm<5, 2>, q8g_block_zmm<6, 2>};
+constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,
+                                           q8g_block_zmm<1, 1>, q8g_block_zmm<2, 1>, q8g_block_zmm<3, 1>,
+                                           q8g_block_zmm<4, 1>, q8g_block_zmm<5, 1>, q8g_block_zmm<6, 1>};
+
+}  // namespace
+
+uint64_t peak_loop_fma512(uint64_t iters) {
+  // Ten independent zmm FMA chains (latency 4 on two ports needs eight).
+  __m512 acc[10];
+  for (int i = 0; i < 10; ++i) acc[i] = _mm512_set1_ps(float(i));
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-3f);
+  for (uint64_t it = 0; it < iters; ++it)
+    for (int i = 0; i < 10; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+  float out[16];
+  for (int i = 1; i < 10; ++i) acc[0] = _mm512_fmadd_ps(acc[i], a, acc[0]);
+  _mm512_storeu_ps(out, acc[0]);
+  volatile float keep = out[0];
+  (void)keep;
+  return iters * 10 * 16 * 2;
+}
+
+void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
+  q8g_drive(Q8gKernels{kMaxRows, 12, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
+}
+
+}  // namespace sg::detail
