@@ -13,8 +13,8 @@
 //      head's outlier dimensions over the block, so the shared int8 scale loses less; queries are rotated alike)
 //     K scales  f32  [cap_i]               one scale per position, shared over the KV heads (value = code * scale)
 //     V scales  f32  [cap_i]
-//   or, with the f16 element type, K and V as f16 [cap_i][nkv * hd_i] (rotated the same way) and no scales: twice
-//   the bytes, and no quantisation error (int8 K costs small models with sharp attention most of their accuracy).
+//   or, with the f16 element type, K and V as f16 [cap_i][nkv * hd_i] (not rotated) and no scales: twice the bytes,
+//   and no quantisation error (int8 K costs small models with sharp attention most of their accuracy).
 //   every array starts on a 64-byte boundary relative to the slot start.
 //
 // Position p of layer i lives in row p % cap_i. Full-attention layers have cap = max_context (so the row is p).

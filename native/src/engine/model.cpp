@@ -359,8 +359,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     const LayerSpec& ls = c.layers[l];
     const LayerWeights& W = layers_[l];
     const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
-    const int rot = ops::kv_rotation_block(hd);
     const bool f16_kv = layout_.dtype() == KvDtype::F16;
+    const int rot = f16_kv ? 1 : ops::kv_rotation_block(hd);  // f16 has no scale to share: nothing to spread
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---

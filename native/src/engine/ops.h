@@ -36,7 +36,7 @@ void gather_q8r(const int8_t* codes, float scale, int k, float mult, float* out)
 void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int group, int k, float mult, float* out);
 
 // In-place orthonormal Walsh–Hadamard transform (H_block / √block, Sylvester order) of every block of `block` floats
-// of x[0..n); block is a power of two dividing n. Applying it twice gives x back (up to rounding).
+// of x[0..n); block is a power of two dividing n (1: nothing to do). Applying it twice gives x back (up to rounding).
 void fwht_blocks(float* x, int n, int block);
 // The block the K/V cache is rotated in: the largest power of two dividing head_dim, at most 128.
 int kv_rotation_block(int head_dim);

@@ -352,6 +352,7 @@ void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int g
 }
 
 void fwht_blocks(float* x, int n, int block) {
+  if (block == 1) return;
   const float norm = float(1.0 / std::sqrt(double(block)));
   for (int b = 0; b < n; b += block) {
     float* v = x + b;
