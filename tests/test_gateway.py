@@ -205,7 +205,7 @@ class Stack:
             name = "decode" if i == 0 else f"decode-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["decode", *common, "--port", self.addresses[name].split(":")[1],
-                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), "--lease-grace-ms", "100"])
+                               "--weights", DECODE_WEIGHTS, "--slots", str(slots)])
         for i in range(n_prefill):
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"

@@ -8,6 +8,9 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -124,8 +127,8 @@ def pair(shm_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     metrics = dict(zip(("decode", "prefill"), free_ports(2)))
     geometry = ["--model", str(FGM), "--max-context", str(CTX), "--chunk", str(CHUNK), "--shm-dir", shm_dir]
-    d = Worker("decode", [*geometry, "--slots", "8", "--max-batch", "8", "--lease-grace-ms", "200",
-                          "--metrics-port", str(metrics["decode"])], logs / "decode.log")
+    d = Worker("decode", [*geometry, "--slots", "8", "--max-batch", "8", "--metrics-port", str(metrics["decode"])],
+               logs / "decode.log")
     p = Worker("prefill", [*geometry, "--metrics-port", str(metrics["prefill"])], logs / "prefill.log")
     try:
         d.wait_ready()
@@ -388,7 +391,65 @@ def test_unclaimed_lease_expires(pair):
     code, _ = status_of(lambda: list(pair.decode.Generate(pair.gen_req("expire-1", lease, 8, fake, greedy(), 4),
                                                           timeout=RPC_TIMEOUT)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    pair.wait_idle()  # the quarantine (--lease-grace-ms 200) ends: the slot is free again
+    pair.wait_idle()  # no prefill held the slot: it is free again at once
+
+
+def test_a_slot_still_written_is_not_handed_out(pair, shm_dir, ref_model):
+    """The writer protocol (shm_arena.SlotLocks): while a prefill holds a released slot's writer lock — here this
+    test holds it, as a prefill stalled mid-chunk would — the decode worker keeps the slot quarantined and leases only
+    the others; once the lock is let go the slot comes back with its lease stamp cleared, and a prefill of the
+    released lease is then refused without writing a byte."""
+    lease = pair.reserve("stale-1", 8)
+    view = open_shared_arena(ref_model, lease.arena_path, lease.n_slots, lease.slot_bytes, shm_dir)
+    assert view.arena.header(lease.slot)["generation"] == lease.generation  # stamped by the decode worker
+    assert view.locks.try_lock(lease.slot)
+    try:
+        assert pair.decode.Release(pb.ReleaseRequest(request_id="stale-1", lease=lease), timeout=RPC_TIMEOUT).released
+        time.sleep(0.2)  # several sweeps
+        assert pair.stats().slots_quarantined == 1
+        others = [pair.reserve(f"stale-other-{i}", 8) for i in range(7)]
+        assert lease.slot not in {o.slot for o in others}
+        code, msg = status_of(lambda: pair.reserve("stale-none", 8))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 quarantined" in msg
+        for i, o in enumerate(others):
+            pair.decode.Release(pb.ReleaseRequest(request_id=f"stale-other-{i}", lease=o), timeout=RPC_TIMEOUT)
+    finally:
+        view.locks.unlock(lease.slot)
+    pair.wait_idle()
+    assert view.arena.header(lease.slot)["generation"] == 0  # revoked under the lock
+    start = lease.slot * lease.slot_bytes
+    before = bytes(view.buf[start:start + lease.slot_bytes])
+    code, msg = status_of(lambda: pair.prefill.Prefill(pair.prefill_req("stale-1", prompt_of(9, 40), lease, greedy()),
+                                                       timeout=RPC_TIMEOUT))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "revoked" in msg and "nothing was written" in msg
+    assert bytes(view.buf[start:start + lease.slot_bytes]) == before
+
+
+def test_a_killed_writer_does_not_pin_its_slot(pair, shm_dir, tmp_path):
+    """The kernel drops a dead holder's writer lock: a slot released while its (killed) writer held the lock comes
+    back as soon as the process is gone."""
+    lease = pair.reserve("killed-1", 8)
+    ready = tmp_path / "locked"
+    code = textwrap.dedent(f"""
+        import os, time
+        from splitgemma.engine import Model
+        from splitgemma.serving.shm_arena import open_shared_arena
+        m = Model({str(FGM)!r}, threads=1, max_context={CTX}, chunk={CHUNK})
+        view = open_shared_arena(m, {lease.arena_path!r}, {lease.n_slots}, {lease.slot_bytes}, {shm_dir!r})
+        assert view.locks.try_lock({lease.slot})
+        open({str(ready)!r}, "w").close()
+        time.sleep(60)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait_until(ready.exists, "the lock holder to take the slot lock", 30)
+        assert pair.decode.Release(pb.ReleaseRequest(request_id="killed-1", lease=lease), timeout=RPC_TIMEOUT).released
+        time.sleep(0.2)
+        assert pair.stats().slots_quarantined == 1
+    finally:
+        holder.kill()
+        holder.wait(10)
+    pair.wait_idle()
 
 
 def test_release_before_generate(pair):
@@ -399,15 +460,23 @@ def test_release_before_generate(pair):
     pair.wait_idle()
 
 
-def test_stale_or_forged_generation_is_refused(pair):
+def test_stale_or_forged_generation_is_refused(pair, shm_dir, ref_model):
     prompt = prompt_of(8, 24)
     before = pair.stats()
-    # A prefill that sealed the slot under a generation that is not the lease's: the header does not match.
+    # The prefill worker refuses a lease whose generation is not the slot's lease stamp, before writing anything.
     lease = pair.reserve("forge-1", 24)
     forged = pb.Lease()
     forged.CopyFrom(lease)
     forged.generation += 1
-    pre = pair.prefill.Prefill(pair.prefill_req("forge-1", prompt, forged, greedy()), timeout=RPC_TIMEOUT)
+    code, msg = status_of(lambda: pair.prefill.Prefill(pair.prefill_req("forge-1", prompt, forged, greedy()),
+                                                       timeout=RPC_TIMEOUT))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not leased to generation" in msg
+    # A writer that ignores the protocol and seals under another generation: the decode worker's check of the
+    # header refuses the slot all the same.
+    view = open_shared_arena(ref_model, lease.arena_path, lease.n_slots, lease.slot_bytes, shm_dir)
+    last = ref_model.prefill(view.arena, lease.slot, prompt)
+    view.arena.seal(lease.slot, request_key("forge-1"), forged.generation)
+    pre = pb.PrefillResponse(first_token=pb.Token(token_id=int(np.argmax(last))))
     code, msg = status_of(lambda: list(pair.decode.Generate(pair.gen_req("forge-1", lease, 24, pre, greedy(), 4),
                                                             timeout=RPC_TIMEOUT)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "stale lease" in msg
@@ -555,9 +624,8 @@ def long_pair(long_dir, tmp_path_factory):
     (logs / "bare").mkdir()
     (logs / "bare" / "model.fgm").symlink_to(FGM)
     geometry = ["--max-context", str(LONG_CTX), "--chunk", "256", "--shm-dir", long_dir]
-    # A short quarantine (a mini-model chunk takes milliseconds) so that freed slots are back within the waits below.
     d = Worker("decode", ["--model", str(logs / "bare" / "model.fgm"), *geometry, "--slots", "4",
-                          "--lease-ms", "20000", "--lease-grace-ms", "1000"], logs / "decode.log")
+                          "--lease-ms", "20000"], logs / "decode.log")
     p = Worker("prefill", ["--model", str(FGM), *geometry], logs / "prefill.log")
     try:
         d.wait_ready()

@@ -124,7 +124,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         lease = request.lease
         if lease.worker_id != self.worker_id or lease.slot >= self.table.n_slots:
             return pb.ReleaseResponse(released=False)
-        released = self.table.release(lease.slot, lease.generation, request.request_id, time.time())
+        released = self.table.release(lease.slot, lease.generation, request.request_id)
         log.info("release", extra={"request_id": request.request_id, "slot": lease.slot, "released": released})
         return pb.ReleaseResponse(released=released)
 
@@ -203,14 +203,14 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             try:
                 seq = await self._build(request, slot, context)
             except BaseException:
-                self.table.refuse(lease.slot, time.time())
+                self.table.refuse(lease.slot)
                 raise
             span.set_attribute("splitgemma.slot", lease.slot)
         self.table.attach(lease.slot, seq)
         try:
             self.batch.admit(seq)
         except StreamError as e:
-            self.table.refuse(lease.slot, time.time())
+            self.table.refuse(lease.slot)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         log.info("admitted", extra={"request_id": rid, "slot": lease.slot, "prompt_tokens": request.prompt_tokens})
         return seq
@@ -299,7 +299,7 @@ async def serve(args) -> int:
     shm = ShmArena.create(model, args.slots, wid, args.shm_dir)
     task = None
     try:
-        table = SlotTable(args.slots, args.lease_grace_ms / 1000)
+        table = SlotTable(args.slots, stamp=shm.stamp_lease, revoke=shm.revoke)
         registry = CollectorRegistry()
         metrics = DecodeMetrics(registry, table)
         batch = BatchLoop(model, shm.arena, table, loop, metrics)
@@ -311,8 +311,9 @@ async def serve(args) -> int:
         start_metrics(args.metrics_port, args.host, registry)
         await server.server.start()
         batch.start()
-        tick = min(args.lease_ms, args.lease_grace_ms or args.lease_ms) / 4000
-        task = asyncio.create_task(_sweep_leases(table, metrics, min(0.5, max(0.01, tick))))
+        # Leases expire on time within a quarter of their length; quarantined slots are retried often (a revoke is
+        # one fcntl call), so a slot comes back within ~50 ms of its last writer letting go.
+        task = asyncio.create_task(_sweep_leases(table, metrics, min(0.05, max(0.01, args.lease_ms / 4000))))
         await server.set_serving(True)
         log.info("decode worker ready", extra={
             "port": server.port, "arena": shm.path, "slots": args.slots, "slot_bytes": shm.slot_bytes,

@@ -5,10 +5,12 @@ A lease is (slot, generation). Every reservation takes a new generation from one
 value per process, so a lease from an earlier reservation of the slot, or from an earlier run of a worker with
 the same id, never matches.
 
-Quarantine: a slot whose lease ends without a verified handoff (released, expired, refused) may still have a
-prefill writing into it: the prefill worker checks the lease deadline and its caller's cancellation only between
-chunks. Such a slot is held back for `grace_s` before it can be leased again, so a late chunk cannot land in
-the next owner's K/V. A slot freed after a verified run has no writer but us and is free at once.
+The arena records which lease may write a slot (`stamp`, when it is leased). A slot whose lease ends without a
+verified handoff (released, expired, refused) may still have a prefill writing into it: the prefill worker notices
+a cancellation or the lease deadline only between chunks. Such a slot is taken back with `revoke`, which succeeds
+only when no prefill holds the slot's writer lock, and clears the stamp so that none can start
+(splitgemma/serving/shm_arena.py). Until then the slot is quarantined and `tick` retries. A slot freed after a
+verified run has no writer but us and is free at once.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import enum
 import secrets
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -42,7 +45,6 @@ class Slot:
     request_id: str = ""
     deadline: float = 0.0  # unix seconds: the lease is revoked after this unless claimed
     max_tokens: int = 0  # as reserved
-    free_at: float = 0.0  # unix seconds: end of quarantine
     sequence: object = None  # the running sequence (cancel() on Release)
     released: bool = False  # Release came while the Generate was still being admitted
 
@@ -51,8 +53,10 @@ _EXPIRED_MEMORY = 4096  # expired leases remembered, to answer DEADLINE_EXCEEDED
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, grace_s: float):
-        self.grace_s = grace_s
+    def __init__(self, n_slots: int, stamp: Callable[[int, int], None], revoke: Callable[[int], bool]):
+        """stamp(slot, generation): let that lease's prefill write the slot. revoke(slot): True once no prefill
+        writes the slot and none can start; False, at once, while one still does."""
+        self._stamp, self._revoke = stamp, revoke
         self._lock = threading.Lock()
         self._slots = [Slot(i) for i in range(n_slots)]
         # Free slots in the order they were freed: the longest-free is leased first.
@@ -72,6 +76,7 @@ class SlotTable:
                 return None
             s = self._slots[self._free.popleft()]
             self._generation += 1
+            self._stamp(s.index, self._generation)
             s.state, s.generation, s.request_id = State.LEASED, self._generation, request_id
             s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
             return Slot(**vars(s))
@@ -82,7 +87,7 @@ class SlotTable:
             s = self._slots[slot]
             if s.state is State.LEASED and s.generation == generation and s.request_id == request_id:
                 if now > s.deadline:
-                    self._expire(s, now)
+                    self._expire(s)
                     return Claim.EXPIRED, None
                 s.state = State.RUNNING
                 return Claim.OK, Slot(**vars(s))
@@ -100,7 +105,7 @@ class SlotTable:
             if s.released:
                 sequence.cancel()
 
-    def release(self, slot: int, generation: int, request_id: str, now: float) -> bool:
+    def release(self, slot: int, generation: int, request_id: str) -> bool:
         """Give a lease back. A running sequence is cancelled (the batch loop frees its slot). False when the
         lease is not live."""
         with self._lock:
@@ -108,7 +113,7 @@ class SlotTable:
             if s.generation != generation or s.request_id != request_id:
                 return False
             if s.state is State.LEASED:
-                self._retire(s, now)
+                self._retire(s)
                 return True
             if s.state is State.RUNNING:
                 if s.sequence is not None:
@@ -118,12 +123,12 @@ class SlotTable:
                 return True
             return False
 
-    def refuse(self, slot: int, now: float) -> None:
+    def refuse(self, slot: int) -> None:
         """A claimed slot whose Generate was refused (bad header or request): quarantine it."""
         with self._lock:
             s = self._slots[slot]
             if s.state is State.RUNNING:
-                self._retire(s, now)
+                self._retire(s)
 
     def finish(self, slot: int) -> None:
         """A running sequence ended: the slot is free at once (only the batch loop wrote it since the handoff)."""
@@ -140,8 +145,8 @@ class SlotTable:
             for s in self._slots:
                 if s.state is State.LEASED and now > s.deadline:
                     expired.append(Slot(**vars(s)))
-                    self._expire(s, now)
-                elif s.state is State.QUARANTINE and now >= s.free_at:
+                    self._expire(s)
+                elif s.state is State.QUARANTINE and self._revoke(s.index):
                     s.state = State.FREE
                     self._free.append(s.index)
         return expired
@@ -153,17 +158,17 @@ class SlotTable:
                 out[s.state.value] += 1
             return out
 
-    def _expire(self, s: Slot, now: float) -> None:
+    def _expire(self, s: Slot) -> None:
         self.leases_expired += 1
         self._expired[(s.index, s.generation)] = None
         while len(self._expired) > _EXPIRED_MEMORY:
             self._expired.popitem(last=False)
-        self._retire(s, now)
+        self._retire(s)
 
-    def _retire(self, s: Slot, now: float) -> None:
+    def _retire(self, s: Slot) -> None:
         s.sequence = None
-        if self.grace_s > 0:
-            s.state, s.free_at = State.QUARANTINE, now + self.grace_s
-        else:
+        if self._revoke(s.index):
             s.state = State.FREE
             self._free.append(s.index)
+        else:
+            s.state = State.QUARANTINE

@@ -5,7 +5,9 @@ One Model per worker; its calls run one at a time on a single worker thread (the
 the asyncio loop keeps answering health checks and cancellations while a prompt runs. The prompt is run chunk by
 chunk (Model.chunk positions per call, the same passes one call would make): between chunks the worker notices a
 cancelled call or a lease past its deadline and stops without sealing, so a half-written slot can never be
-admitted (Generate verifies the seal and checksum).
+admitted (Generate verifies the seal and checksum). It writes a slot only under the slot's writer lock and only if
+the slot's lease stamp is its lease (shm_arena.SlotLocks), so the decode worker never hands a slot to a new owner
+while a stale prefill can still write it.
 """
 
 from __future__ import annotations
@@ -209,13 +211,21 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         t0 = time.perf_counter()
         chunk = self.model.chunk
         logits = None
-        for i in range(0, len(tokens), chunk):
+        # The slot's writer lock, held for the whole run: the decode worker cannot take the slot back while we write
+        # (shm_arena.SlotLocks). Under it, the lease stamp says whether the slot is still ours.
+        with view.locks.held(lease.slot):
+            check()  # an expired lease says so (its stamp is cleared too)
+            if view.arena.header(lease.slot)["generation"] != lease.generation:
+                raise _Stopped(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"slot {lease.slot} is not leased to generation {lease.generation} (the lease was "
+                               "revoked: released or expired, or was never issued); nothing was written")
+            for i in range(0, len(tokens), chunk):
+                check()
+                logits = self.model.prefill(view.arena, lease.slot, tokens[i:i + chunk], pos0=i)
             check()
-            logits = self.model.prefill(view.arena, lease.slot, tokens[i:i + chunk], pos0=i)
-        check()
-        t1 = time.perf_counter()
-        view.arena.seal(lease.slot, request_key(request.request_id), lease.generation)
-        t2 = time.perf_counter()
+            t1 = time.perf_counter()
+            view.arena.seal(lease.slot, request_key(request.request_id), lease.generation)
+            t2 = time.perf_counter()
         first = sample(logits, rng_state=seed, **sampling)
         return _Result(first, view.arena.header(lease.slot)["checksum"], t2 - t0, t2 - t1)
 

@@ -281,6 +281,14 @@ void bind_engine(py::module_& m) {
       .def("reset", [](PyKvArena& a, int64_t slot) { a.arena->reset(int_arg(slot, "slot")); }, py::arg("slot"),
            "Forget the slot's contents (zero its header).")
       .def(
+          "stamp_lease",
+          [](PyKvArena& a, int64_t slot, uint64_t generation) {
+            a.arena->stamp_lease(int_arg(slot, "slot"), generation);
+          },
+          py::arg("slot"), py::arg("generation"),
+          "The slot owner's record of which lease may write the slot (header generation; 0: none). Survives the "
+          "writes; seal() stamps the same value.")
+      .def(
           "copy_slot",
           [](PyKvArena& a, int64_t slot, const PyKvArena& src, int64_t src_slot) {
             const int d = int_arg(slot, "slot"), s = int_arg(src_slot, "src_slot");

@@ -157,7 +157,9 @@ void KvArena::check_write(int s, int pos, int count) const {
 void KvArena::mark_written(int s, uint32_t n_tokens) {
   SlotHeader* h = header(s);
   if (!header_matches(s)) {
+    const uint64_t lease = h->generation;
     std::memset(h, 0, sizeof(SlotHeader));
+    h->generation = lease;
     std::memcpy(h->magic, kSlotMagic, 8);
     h->model_signature = layout_.model_signature();
     h->max_context = uint32_t(layout_.max_context());
@@ -225,6 +227,11 @@ void KvArena::verify(int s, uint64_t request_id, uint64_t generation, bool check
                                 std::to_string(generation) + " (stale lease)");
   if (!(h->flags & kSlotSealed)) throw std::invalid_argument(where + "not sealed (K/V changed after the last seal)");
   if (kv_checksum(s) != h->checksum) throw std::invalid_argument(where + "K/V checksum mismatch (torn or overwritten)");
+}
+
+void KvArena::stamp_lease(int s, uint64_t generation) {
+  check_slot(s);
+  header(s)->generation = generation;
 }
 
 void KvArena::reset(int s) {

@@ -46,7 +46,7 @@ struct SlotHeader {
   char magic[8];
   uint64_t model_signature;  // FgmFile::layout_signature() of the model that wrote the K/V
   uint64_t request_id;       // stamped by seal()
-  uint64_t generation;       // stamped by seal() (lease generation: guards against a stale slot)
+  uint64_t generation;       // the lease generation: stamped by the lease owner (stamp_lease) and by seal()
   uint32_t n_tokens;         // positions [0, n_tokens) hold valid K/V
   uint32_t max_context;      // geometry the slot was laid out with
   uint32_t chunk;            // ring headroom the slot was laid out with
@@ -111,8 +111,12 @@ class KvArena {
   uint32_t n_tokens(int s) const { return header_matches(s) ? header(s)->n_tokens : 0; }
   // Throws std::invalid_argument when writing tokens at [pos, pos + count) would read K/V that is not there.
   void check_write(int s, int pos, int count) const;
-  // Called after K/V for positions up to n_tokens-1 were written: stamps the layout, clears the seal.
+  // Called after K/V for positions up to n_tokens-1 were written: stamps the layout, clears the seal. The lease
+  // generation stamp survives (a writer checks it before writing: services/decode/slots.py).
   void mark_written(int s, uint32_t n_tokens);
+  // The slot's owner (the decode worker) records which lease may write it: the generation of the live lease, or 0
+  // when none may (revoked). A prefill checks it, under the slot's writer lock, before it writes anything.
+  void stamp_lease(int s, uint64_t generation);
 
   // 64-bit checksum of the live K/V (for every layer the last min(cap, n_tokens) positions, in position order).
   uint64_t kv_checksum(int s) const;

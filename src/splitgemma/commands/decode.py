@@ -22,11 +22,6 @@ def register(subparsers) -> None:
                    help="decode rows per forward pass; a larger batch runs in several passes (default: 8)")
     p.add_argument("--lease-ms", type=positive_int, default=30000,
                    help="how long a reserved slot waits for its Generate (default: 30000)")
-    p.add_argument("--lease-grace-ms", type=int, default=10000,
-                   help="how long a slot whose lease ended unclaimed is held back before it is leased again, "
-                        "so that a prefill chunk still in flight cannot reach the next owner; it must exceed the "
-                        "prefill worker's time for one chunk (E2B, 256 rows: ~0.5 s on AMX, up to ~6 s on a "
-                        "2-core AVX2 host) (default: 10000)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json for token texts and stop strings (default: beside the model file; "
                         "without one, texts stay empty and stop strings are refused)")
@@ -38,11 +33,8 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import asyncio
 
-    from splitgemma.commands import CommandError
     from splitgemma.commands.prefill import check_worker_options
     from splitgemma.services.decode.server import serve
 
     check_worker_options(args)
-    if args.lease_grace_ms < 0:
-        raise CommandError(f"--lease-grace-ms must be >= 0, got {args.lease_grace_ms}")
     return asyncio.run(serve(args))

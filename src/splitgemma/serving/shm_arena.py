@@ -24,6 +24,16 @@ Plain files give us explicit control:
 The prefill worker opens an existing arena by path, read-write: the path must be a ``splitgemma-kv-*`` file
 directly in the directory it was told to trust, must not be a symlink, and its size must equal
 ``n_slots × slot_bytes`` of the lease and of its own model's slot layout.
+
+Who may write a slot (SlotLocks): a prefill holds the slot's writer lock — an open-file-description lock on the
+slot's first byte of the arena file — for as long as it writes, and writes only if the slot header's lease stamp
+(KvArena.stamp_lease, set by the decode worker when it leases the slot) is its lease's generation. The decode
+worker hands a slot out again only after taking that lock itself (without waiting) and clearing the stamp. So a
+prefill whose lease was released or expired either finishes the chunk it is writing before the slot changes hands,
+or finds the stamp cleared and writes nothing; there is no window in which a late chunk can land in the next
+owner's K/V. OFD locks (not POSIX record locks) belong to the open file, not the process, so closing another
+descriptor of the file does not drop them, and the kernel drops them when the holder dies: a killed prefill never
+pins a slot. They work across containers that share the file (one /dev/shm).
 """
 
 from __future__ import annotations
@@ -31,13 +41,17 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import mmap
 import os
 import re
 import stat
+import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from splitgemma.engine import KvArena, Model
@@ -188,6 +202,45 @@ def sweep(directory: str = DEFAULT_DIR) -> list[str]:
 # The owner side (decode worker)
 
 
+class SlotLocks:
+    """The slots' writer locks (module doc) on one open file description of an arena. The file stays open as long
+    as this object lives (a prefill's view may outlive its cache entry while a run still holds a lock)."""
+
+    _FLOCK = "hhqqi4x"  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks), padding
+
+    def __init__(self, fd: int, slot_bytes: int):
+        self._file = io.FileIO(fd, "r+", closefd=True)
+        self.slot_bytes = slot_bytes
+
+    def _op(self, cmd: int, kind: int, slot: int) -> None:
+        fcntl.fcntl(self._file.fileno(), cmd, struct.pack(self._FLOCK, kind, os.SEEK_SET, slot * self.slot_bytes, 1, 0))
+
+    def try_lock(self, slot: int) -> bool:
+        """Take the slot's writer lock if no one holds it; False (at once) when someone does."""
+        try:
+            self._op(fcntl.F_OFD_SETLK, fcntl.F_WRLCK, slot)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
+    def unlock(self, slot: int) -> None:
+        self._op(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, slot)
+
+    @contextmanager
+    def held(self, slot: int) -> Iterator[None]:
+        """Hold the slot's writer lock, waiting for a writer that still holds it."""
+        self._op(fcntl.F_OFD_SETLKW, fcntl.F_WRLCK, slot)  # Python retries it on EINTR (PEP 475)
+        try:
+            yield
+        finally:
+            self.unlock(slot)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 def _space_message(directory: str, need: int, free: int, n_slots: int, slot_bytes: int) -> str:
     return (f"not enough shared memory for the KV arena in {directory}: {need:,} bytes required "
             f"({n_slots} slots × {slot_bytes:,} bytes), {free:,} bytes free. Use fewer --slots or a smaller "
@@ -197,13 +250,30 @@ def _space_message(directory: str, need: int, free: int, n_slots: int, slot_byte
 class ShmArena:
     """The decode worker's arena: create with ShmArena.create(...), use .arena (a KvArena), close() at the end."""
 
-    def __init__(self, path: str, n_slots: int, slot_bytes: int, buf: mmap.mmap, arena: KvArena, owner_fd: int):
+    def __init__(self, path: str, n_slots: int, slot_bytes: int, buf: mmap.mmap, arena: KvArena, owner_fd: int,
+                 locks: SlotLocks):
         self.path = path
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self.arena = arena
+        self.locks = locks
         self._buf = buf
         self._owner_fd = owner_fd
+
+    def stamp_lease(self, slot: int, generation: int) -> None:
+        """Let the prefill of lease `generation` write the slot (only a free slot, which no one writes, is stamped)."""
+        self.arena.stamp_lease(slot, generation)
+
+    def revoke(self, slot: int) -> bool:
+        """Take the slot back from its lease: True once no prefill writes it and none can start (the stamp is
+        cleared under the slot's writer lock); False, without waiting, while a prefill still holds the lock."""
+        if not self.locks.try_lock(slot):
+            return False
+        try:
+            self.arena.stamp_lease(slot, 0)
+        finally:
+            self.locks.unlock(slot)
+        return True
 
     @property
     def owner_path(self) -> str:
@@ -256,10 +326,10 @@ class ShmArena:
             _unlink_quietly(owner)
             os.close(owner_fd)
             raise
-        os.close(fd)  # the mapping keeps the file; the owner lock stays on owner_fd
         log.info("created KV arena", extra={"path": path, "slots": n_slots, "slot_bytes": slot_bytes,
                                             "bytes": size})
-        return cls(path, n_slots, slot_bytes, buf, arena, owner_fd)
+        # The owner lock stays on owner_fd; fd carries the slots' writer locks (SlotLocks).
+        return cls(path, n_slots, slot_bytes, buf, arena, owner_fd, SlotLocks(fd, slot_bytes))
 
     def close(self) -> None:
         """Unlink the arena and its owner record (idempotent). The memory stays mapped until the last user drops
@@ -270,6 +340,7 @@ class ShmArena:
         _unlink_quietly(self.owner_path)
         os.close(self._owner_fd)
         self._owner_fd = -1
+        self.locks.close()
         log.info("unlinked KV arena", extra={"path": self.path})
 
     def __enter__(self) -> "ShmArena":
@@ -300,6 +371,7 @@ class MappedArena:
     slot_bytes: int
     arena: KvArena
     buf: mmap.mmap
+    locks: SlotLocks
 
     def still_current(self) -> bool:
         """Is the file at `path` still the one mapped (not unlinked, not replaced)?"""
@@ -344,6 +416,8 @@ def open_shared_arena(model: Model, path: str, n_slots: int, slot_bytes: int,
             raise ArenaError(f"arena {path} is {st.st_size:,} bytes; the lease says {n_slots} slots × "
                              f"{slot_bytes:,} = {want:,}")
         buf = mmap.mmap(fd, want, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
+    except BaseException:
         os.close(fd)
-    return MappedArena(path, (st.st_dev, st.st_ino), n_slots, slot_bytes, KvArena(model, buf, n_slots), buf)
+        raise
+    return MappedArena(path, (st.st_dev, st.st_ino), n_slots, slot_bytes, KvArena(model, buf, n_slots), buf,
+                       SlotLocks(fd, slot_bytes))
