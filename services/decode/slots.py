@@ -7,10 +7,10 @@ the same id, never matches.
 
 The arena records which lease may write a slot (`stamp`, when it is leased). A slot whose lease ends without a
 verified handoff (released, expired, refused) may still have a prefill writing into it: the prefill worker notices
-a cancellation or the lease deadline only between chunks. Such a slot is taken back with `revoke`, which succeeds
-only when no prefill holds the slot's writer lock, and clears the stamp so that none can start
-(splitgemma/serving/shm_arena.py). Until then the slot is quarantined and `tick` retries. A slot freed after a
-verified run has no writer but us and is free at once.
+a cancellation or the lease deadline only between chunks. Every slot whose lease ends is taken back with `revoke`,
+which succeeds only when no prefill holds the slot's writer lock, and clears the stamp so that none can start
+(splitgemma/serving/shm_arena.py). Until then the slot is quarantined and `tick` retries. After a verified run the
+prefill has long let go, so the slot is free at once.
 """
 
 from __future__ import annotations
@@ -131,12 +131,12 @@ class SlotTable:
                 self._retire(s)
 
     def finish(self, slot: int) -> None:
-        """A running sequence ended: the slot is free at once (only the batch loop wrote it since the handoff)."""
+        """A running sequence ended. Its prefill sealed before the handoff, so revoking the lease succeeds at once and
+        the slot is free; a duplicate Prefill of the same lease still writing would keep it quarantined."""
         with self._lock:
             s = self._slots[slot]
             if s.state is State.RUNNING:
-                s.state, s.sequence = State.FREE, None
-                self._free.append(s.index)
+                self._retire(s)
 
     def tick(self, now: float) -> list[Slot]:
         """Revoke leases past their deadline and end quarantines that are over. Returns the revoked leases."""

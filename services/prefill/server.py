@@ -68,7 +68,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.in_flight = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
         self._arenas: dict[str, MappedArena] = {}
-        self._kv_layers = [(L["cap"], L["row_bytes"]) for L in model.kv_layout["layers"]]
+        layout = model.kv_layout
+        scale_bytes = 8 if layout["kv_dtype"] == "int8" else 0  # an f16 cache has no per-position scales
+        self._kv_layers = [(L["cap"], 2 * L["row_bytes"] + scale_bytes) for L in layout["layers"]]
         self.requests = 0
         self.prompt_tokens = 0
         self.busy_seconds = 0.0
@@ -231,7 +233,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _kv_bytes(self, n: int) -> int:
         """Bytes of K/V (codes and scales) and header this prompt left in the slot."""
-        return 64 + sum(min(cap, n) * (2 * row + 8) for cap, row in self._kv_layers)
+        return 64 + sum(min(cap, n) * per_position for cap, per_position in self._kv_layers)
 
 
 async def serve(args) -> int:

@@ -39,9 +39,10 @@ void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales
     for (int k = k0; k < k0 + group; ++k) {
       for (int p = 0; p < NP; ++p) {
         const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-        const __m256 w1 =
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8))));
+        const __m128i* lo = reinterpret_cast<const __m128i*>(c);      // columns 0-7 of the panel
+        const __m128i* hi = reinterpret_cast<const __m128i*>(c + 8);  // columns 8-15
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(lo)));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(hi)));
         for (int i = 0; i < MR; ++i) {
           const __m256 a = _mm256_broadcast_ss(x + size_t(i) * ldx + k);
           part[i][p][0] = _mm256_fmadd_ps(a, w0, part[i][p][0]);
@@ -77,7 +78,8 @@ constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,           q8g_block<1, 1>, q
 }  // namespace
 
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
-  q8g_drive(Q8gKernels{kMaxRows, 6, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
+  constexpr int kPanelBlock = 6;  // 6 panels of K=2048: 192 KB of codes, within Zen 3's 512 KB L2
+  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

@@ -29,7 +29,8 @@ void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* sc
       for (int p = 0; p < NP; ++p) {
         const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + p * panel_bytes + size_t(k) * 16));
         const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c));
-        for (int i = 0; i < MR; ++i) part[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(i) * ldx + k]), wv, part[i][p]);
+        for (int i = 0; i < MR; ++i)
+          part[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(x[size_t(i) * ldx + k]), wv, part[i][p]);
       }
     }
     const float* s = scales + size_t(k0 / group) * n_total;
@@ -69,7 +70,8 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 }
 
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
-  q8g_drive(Q8gKernels{kMaxRows, 12, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
+  constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; Intel L2 is 1–2 MB
+  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

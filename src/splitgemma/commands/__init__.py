@@ -7,6 +7,8 @@ with the parsed arguments; returns the exit status or None). Expected failures r
 belong inside ``func`` so that ``splitgemma --help`` stays quick.
 """
 
+import argparse
+
 
 class CommandError(Exception):
     """An expected failure of a command (bad input, missing file, …): message only, exit status 1."""
@@ -18,3 +20,25 @@ def add_kv_dtype_option(p) -> None:
                    help="K/V cache element type: int8 (a scale per position, half the memory) or f16 (no "
                         "quantisation error) (default: what the model file asks for, else int8; q8g files ask for "
                         "f16)")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, sizes, threads)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 1")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0 (durations)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a number") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"invalid value {text}: must be positive")
+    return v

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from splitgemma.commands.convert import positive_int
+from splitgemma.commands import positive_int
 
 LOAD_FACTOR = 0.5  # refuse when the 1-minute load average exceeds this × CPUs (fastgemma's bench used 0.35)
 _LAYER = re.compile(r"l(\d+)\.")
@@ -383,14 +383,15 @@ def _size(n: int) -> str:
 def render(r: dict) -> str:
     m, lim = r["machine"], r["limits"]
     peak = lim[f"{r['backend']}_int8_tops"]
+    f32_peak = lim.get(f"{r['backend']}_f32_gflops")  # only for files with q8g GEMMs
+    limits = [f"{r['backend']} int8 peak {peak:.3f} TOPS"] + \
+        ([f"f32 FMA peak {f32_peak:.1f} GFLOP/s"] if f32_peak else []) + [f"DRAM read {lim['dram_read_gbs']:.1f} GB/s"]
     load = r["load"]
     out = [f"splitgemma bench  {r['model']}  ({r['file_bytes'] / 1e9:.2f} GB, {r['layers']} layers)  {r['date']}",
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
            f"(amx {'yes' if m['backends']['amx'] else 'no'}, vnni {'yes' if m['backends']['vnni'] else 'no'}); "
            f"{r['threads']} threads; weights {r['weights']}; chunk {r['chunk']}",
-           f"limits, measured in this run (best of {len(r['limit_readings']['dram_gbs'])}): {r['backend']} int8 peak {peak:.3f} TOPS, "
-           + (f"f32 FMA peak {lim[r['backend'] + '_f32_gflops']:.1f} GFLOP/s, " if r['backend'] + "_f32_gflops" in lim else "")
-           + f"DRAM read {lim['dram_read_gbs']:.1f} GB/s"
+           f"limits, measured in this run (best of {len(r['limit_readings']['dram_gbs'])}): {', '.join(limits)}"
            f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
            f"load average: {load['start']:.2f} at start (limit {load['limit']:.2f}), {load['max']:.2f} max (limit "
            f"{load['limit_while_running']:.2f} with this benchmark's threads)", ""]

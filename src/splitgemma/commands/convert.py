@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from splitgemma.commands import positive_int
+
 WEIGHT_HELP = """weight format: 'dual' = FFN int4 plus int8 twins (decode reads int4, prefill int8;
 fastgemma's --weights both), 'int4' = FFN int4 only (smallest file), 'int8' = FFN int8 only, 'int8g' = every
 linear, the LM head and the embedding int8 with one scale per row and group of --group inputs, unrotated, run with
@@ -20,15 +22,6 @@ def group_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid group {g}: must be a positive integer")
     return g
 
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 1")
-    return v
 
 
 def add_weight_options(p: argparse.ArgumentParser, per_source: bool = False) -> None:
@@ -69,8 +62,9 @@ def register(subparsers) -> None:
                     "A GGUF file (llama.cpp's format, architecture gemma3, any GGML quantisation) is dequantised "
                     "and stored --weights int8g: int8 with one scale per row and group of 32 inputs (16 for "
                     "Q6_K/Q3_K/Q2_K), which holds Q8_0/Q5_0/Q4_0/Q6_K blocks exactly (an int8g file also asks the "
-                    "engine for an f16 K/V cache); its vocabulary is written beside OUT as OUT's name with .tokenizer.json (and its chat template, if it has one, as "
-                    ".chat_template.jinja), where the services look for them.\n\n"
+                    "engine for an f16 K/V cache); its vocabulary is written beside OUT as OUT's name with "
+                    ".tokenizer.json (and its chat template, if it has one, as .chat_template.jinja), where the "
+                    "services look for them.\n\n"
                     "Nothing is written at OUT unless the conversion succeeds.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", metavar="SRC", help="checkpoint directory (with config.json), or a .gguf file")

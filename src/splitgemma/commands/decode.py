@@ -7,7 +7,8 @@ DEFAULT_PORT = 50052
 
 
 def register(subparsers) -> None:
-    from splitgemma.commands.prefill import add_worker_options, positive_int
+    from splitgemma.commands import positive_int
+    from splitgemma.commands.prefill import add_worker_options
     p = subparsers.add_parser(
         "decode", help="run a decode worker (gRPC service splitgemma.v1.Decode)",
         description="Run a decode worker: it creates the shared-memory KV arena (--slots slots under --shm-dir), "

@@ -3,19 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import CommandError
+from splitgemma.commands import CommandError, positive_float, positive_int
 
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return v
-    return parse
 
 
 def register(subparsers) -> None:
@@ -37,9 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--decode", required=True, metavar="HOST:PORT[,...]", help="decode worker addresses")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
-    p.add_argument("--max-body-bytes", type=_positive(int), default=4 << 20, metavar="N",
+    p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
-    p.add_argument("--drain-timeout", type=_positive(float), default=30.0, metavar="S",
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on SIGTERM, how long requests in flight may finish before they are cancelled (default: 30)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)

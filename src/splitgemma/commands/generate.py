@@ -11,8 +11,7 @@ import math
 import sys
 import time
 
-from splitgemma.commands import add_kv_dtype_option
-from splitgemma.commands.convert import positive_int
+from splitgemma.commands import add_kv_dtype_option, positive_int
 
 SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the gateway's seed does
 

@@ -5,19 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import add_kv_dtype_option
+from splitgemma.commands import add_kv_dtype_option, positive_int
 
 DEFAULT_PORT = 50051
-
-
-def positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
-    return v
 
 
 def port_number(text: str) -> int:
