@@ -1,6 +1,15 @@
 #include "threadpool.h"
 
+#include <xmmintrin.h>
+
 namespace sg {
+
+namespace {
+constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 flush-to-zero, bit 6 denormals-are-zero
+}
+
+ScopedFlushDenormals::ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
+ScopedFlushDenormals::~ScopedFlushDenormals() { _mm_setcsr(saved_); }
 
 ThreadPool::ThreadPool(int n_threads, std::function<void()> thread_init) : n_threads_(n_threads < 1 ? 1 : n_threads) {
   for (int w = 1; w < n_threads_; ++w) threads_.emplace_back(&ThreadPool::worker_loop, this, w, thread_init);
@@ -34,6 +43,7 @@ void ThreadPool::drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int work
 
 void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
   if (n_tasks <= 0) return;
+  ScopedFlushDenormals flush;
   if (n_threads_ == 1 || n_tasks == 1) {
     for (int t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
     return;
@@ -56,6 +66,7 @@ void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
 }
 
 void ThreadPool::worker_loop(int worker, std::function<void()> init) {
+  _mm_setcsr(_mm_getcsr() | kFtzDaz);  // for good: a worker runs nothing but tasks
   if (init) init();
   uint32_t seen = 0;
   for (;;) {
