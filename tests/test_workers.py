@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, decoders, models
 
 from splitgemma.engine import KvArena, Model, open_arena, sample
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.serving.shm_arena import PREFIX, open_shared_arena, request_key
+from splitgemma.serving.shm_arena import PREFIX, SlotLocks, open_shared_arena, request_key
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 from tools.procs import (SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm, shm_folder,
@@ -766,24 +766,29 @@ def test_kill_restart_and_drain(tmp_path):
         p.wait_ready()
         c = Client(d, p)
 
-        # SIGKILL of the prefill worker while calls are in flight: each call errors, none hangs.
+        # SIGKILL of the prefill worker while calls are in flight: each call errors, none hangs. This test holds the
+        # slot's writer lock, so however fast the machine, no call can finish first: the worker's model thread
+        # waits for the lock inside the first call and the others queue behind it.
         lease = c.reserve("pk", LONG_CTX - 100)
+        locks = SlotLocks(os.open(lease.arena_path, os.O_RDWR), lease.slot_bytes)
+        assert locks.try_lock(lease.slot)
         prompt = prompt_of(21, LONG_CTX - 100)
         futures = [c.prefill.Prefill.future(c.prefill_req(f"pk-{i}", prompt, lease, greedy()), timeout=30)
                    for i in range(6)]
-        futures[0].result(timeout=30)  # the worker is busy with the next ones (they run one at a time)
+        time.sleep(0.3)  # let the calls reach the worker (a call killed before it arrives fails the same way)
         p.proc.send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         codes = []
-        for f in futures[1:]:
+        for f in futures:
             try:
                 f.result(timeout=10)
                 codes.append(grpc.StatusCode.OK)
             except grpc.RpcError as e:
                 codes.append(e.code())
         assert time.monotonic() - t0 < 5
-        assert codes.count(grpc.StatusCode.UNAVAILABLE) >= 4 and set(codes) <= {grpc.StatusCode.OK,
-                                                                                grpc.StatusCode.UNAVAILABLE}
+        assert codes == [grpc.StatusCode.UNAVAILABLE] * 6
+        locks.unlock(lease.slot)
+        locks.close()
         assert c.decode.Release(pb.ReleaseRequest(request_id="pk", lease=lease), timeout=RPC_TIMEOUT).released
 
         # SIGKILL of the decode worker mid-stream: the stream errors within 5 s.
@@ -834,6 +839,12 @@ def test_kill_restart_and_drain(tmp_path):
         assert code == grpc.StatusCode.UNAVAILABLE
         rest = list(calls["short"])
         assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(tokens_of([firsts["short"], *rest])) == 50
+        # The long stream has thousands of tokens to go. Stop the worker until its drain time is over, so that it
+        # cannot finish them in that time however fast this machine decodes: once it runs again, the expired drain
+        # cuts the stream off.
+        d.proc.send_signal(signal.SIGSTOP)
+        time.sleep(1.5)
+        d.proc.send_signal(signal.SIGCONT)
         long = []
         code, msg = status_of(lambda: long.extend(calls["long"]))
         assert code == grpc.StatusCode.UNAVAILABLE and "shutting down" in msg and len(long) < LONG_CTX - 31
