@@ -53,7 +53,6 @@ class PrefixCache:
         self._salts: dict[int, tuple[object, bytes]] = {}         # id(model) -> (model, salt)
         self.bytes = 0
         self.queries = self.queried_tokens = self.hit_tokens = self.evictions = 0
-        self.block_tokens = 0  # the chunk of the last model seen (for Stats)
 
     @property
     def enabled(self) -> bool:
@@ -71,9 +70,12 @@ class PrefixCache:
             # The layout signature covers shapes and tensor offsets, not the weights' values (two checkpoints of one
             # shape share it), so the file's identity joins it; the K/V also depend on their element type, the
             # weights policy (auto:M picks int8 or int4 per pass) and the chunk (the pass boundaries).
-            st = os.stat(model.path)
-            text = (f"splitgemma-prefix-v1|{model.layout_signature:016x}|{os.path.realpath(model.path)}|"
-                    f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}|{model.kv_layout['kv_dtype']}|"
+            try:
+                st = os.stat(model.path)
+                identity = f"{os.path.realpath(model.path)}|{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+            except OSError:  # the file is gone (it stays mapped): this Model object alone can match these keys
+                identity = f"unnamed model object {id(model)}"
+            text = (f"splitgemma-prefix-v1|{model.layout_signature:016x}|{identity}|{model.kv_layout['kv_dtype']}|"
                     f"{model.kv_layout['position_bytes']}|{model.weights}|{model.chunk}")
             entry = (model, hashlib.blake2b(text.encode(), digest_size=16).digest())
             self._salts[id(model)] = entry
@@ -98,7 +100,6 @@ class PrefixCache:
         if not self.enabled:
             return 0
         model = arena.model
-        self.block_tokens = model.chunk
         self.queries += 1
         self.queried_tokens += len(tokens)
         hits: list[bytes] = []
@@ -158,8 +159,8 @@ class PrefixCache:
     # -- reporting -----------------------------------------------------------------------------------------------
 
     def stats(self) -> pb.PrefixCacheStats:
-        return pb.PrefixCacheStats(budget_bytes=self.budget_bytes, block_tokens=self.block_tokens,
-                                   queries=self.queries, queried_tokens=self.queried_tokens,
+        """The counters (block_tokens is the model's chunk: the caller's to fill)."""
+        return pb.PrefixCacheStats(budget_bytes=self.budget_bytes, queries=self.queries, queried_tokens=self.queried_tokens,
                                    hit_tokens=self.hit_tokens, bytes=self.bytes, blocks=self.blocks,
                                    evictions=self.evictions)
 

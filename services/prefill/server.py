@@ -96,10 +96,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     # --------------------------------------------------------------------------------------------------------
 
     async def Stats(self, request, context):
-        return pb.PrefillStats(worker_id=self.worker_id, requests=self.requests, prompt_tokens=self.prompt_tokens,
-                               busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
-                               layout_signature=self.model.layout_signature,
-                               prefix_cache=self.prefix_cache.stats())
+        stats = pb.PrefillStats(worker_id=self.worker_id, requests=self.requests, prompt_tokens=self.prompt_tokens,
+                                busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
+                                layout_signature=self.model.layout_signature, prefix_cache=self.prefix_cache.stats())
+        stats.prefix_cache.block_tokens = self.model.chunk
+        return stats
 
     async def Prefill(self, request, context):
         rid = request.request_id
