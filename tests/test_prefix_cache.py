@@ -86,6 +86,19 @@ def test_a_restored_prefix_gives_the_uncached_logits_and_kv(kv_dtype, weights):
     assert cache.queries == 3 and cache.hit_tokens == 1280 and cache.queried_tokens == 700 + 787 + 700
 
 
+def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_run():
+    m = _model()
+    arena = open_arena(m, 2)
+    cache = PrefixCache(1 << 30)
+    tokens = _tokens(4, 10 * CHUNK)
+    _run(m, arena, 0, tokens, cache)
+    assert cache.blocks == 10
+    # Sent again, it restores 9 blocks: the first output token is sampled from the last prompt token's logits.
+    cached, logits = _run(m, arena, 0, tokens, cache)
+    assert cached == 9 * CHUNK and np.array_equal(logits, m.prefill(arena, 1, tokens))
+    assert _run(m, arena, 0, tokens[:CHUNK], cache)[0] == 0  # one block: nothing may be restored
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "f16"])
 def test_export_import_round_trip_and_errors(kv_dtype):
     m = _model(kv_dtype=kv_dtype)
@@ -241,6 +254,16 @@ def test_chat_reports_cached_tokens_and_matches_the_uncached_run(cached_stack, s
         assert text == want
         cached.append(_cached(usage))
     assert cached[0] == 0 and cached[1] >= SHARED and cached[1] % GATEWAY_CHUNK == 0
+
+
+def test_n_choices_count_a_prompt_once(cached_stack):
+    c = cached_stack.client()
+    prompt = _ids(800, SHARED + 11)
+    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0, n=2)
+    # The two choices run one after the other in the worker, so the second may hit the first's blocks; the prompt
+    # was computed once all the same.
+    assert _cached(c.completions.create(**kw).usage) == 0
+    assert _cached(c.completions.create(**kw).usage) == SHARED
 
 
 def test_prefill_stats_and_metrics(cached_stack):

@@ -160,9 +160,9 @@ class PrefixCache:
 
     def stats(self) -> pb.PrefixCacheStats:
         """The counters (block_tokens is the model's chunk: the caller's to fill)."""
-        return pb.PrefixCacheStats(budget_bytes=self.budget_bytes, queries=self.queries, queried_tokens=self.queried_tokens,
-                                   hit_tokens=self.hit_tokens, bytes=self.bytes, blocks=self.blocks,
-                                   evictions=self.evictions)
+        return pb.PrefixCacheStats(budget_bytes=self.budget_bytes, queries=self.queries,
+                                   queried_tokens=self.queried_tokens, hit_tokens=self.hit_tokens, bytes=self.bytes,
+                                   blocks=self.blocks, evictions=self.evictions)
 
 
 class PrefixCacheCollector:
