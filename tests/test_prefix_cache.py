@@ -47,6 +47,11 @@ def _run(model, arena, slot, tokens, cache: PrefixCache) -> tuple[int, np.ndarra
     return cached, logits
 
 
+def _dirty(model, arena, slot) -> None:
+    """Fill the slot's rows with another prompt's K/V, so a row a restore fails to write cannot hold the right bytes."""
+    model.prefill(arena, slot, _tokens(99, 300))
+
+
 def _chain_is_whole(cache: PrefixCache) -> bool:
     """Every cached block's parent is cached too, and the child counts are right."""
     blocks = cache._blocks
@@ -73,13 +78,16 @@ def test_a_restored_prefix_gives_the_uncached_logits_and_kv(kv_dtype, weights):
     assert cache.blocks == 700 // CHUNK and cache.bytes == cache.blocks * CHUNK * m.kv_layout["position_bytes"]
     # Shares 650 tokens with the first prompt: 10 blocks (640) come from the cache, the rest is computed.
     second = np.concatenate([first[:650], _tokens(2, 137)])
+    _dirty(m, arena, 1)
     cached, logits = _run(m, arena, 1, second, cache)
     assert cached == 640
     want = m.prefill(arena, 2, second)  # the oracle: the same engine, uncached, one call
     assert np.array_equal(logits, want)
     assert arena.n_tokens(1) == arena.n_tokens(2) == len(second)
     assert arena.checksum(1) == arena.checksum(2)  # every layer's live K/V (and scales), ring rows included
-    # The same prompt again: every full block but the one holding the last token comes from the cache.
+    # The same prompt again: every full block but the one holding the last token comes from the cache. Only 60
+    # positions follow the restore point, fewer than a ring (80): the live ring rows of 620..639 are the restore's.
+    _dirty(m, arena, 1)
     cached, logits = _run(m, arena, 1, first, cache)
     assert cached == 640 and np.array_equal(logits, m.prefill(arena, 2, first))
     assert arena.checksum(1) == arena.checksum(2)
@@ -116,7 +124,7 @@ def test_export_import_round_trip_and_errors(kv_dtype):
         m.prefill(arena, 1, tokens[a:b], pos0=a)
         parts.append(arena.export_positions(1, a, b))
     live, checksum = arena.export_positions(1, 100 - ring, 100), arena.checksum(1)
-    arena.reset(1)
+    _dirty(m, arena, 1)
     arena.import_positions(1, 0, parts)
     assert arena.header(1)["n_tokens"] == 100 and not arena.header(1)["sealed"]
     assert arena.export_positions(1, 100 - ring, 100) == live and arena.checksum(1) == checksum
