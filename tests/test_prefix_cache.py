@@ -11,6 +11,7 @@ off, and routing to the worker that holds a prefix.
 
 from __future__ import annotations
 
+import argparse
 import urllib.request
 
 import numpy as np
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import fastgemma_fgm
+from splitgemma.commands import byte_count
 from splitgemma.engine import Model, open_arena
 from splitgemma.services.prefill.prefix_cache import PrefixCache
 from test_gateway import MAX_CONTEXT, MODEL_NAME, TEMPLATE, Reference, Stack, _words
@@ -195,6 +197,19 @@ def test_a_disabled_cache_keeps_nothing():
     assert cache.blocks == cache.bytes == cache.queries == 0
     with pytest.raises(ValueError, match=">= 0 bytes"):
         PrefixCache(-1)
+
+
+@pytest.mark.parametrize("text, value", [("0", 0), ("1048576", 1 << 20), ("512M", 512 << 20), ("2G", 2 << 30),
+                                         ("1GiB", 1 << 30), ("64k", 64 << 10)])
+def test_prefix_cache_bytes_option(text, value):
+    assert byte_count(text) == value
+
+
+@pytest.mark.parametrize("text, why", [("1.5G", "an integer number of bytes"), ("-1", "must be >= 0"),
+                                       ("lots", "an integer number of bytes")])
+def test_prefix_cache_bytes_option_errors(text, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        byte_count(text)
 
 
 # ---------------------------------------------------------------------------------------------------------------
