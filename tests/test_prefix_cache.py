@@ -136,6 +136,8 @@ def test_export_import_round_trip_and_errors(kv_dtype):
         arena.export_positions(0, 10, 20)                  # overwritten in the sliding rings
     with pytest.raises(ValueError, match="not a non-empty range"):
         arena.export_positions(0, 20, 20)
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        arena.export_positions(0, 0, 2**31 - 1)            # refused before a buffer of that size is made
     with pytest.raises(ValueError, match=f"not a positive multiple of the {pb} bytes"):
         arena.import_positions(1, 0, [tail[:-1]])
     with pytest.raises(ValueError, match="would leave a gap"):

@@ -305,14 +305,17 @@ void bind_engine(py::module_& m) {
           "export_positions",
           [](const PyKvArena& a, int64_t slot, int64_t begin, int64_t end) {
             const int s = int_arg(slot, "slot"), b = int_arg(begin, "begin"), e = int_arg(end, "end");
-            a.arena->check_slot(s);
-            const uint64_t n = e > b ? uint64_t(e - b) * a.arena->layout().position_bytes() : 0;
-            std::string out(n, '\0');
+            a.arena->check_export(s, b, e);  // before allocating: a bad range must not become a huge buffer
+            // Filled in place (no copy): the new bytes object is not visible to any other thread yet.
+            auto out = py::reinterpret_steal<py::bytes>(
+                PyBytes_FromStringAndSize(nullptr, py::ssize_t(uint64_t(e - b) * a.arena->layout().position_bytes())));
+            if (!out) throw py::error_already_set();
+            uint8_t* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out.ptr()));
             {
               py::gil_scoped_release nogil;
-              a.arena->export_positions(s, b, e, reinterpret_cast<uint8_t*>(out.data()));
+              a.arena->export_positions(s, b, e, dst);
             }
-            return py::bytes(out);
+            return out;
           },
           py::arg("slot"), py::arg("begin"), py::arg("end"),
           "The K/V of positions [begin, end) of the slot, every KV layer, as bytes ((end - begin) * "

@@ -249,38 +249,43 @@ void KvArena::copy_slot(int s, const KvArena& src, int src_slot) {
   header(s)->flags &= ~kSlotSealed;
 }
 
-void KvArena::export_positions(int s, int begin, int end, uint8_t* out) const {
+void KvArena::check_export(int s, int begin, int end) const {
   check_slot(s);
   const uint32_t n = n_tokens(s);
   if (begin < 0 || begin >= end || uint32_t(end) > n)
     throw std::invalid_argument("export_positions: positions [" + std::to_string(begin) + ", " + std::to_string(end) +
                                 ") are not a non-empty range the slot holds (slot " + std::to_string(s) + " holds " +
                                 std::to_string(n) + " positions)");
+  for (int i = 0; i < layout_.num_layers(); ++i) {
+    const KvLayerLayout& L = layout_.layer(i);
+    if (L.layer >= 0 && int64_t(begin) < int64_t(n) - L.cap)
+      throw std::invalid_argument("export_positions: the sliding-window ring of layer " + std::to_string(i) + " (" +
+                                  std::to_string(L.cap) + " rows) no longer holds position " + std::to_string(begin) +
+                                  " (slot " + std::to_string(s) + " holds " + std::to_string(n) + " positions)");
+  }
+}
+
+void KvArena::export_positions(int s, int begin, int end, uint8_t* out) const {
+  check_export(s, begin, end);
   const int m = end - begin;
   const bool scales = layout_.dtype() == KvDtype::Int8;
   const uint8_t* base = slot(s);
   for (int i = 0; i < layout_.num_layers(); ++i) {
     const KvLayerLayout& L = layout_.layer(i);
     if (L.layer < 0) continue;
-    if (int64_t(begin) < int64_t(n) - L.cap)
-      throw std::invalid_argument("export_positions: the sliding-window ring of layer " + std::to_string(i) + " (" +
-                                  std::to_string(L.cap) + " rows) no longer holds position " + std::to_string(begin) +
-                                  " (slot " + std::to_string(s) + " holds " + std::to_string(n) + " positions)");
     uint8_t* k = out;
     uint8_t* v = k + size_t(m) * L.row_bytes;
-    float* ks = reinterpret_cast<float*>(v + size_t(m) * L.row_bytes);  // packed data is unaligned: memcpy only
+    uint8_t* sc = v + size_t(m) * L.row_bytes;  // K scales [m], then V scales [m]; unaligned, so memcpy only
     for (int j = 0; j < m; ++j) {
       const uint64_t row = uint64_t(begin + j) % L.cap;
       std::memcpy(k + size_t(j) * L.row_bytes, base + L.k_off + row * L.row_bytes, L.row_bytes);
       std::memcpy(v + size_t(j) * L.row_bytes, base + L.v_off + row * L.row_bytes, L.row_bytes);
       if (scales) {
-        std::memcpy(reinterpret_cast<uint8_t*>(ks) + j * sizeof(float), base + L.ks_off + row * sizeof(float),
-                    sizeof(float));
-        std::memcpy(reinterpret_cast<uint8_t*>(ks) + (m + j) * sizeof(float), base + L.vs_off + row * sizeof(float),
-                    sizeof(float));
+        std::memcpy(sc + j * sizeof(float), base + L.ks_off + row * sizeof(float), sizeof(float));
+        std::memcpy(sc + (m + j) * sizeof(float), base + L.vs_off + row * sizeof(float), sizeof(float));
       }
     }
-    out = v + size_t(m) * L.row_bytes + (scales ? 2 * size_t(m) * sizeof(float) : 0);
+    out = sc + (scales ? 2 * size_t(m) * sizeof(float) : 0);
   }
 }
 

@@ -141,6 +141,7 @@ class KvArena {
   // PackedPositions). Throws std::invalid_argument unless the slot holds every one of them in every layer (end <=
   // n_tokens, and no sliding ring has overwritten begin yet).
   void export_positions(int s, int begin, int end, uint8_t* out) const;
+  void check_export(int s, int begin, int end) const;  // the checks of export_positions (throws), nothing written
   // Writes exported positions back, the parts one after another from position pos0 (pos0 <= n_tokens, with the
   // rewind rules of check_write), and sets n_tokens to their end (unsealed). A sliding layer gets only the positions
   // its ring holds at that end (the last cap), so the live K/V equals what a prefill of the same positions leaves.
