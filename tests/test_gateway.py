@@ -190,7 +190,8 @@ class Stack:
     Logs go to files in `folder`."""
 
     def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS,
-                 n_decode: int = 1, n_prefill: int = 1):
+                 n_decode: int = 1, n_prefill: int = 1, chunk: int = CHUNK, worker_args: tuple = (),
+                 prefill_args: tuple = ()):
         self.folder = folder
         self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -198,8 +199,8 @@ class Stack:
         self.procs: dict[str, LoggedProcess] = {}
         ports = free_ports(1 + n_decode + n_prefill)
         self.port = ports.pop()
-        common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(CHUNK),
-                  "--threads", "1", "--shm-dir", str(self.shm)]
+        common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(chunk),
+                  "--threads", "1", "--shm-dir", str(self.shm), *worker_args]
         self.addresses: dict[str, str] = {}
         for i in range(n_decode):
             name = "decode" if i == 0 else f"decode-{i + 1}"
@@ -210,7 +211,7 @@ class Stack:
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["prefill", *common, "--port", self.addresses[name].split(":")[1],
-                               "--weights", PREFILL_WEIGHTS])
+                               "--weights", PREFILL_WEIGHTS, *prefill_args])
         self.decode_addr, self.prefill_addr = self.addresses["decode"], self.addresses["prefill"]
         joined = {kind: ",".join(a for n, a in self.addresses.items() if n.startswith(kind))
                   for kind in ("decode", "prefill")}
@@ -285,9 +286,9 @@ def stack(tmp_path_factory, collector):
 # The in-process reference: the same engine, weights policy and geometry as the two workers, greedy.
 
 class Reference:
-    def __init__(self):
+    def __init__(self, chunk: int = CHUNK, kv_dtype: str | None = None):
         from splitgemma.engine import Model, open_arena
-        kw = dict(max_context=MAX_CONTEXT, chunk=CHUNK, max_batch=SLOTS, threads=1)
+        kw = dict(max_context=MAX_CONTEXT, chunk=chunk, max_batch=SLOTS, threads=1, kv_dtype=kv_dtype)
         self.prefill_model = Model(str(MODEL), weights=PREFILL_WEIGHTS, **kw)
         self.decode_model = Model(str(MODEL), weights=DECODE_WEIGHTS, **kw)
         self.arena = open_arena(self.prefill_model, 1)

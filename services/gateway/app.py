@@ -230,6 +230,8 @@ class Gateway:
             state.finish(_error_type(e), response_id=render.id)
             raise
         self.metrics.prompt_tokens.inc(render.input_tokens)
+        render.cached_tokens = _cached_tokens(runs)
+        self.metrics.cached_prompt_tokens.inc(render.cached_tokens)
         if req.stream:
             close = self._stream_closer(state, runs, render)
             return _SseResponse(self._stream(state, runs, render, close), on_close=lambda: close("cancelled"),
@@ -338,6 +340,16 @@ class Gateway:
         return close
 
 
+def _cached_tokens(runs: list[Run]) -> int:
+    """usage.prompt_tokens_details.cached_tokens: per distinct prompt (counted once, as prompt_tokens is), the
+    tokens every one of its choices had from the prefix cache (choices of one prompt may hit each other's blocks)."""
+    per_prompt: dict[int, int] = {}
+    for r in runs:
+        key = id(r.spec.prompt_ids)
+        per_prompt[key] = min(per_prompt.get(key, r.prefill_result.cached_tokens), r.prefill_result.cached_tokens)
+    return sum(per_prompt.values())
+
+
 def _error_type(e: BaseException) -> str:
     if isinstance(e, ApiError):
         return str(e.status)
@@ -367,6 +379,7 @@ class _Renderer:
         self.top_logprobs = top_logprobs
         self.include_usage = include_usage
         self.input_tokens = 0
+        self.cached_tokens = 0
         self.text = [""] * n_choices
         self.tokens = [0] * n_choices
         self.finish: list[str | None] = [None] * n_choices
@@ -378,7 +391,8 @@ class _Renderer:
     def _usage(self) -> dict:
         out = sum(self.tokens)
         return {"prompt_tokens": self.input_tokens, "completion_tokens": out,
-                "total_tokens": self.input_tokens + out}
+                "total_tokens": self.input_tokens + out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, object]:
         text = "".join(t.text for t in event.tokens)

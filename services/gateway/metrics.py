@@ -31,6 +31,9 @@ class GatewayMetrics:
         self.rejections = Counter(p + "rejections", "Requests refused before generation, by reason",
                                   ["reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.cached_prompt_tokens = Counter(p + "prompt_tokens_cached",
+                                            "Prompt tokens whose K/V a prefill worker's prefix cache supplied",
+                                            registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=r)
         self.kv_slots_total = Gauge(p + "kv_slots_total", "KV slots of a decode worker (from its Stats)",
                                     ["worker"], registry=r)

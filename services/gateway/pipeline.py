@@ -19,7 +19,7 @@ import grpc
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import ApiError
-from .workers import Worker, WorkerPool
+from .workers import Worker, WorkerPool, prefix_affinity
 
 log = logging.getLogger("splitgemma.gateway")
 
@@ -187,9 +187,10 @@ class Pipelines:
         A worker that is UNAVAILABLE (gone, or not accepting calls) has not written into the slot, so the prefill
         is tried again on another healthy prefill worker, once per worker."""
         tried: set[Worker] = set()
+        affinity = prefix_affinity(run.spec.prompt_ids, run.lease.chunk)
         try:
             while True:
-                w = self.pool.pick_prefill(exclude=tried)
+                w = self.pool.pick_prefill(exclude=tried, affinity=affinity)
                 if w is None:
                     self.metrics.rejections.labels(reason="no_prefill_worker").inc()
                     raise ApiError(503, "no prefill worker is available", retry_after=1.0)

@@ -5,7 +5,10 @@ A monitor task asks every worker for its grpc.health.v1 status (and every decode
 unusable at once, so a dead worker drops out of routing (and /ready) without waiting for the next probe.
 
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
-made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals.
+made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals. A
+prompt with at least one full prefix-cache block (the slot's chunk, more tokens than that) goes by its first
+block to one prefill worker (rendezvous hashing over the healthy ones), so prompts that share it meet the same
+worker's prefix cache; unless that worker has more than AFFINITY_SLACK calls in flight beyond the least loaded.
 
 Geometry: a decode worker's slot context comes from its Stats (DecodeStats.max_context, read by the health probe
 before the worker counts as up) and from the leases it grants; it is forgotten when its worker id changes, i.e. it
@@ -16,6 +19,7 @@ context is not known yet.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -37,6 +41,17 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 _SERVICE = {"prefill": "splitgemma.v1.Prefill", "decode": "splitgemma.v1.Decode"}
+# A prefill worker runs its calls one at a time: past this many extra calls queued on the worker holding a prompt's
+# prefix, a miss on an idler worker starts sooner than a hit behind the queue.
+AFFINITY_SLACK = 2
+
+
+def prefix_affinity(prompt_ids: list[int], chunk: int) -> bytes | None:
+    """The routing key of a prompt: a hash of its first prefix-cache block, None when the prompt cannot hit a
+    block (a prefill worker caches whole chunks and always computes at least the last prompt token)."""
+    if chunk < 1 or len(prompt_ids) <= chunk:
+        return None
+    return hashlib.blake2b(",".join(map(str, prompt_ids[:chunk])).encode(), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -166,11 +181,16 @@ class WorkerPool:
         healthy = [w for w in self.decode if w.healthy]
         return sorted(healthy, key=lambda w: (-w.free_slots, w.in_flight))
 
-    def pick_prefill(self, exclude: set[Worker] = frozenset()) -> Worker | None:
+    def pick_prefill(self, exclude: set[Worker] = frozenset(), affinity: bytes | None = None) -> Worker | None:
         healthy = [w for w in self.prefill if w.healthy and w not in exclude]
         if not healthy:
             return None
         least = min(w.in_flight for w in healthy)
+        if affinity is not None:
+            # Rendezvous hashing: a worker going down or coming back moves only the prefixes it holds.
+            w = max(healthy, key=lambda w: hashlib.blake2b(affinity + w.address.encode(), digest_size=8).digest())
+            if w.in_flight <= least + AFFINITY_SLACK:
+                return w
         tied = [w for w in healthy if w.in_flight == least]
         return tied[next(self._rr) % len(tied)]
 

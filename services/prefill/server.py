@@ -7,7 +7,8 @@ chunk (Model.chunk positions per call, the same passes one call would make): bet
 cancelled call or a lease past its deadline and stops without sealing, so a half-written slot can never be
 admitted (Generate verifies the seal and checksum). It writes a slot only under the slot's writer lock and only if
 the slot's lease stamp is its lease (shm_arena.SlotLocks), so the decode worker never hands a slot to a new owner
-while a stale prefill can still write it.
+while a stale prefill can still write it. The prefix cache (prefix_cache.py) restores a prompt's cached prefix
+into the slot before the first chunk and keeps the full blocks each chunk completes.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_reques
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
+from .prefix_cache import PrefixCache, PrefixCacheCollector
+
 log = logging.getLogger("splitgemma.prefill")
 
 # Arenas kept mapped (one per decode worker, normally); a mapping whose file is gone is dropped at once anyway.
@@ -53,13 +56,16 @@ class _Stopped(Exception):
 class _Result:
     first: object  # splitgemma.engine.Sample
     checksum: int
+    cached_tokens: int
     seconds: float
     seal_seconds: float
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer):
+    def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer,
+                 prefix_cache: PrefixCache):
         self.model = model
+        self.prefix_cache = prefix_cache
         self.shm_dir = shm_dir
         self.worker_id = worker
         self.tracer = tracer
@@ -82,6 +88,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                    registry=registry)
         self.m_seal = Histogram("splitgemma_prefill_handoff_seal_seconds", "slot header seal (checksum) time",
                                 buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=registry)
+        registry.register(PrefixCacheCollector(prefix_cache))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
@@ -89,9 +96,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     # --------------------------------------------------------------------------------------------------------
 
     async def Stats(self, request, context):
-        return pb.PrefillStats(worker_id=self.worker_id, requests=self.requests, prompt_tokens=self.prompt_tokens,
-                               busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
-                               layout_signature=self.model.layout_signature)
+        stats = pb.PrefillStats(worker_id=self.worker_id, requests=self.requests, prompt_tokens=self.prompt_tokens,
+                                busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
+                                layout_signature=self.model.layout_signature, prefix_cache=self.prefix_cache.stats())
+        stats.prefix_cache.block_tokens = self.model.chunk
+        return stats
 
     async def Prefill(self, request, context):
         rid = request.request_id
@@ -147,12 +156,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.m_seconds.observe(r.seconds)
         self.m_seal.observe(r.seal_seconds)
         telemetry.set_gen_ai_response(span, output_tokens=1)
+        span.set_attribute("gen_ai.usage.cache_read.input_tokens", r.cached_tokens)
         log.info("prefilled", extra={"request_id": rid, "slot": lease.slot, "generation": lease.generation,
-                                     "arena": lease.arena_path, "prompt_tokens": n,
+                                     "arena": lease.arena_path, "prompt_tokens": n, "cached_tokens": r.cached_tokens,
                                      "seconds": round(r.seconds, 6), "first_token": r.first.token})
         return pb.PrefillResponse(first_token=token_message(r.first), prompt_tokens=n, kv_checksum=r.checksum,
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
-                                  kv_bytes_written=self._kv_bytes(n))
+                                  kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens)
 
     def _check(self, request) -> np.ndarray:
         lease, m = request.lease, self.model
@@ -221,15 +231,17 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 raise _Stopped(grpc.StatusCode.FAILED_PRECONDITION,
                                f"slot {lease.slot} is not leased to generation {lease.generation} (the lease was "
                                "revoked: released or expired, or was never issued); nothing was written")
-            for i in range(0, len(tokens), chunk):
+            cached = self.prefix_cache.restore(view.arena, lease.slot, tokens)
+            for i in range(cached, len(tokens), chunk):
                 check()
                 logits = self.model.prefill(view.arena, lease.slot, tokens[i:i + chunk], pos0=i)
+                self.prefix_cache.capture(view.arena, lease.slot, tokens, i, len(tokens[i:i + chunk]))
             check()
             t1 = time.perf_counter()
             view.arena.seal(lease.slot, request_key(request.request_id), lease.generation)
             t2 = time.perf_counter()
         first = sample(logits, rng_state=seed, **sampling)
-        return _Result(first, view.arena.header(lease.slot)["checksum"], t2 - t0, t2 - t1)
+        return _Result(first, view.arena.header(lease.slot)["checksum"], cached, t2 - t0, t2 - t1)
 
     def _kv_bytes(self, n: int) -> int:
         """Bytes of K/V (codes and scales) and header this prompt left in the slot."""
@@ -242,7 +254,8 @@ async def serve(args) -> int:
     tel = telemetry.setup_telemetry("splitgemma-prefill")
     model = open_model(args, max_batch=1)
     registry = CollectorRegistry()
-    servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer)
+    servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer,
+                               prefix_cache=PrefixCache(args.prefix_cache_bytes))
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
                             lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv))
@@ -252,6 +265,7 @@ async def serve(args) -> int:
         log.info("prefill worker ready", extra={
             "port": server.port, "max_context": model.max_context, "chunk": model.chunk, "backend": model.backend,
             "weights": model.weights, "threads": model.threads, "model": model.path, "shm_dir": args.shm_dir,
+            "prefix_cache_bytes": args.prefix_cache_bytes,
             "layout_signature": f"{model.layout_signature:016x}"})
         def start_draining() -> None:
             servicer.draining = True

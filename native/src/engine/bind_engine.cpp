@@ -96,6 +96,7 @@ py::dict header_dict(const sg::KvArena& a, int slot) {
 py::dict layout_dict(const sg::KvLayout& L) {
   py::dict d;
   d["slot_bytes"] = L.slot_bytes();
+  d["position_bytes"] = L.position_bytes();
   d["header_bytes"] = sizeof(sg::SlotHeader);
   d["max_context"] = L.max_context();
   d["chunk"] = L.chunk();
@@ -236,6 +237,8 @@ void bind_engine(py::module_& m) {
              return std::make_unique<PyKvArena>(std::move(md), buffer, int_arg(n_slots, "n_slots"));
            }),
            py::arg("model"), py::arg("buffer"), py::arg("n_slots"))
+      .def_property_readonly("model", [](const PyKvArena& a) { return a.model; },
+                             "The Model whose slot layout the arena uses.")
       .def_property_readonly("n_slots", [](const PyKvArena& a) { return a.arena->n_slots(); })
       .def_property_readonly("slot_bytes", [](const PyKvArena& a) { return a.arena->layout().slot_bytes(); })
       .def("header", [](const PyKvArena& a, int64_t slot) { return header_dict(*a.arena, int_arg(slot, "slot")); },
@@ -297,7 +300,52 @@ void bind_engine(py::module_& m) {
           },
           py::arg("slot"), py::arg("src"), py::arg("src_slot"),
           "Copy slot src_slot of arena src (same layout) into slot, header included (unsealed): the copy holds the "
-          "same positions and can be extended with prefill(pos0=n_tokens) or decode (prefix reuse).");
+          "same positions and can be extended with prefill(pos0=n_tokens) or decode (prefix reuse).")
+      .def(
+          "export_positions",
+          [](const PyKvArena& a, int64_t slot, int64_t begin, int64_t end) {
+            const int s = int_arg(slot, "slot"), b = int_arg(begin, "begin"), e = int_arg(end, "end");
+            a.arena->check_export(s, b, e);  // before allocating: a bad range must not become a huge buffer
+            // Filled in place (no copy): the new bytes object is not visible to any other thread yet.
+            auto out = py::reinterpret_steal<py::bytes>(
+                PyBytes_FromStringAndSize(nullptr, py::ssize_t(uint64_t(e - b) * a.arena->layout().position_bytes())));
+            if (!out) throw py::error_already_set();
+            uint8_t* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(out.ptr()));
+            {
+              py::gil_scoped_release nogil;
+              a.arena->export_positions(s, b, e, dst);
+            }
+            return out;
+          },
+          py::arg("slot"), py::arg("begin"), py::arg("end"),
+          "The K/V of positions [begin, end) of the slot, every KV layer, as bytes ((end - begin) * "
+          "kv_layout['position_bytes']; packed per layer, ring-free): what import_positions writes back.")
+      .def(
+          "import_positions",
+          [](PyKvArena& a, int64_t slot, int64_t pos0, py::sequence parts) {
+            const int s = int_arg(slot, "slot"), p0 = int_arg(pos0, "pos0");
+            const uint64_t pb = a.arena->layout().position_bytes();
+            std::vector<py::buffer_info> held;  // keeps every part's buffer alive and fixed while the GIL is off
+            std::vector<sg::PackedPositions> packed;
+            for (py::handle h : parts) {
+              py::buffer_info info = py::reinterpret_borrow<py::buffer>(h).request();
+              if (info.ndim > 1 || (info.ndim == 1 && info.strides[0] != info.itemsize))
+                throw py::value_error("import_positions: part " + std::to_string(packed.size()) +
+                                      " is not a contiguous 1-D buffer");
+              const uint64_t bytes = uint64_t(info.size) * uint64_t(info.itemsize);
+              if (bytes == 0 || bytes % pb != 0 || bytes / pb > uint64_t(INT32_MAX))
+                throw py::value_error("import_positions: part " + std::to_string(packed.size()) + " holds " +
+                                      std::to_string(bytes) + " bytes, not a positive multiple of the " +
+                                      std::to_string(pb) + " bytes of one position in this layout");
+              packed.push_back({static_cast<const uint8_t*>(info.ptr), int(bytes / pb)});
+              held.push_back(std::move(info));
+            }
+            py::gil_scoped_release nogil;
+            a.arena->import_positions(s, p0, packed);
+          },
+          py::arg("slot"), py::arg("pos0"), py::arg("parts"),
+          "Write exported positions (a sequence of buffers from export_positions, consecutive) into the slot from "
+          "pos0 on and set its token count to their end (unsealed); sliding layers take only what their rings hold.");
 
   m.def(
       "sample",

@@ -97,6 +97,7 @@ KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk, KvDtype dtyp
       off = align64(off), L.ks_off = off, off += scales;
       off = align64(off), L.vs_off = off, off += scales;
     }
+    position_bytes_ += 2 * uint64_t(L.row_bytes) + (dtype == KvDtype::Int8 ? 2 * sizeof(float) : 0);
   }
   slot_bytes_ = align64(off);
 }
@@ -246,6 +247,85 @@ void KvArena::copy_slot(int s, const KvArena& src, int src_slot) {
     throw std::invalid_argument("copy_slot: the source arena has a different model or slot geometry");
   if (src.slot(src_slot) != slot(s)) std::memmove(slot(s), src.slot(src_slot), layout_.slot_bytes());
   header(s)->flags &= ~kSlotSealed;
+}
+
+void KvArena::check_export(int s, int begin, int end) const {
+  check_slot(s);
+  const uint32_t n = n_tokens(s);
+  if (begin < 0 || begin >= end || uint32_t(end) > n)
+    throw std::invalid_argument("export_positions: positions [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") are not a non-empty range the slot holds (slot " + std::to_string(s) + " holds " +
+                                std::to_string(n) + " positions)");
+  for (int i = 0; i < layout_.num_layers(); ++i) {
+    const KvLayerLayout& L = layout_.layer(i);
+    if (L.layer >= 0 && int64_t(begin) < int64_t(n) - L.cap)
+      throw std::invalid_argument("export_positions: the sliding-window ring of layer " + std::to_string(i) + " (" +
+                                  std::to_string(L.cap) + " rows) no longer holds position " + std::to_string(begin) +
+                                  " (slot " + std::to_string(s) + " holds " + std::to_string(n) + " positions)");
+  }
+}
+
+void KvArena::export_positions(int s, int begin, int end, uint8_t* out) const {
+  check_export(s, begin, end);
+  const int m = end - begin;
+  const bool scales = layout_.dtype() == KvDtype::Int8;
+  const uint8_t* base = slot(s);
+  for (int i = 0; i < layout_.num_layers(); ++i) {
+    const KvLayerLayout& L = layout_.layer(i);
+    if (L.layer < 0) continue;
+    uint8_t* k = out;
+    uint8_t* v = k + size_t(m) * L.row_bytes;
+    uint8_t* sc = v + size_t(m) * L.row_bytes;  // K scales [m], then V scales [m]; unaligned, so memcpy only
+    for (int j = 0; j < m; ++j) {
+      const uint64_t row = uint64_t(begin + j) % L.cap;
+      std::memcpy(k + size_t(j) * L.row_bytes, base + L.k_off + row * L.row_bytes, L.row_bytes);
+      std::memcpy(v + size_t(j) * L.row_bytes, base + L.v_off + row * L.row_bytes, L.row_bytes);
+      if (scales) {
+        std::memcpy(sc + j * sizeof(float), base + L.ks_off + row * sizeof(float), sizeof(float));
+        std::memcpy(sc + (m + j) * sizeof(float), base + L.vs_off + row * sizeof(float), sizeof(float));
+      }
+    }
+    out = sc + (scales ? 2 * size_t(m) * sizeof(float) : 0);
+  }
+}
+
+void KvArena::import_positions(int s, int pos0, const std::vector<PackedPositions>& parts) {
+  int64_t total = 0;
+  for (const PackedPositions& p : parts) {
+    if (p.count < 1) throw std::invalid_argument("import_positions: a part holds no positions");
+    total += p.count;
+  }
+  if (parts.empty()) throw std::invalid_argument("import_positions: nothing to import");
+  // Past max_context (the clamp only keeps the count an int) is reported by check_write, as for a prefill.
+  check_write(s, pos0, int(std::min<int64_t>(total, int64_t(layout_.max_context()) + 1)));
+  const int64_t end = pos0 + total;
+  const bool scales = layout_.dtype() == KvDtype::Int8;
+  uint8_t* base = slot(s);
+  int64_t pos = pos0;
+  for (const PackedPositions& p : parts) {
+    const uint8_t* in = p.data;
+    const int m = p.count;
+    for (int i = 0; i < layout_.num_layers(); ++i) {
+      const KvLayerLayout& L = layout_.layer(i);
+      if (L.layer < 0) continue;
+      const uint8_t* k = in;
+      const uint8_t* v = k + size_t(m) * L.row_bytes;
+      const uint8_t* sc = v + size_t(m) * L.row_bytes;
+      // A ring row of a position older than the last cap would be overwritten by a later one of this import.
+      for (int j = int(std::max<int64_t>(0, end - L.cap - pos)); j < m; ++j) {
+        const uint64_t row = uint64_t(pos + j) % L.cap;
+        std::memcpy(base + L.k_off + row * L.row_bytes, k + size_t(j) * L.row_bytes, L.row_bytes);
+        std::memcpy(base + L.v_off + row * L.row_bytes, v + size_t(j) * L.row_bytes, L.row_bytes);
+        if (scales) {
+          std::memcpy(base + L.ks_off + row * sizeof(float), sc + j * sizeof(float), sizeof(float));
+          std::memcpy(base + L.vs_off + row * sizeof(float), sc + (m + j) * sizeof(float), sizeof(float));
+        }
+      }
+      in = sc + (scales ? 2 * size_t(m) * sizeof(float) : 0);
+    }
+    pos += m;
+  }
+  mark_written(s, uint32_t(end));
 }
 
 }  // namespace sg

@@ -77,6 +77,8 @@ class KvLayout {
   KvDtype dtype() const { return dtype_; }
   const KvLayerLayout& layer(int i) const { return layers_[i]; }  // by model layer index
   int num_layers() const { return int(layers_.size()); }
+  // Bytes one position takes in an export (export_positions): every KV layer's K row, V row and (int8) scales.
+  uint64_t position_bytes() const { return position_bytes_; }
   bool same_as(const KvLayout& o) const {
     return model_sig_ == o.model_sig_ && max_context_ == o.max_context_ && chunk_ == o.chunk_ &&
            dtype_ == o.dtype_ && slot_bytes_ == o.slot_bytes_;
@@ -91,7 +93,15 @@ class KvLayout {
   KvDtype dtype_ = KvDtype::Int8;
   std::vector<KvLayerLayout> layers_;
   std::vector<bool> sliding_;
-  uint64_t slot_bytes_ = 0;
+  uint64_t slot_bytes_ = 0, position_bytes_ = 0;
+};
+
+// Packed K/V of `count` consecutive positions, as export_positions writes it: for each KV layer in layer order,
+// K rows [count][row_bytes], V rows [count][row_bytes], then (int8 only) K scales f32[count], V scales f32[count].
+// Independent of max_context and chunk (no ring rows), so it is the unit a prefix cache stores.
+struct PackedPositions {
+  const uint8_t* data;
+  int count;
 };
 
 // A view over n_slots consecutive slots in caller-owned memory (e.g. POSIX shared memory). Not owning.
@@ -127,6 +137,15 @@ class KvArena {
   // Copies slot src_slot of src (same layout; may be this arena) into slot s, header included but unsealed: the
   // copy holds the same positions and can be extended from there (prefix reuse).
   void copy_slot(int s, const KvArena& src, int src_slot);
+  // Writes the K/V of positions [begin, end) into out (count * layout().position_bytes() bytes, packed as
+  // PackedPositions). Throws std::invalid_argument unless the slot holds every one of them in every layer (end <=
+  // n_tokens, and no sliding ring has overwritten begin yet).
+  void export_positions(int s, int begin, int end, uint8_t* out) const;
+  void check_export(int s, int begin, int end) const;  // the checks of export_positions (throws), nothing written
+  // Writes exported positions back, the parts one after another from position pos0 (pos0 <= n_tokens, with the
+  // rewind rules of check_write), and sets n_tokens to their end (unsealed). A sliding layer gets only the positions
+  // its ring holds at that end (the last cap), so the live K/V equals what a prefill of the same positions leaves.
+  void import_positions(int s, int pos0, const std::vector<PackedPositions>& parts);
 
  private:
   KvLayout layout_;

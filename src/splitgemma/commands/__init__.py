@@ -42,3 +42,20 @@ def positive_float(text: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"invalid value {text}: must be positive")
     return v
+
+
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_count(text: str) -> int:
+    """argparse type: a size in bytes, >= 0, with an optional binary unit: 1073741824, 512M, 1G (K/M/G/T = 2**10…)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
+    try:
+        v = int(t[: len(t) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: an integer number of bytes, optionally with "
+                                         "K, M, G or T") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be >= 0")
+    return v

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from splitgemma.commands import CommandError, add_kv_dtype_option
+from splitgemma.commands.prefill import add_prefix_cache_option
 
 
 def register(subparsers) -> None:
@@ -37,6 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads per worker (default: the workers' own default)")
     add_kv_dtype_option(p)
+    add_prefix_cache_option(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on stop, how long requests in flight may finish (default: 30)")
@@ -116,7 +118,8 @@ def run(args) -> int:
                          "--drain-seconds", str(args.drain_timeout)]
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]
-    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout)]
+    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout),
+                          "--prefix-cache-bytes", str(args.prefix_cache_bytes)]
     gateway_argv = exe + ["gateway", "--model", args.model, "--prefill", f"127.0.0.1:{prefill_port}",
                           "--decode", f"127.0.0.1:{decode_port}", "--host", args.host, "--port", str(port),
                           "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
