@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -80,7 +80,7 @@ class _Waiter:
     lease_s: float
     future: asyncio.Future
     since: float  # monotonic
-    timer: asyncio.TimerHandle | None = field(default=None)
+    timer: asyncio.TimerHandle | None = None
 
 
 class Admission:
@@ -111,11 +111,11 @@ class Admission:
         """SlotTable's on_free: any thread, with the table's lock held, so only schedule."""
         self.loop.call_soon_threadsafe(self._on_free)
 
-    def retry_after(self, position: int) -> float:
-        """Seconds until `position` more slots have freed at the observed rate; with nothing draining, the queue
-        timeout (that long, no slot freed)."""
+    def retry_after(self, position: int, idle_guess: float) -> float:
+        """Seconds until `position` more slots have freed at the observed rate; `idle_guess` when nothing has
+        freed lately."""
         rate = self.rate.per_second(time.monotonic())
-        guess = position / rate if rate > 0 else self.timeout_s
+        guess = position / rate if rate > 0 else idle_guess
         return min(max(guess, RETRY_MIN_S), RETRY_MAX_S)
 
     async def reserve(self, request_id: str, max_tokens: int, lease_s: float) -> tuple[Slot, float]:
@@ -131,8 +131,10 @@ class Admission:
             self.refused_full += 1
             self._refused.labels(reason="queue_full").inc()
             ahead = len(self._queue)
+            # Nothing draining: the queue has room at the latest when its head times out.
+            head_left = self._queue[0].since + self.timeout_s - time.monotonic() if self._queue else self.timeout_s
             raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
-                            f"{self.max_queue})", self.retry_after(ahead + 1))
+                            f"{self.max_queue})", self.retry_after(ahead + 1, head_left))
         w = _Waiter(request_id, max_tokens, lease_s, self.loop.create_future(), time.monotonic())
         w.timer = self.loop.call_later(self.timeout_s, self._time_out, w)
         self._queue.append(w)
@@ -167,7 +169,8 @@ class Admission:
         while self._queue:
             w = self._queue.popleft()
             w.timer.cancel()
-            w.future.set_exception(Draining())
+            if not w.future.done():
+                w.future.set_exception(Draining())
 
     # -- on the event loop ---------------------------------------------------------------------------------------
 
@@ -179,6 +182,11 @@ class Admission:
         """Free slots to the head of the queue, in order, as long as there are both."""
         while self._queue:
             w = self._queue[0]
+            if w.future.done():
+                # Its caller was cancelled in this same instant and has yet to take itself out: skip it.
+                self._queue.popleft()
+                w.timer.cancel()
+                continue
             s = self.table.reserve(w.request_id, w.max_tokens, w.lease_s, time.time())
             if s is None:
                 return
@@ -187,10 +195,12 @@ class Admission:
             w.future.set_result(s)
 
     def _time_out(self, w: _Waiter) -> None:
+        if w.future.done():  # cancelled in this same instant: its caller takes it out
+            return
         position = self._queue.index(w) + 1
         self._queue.remove(w)
         self.refused_timeout += 1
         self._refused.labels(reason="timeout").inc()
         w.future.set_exception(QueueTimeout(
             f"no KV slot freed for this request within the queue timeout of {self.timeout_s:g} s (it was "
-            f"number {position} in the queue)", self.retry_after(position)))
+            f"number {position} in the queue)", self.retry_after(position, self.timeout_s)))
