@@ -26,6 +26,7 @@ from splitgemma.serving.shm_arena import SlotLocks
 from splitgemma.services.decode.admission import Admission, DrainRate
 from splitgemma.services.decode.slots import SlotTable
 from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pbg
 from test_gateway import MODEL_NAME, Stack
 from tools.procs import wait_until
 
@@ -141,6 +142,40 @@ def test_a_queued_client_that_disconnects_gives_its_place_to_the_next(stack):
             _release(stack, held[1:])
     assert _granted(stack, "gone") == ["gone-next-0"]
     stack.wait_idle()
+
+
+def test_with_every_slot_busy_the_gateway_queues_at_the_shortest_queue(tmp_path):
+    s = Stack(tmp_path, slots=1, n_decode=2)
+    try:
+        names = ("decode", "decode-2")
+        leases = {}
+        for n in names:  # both slots taken
+            stub = pbg.DecodeStub(s.channels[n])
+            leases[n] = (stub, stub.Reserve(pb.ReserveRequest(request_id=f"hold-{n}", prompt_tokens=4,
+                                                              lease_ms=600_000), timeout=HANG_GUARD))
+
+        def gateway_sees_both_full():
+            workers = httpx.get(s.url + "/ready", timeout=HANG_GUARD).json()["workers"]["decode"]
+            return all(w.get("slots_leased") == 1 for w in workers)
+
+        wait_until(gateway_sees_both_full, "the gateway to see both slots taken", HANG_GUARD)
+        client = s.client()
+
+        def queued() -> list[int]:
+            return [s.stats(n).admission.queued for n in names]
+
+        with ThreadPoolExecutor(2) as ex:
+            first = ex.submit(_complete, client, "route-1")
+            wait_until(lambda: sum(queued()) == 1, "the first request to queue", HANG_GUARD)
+            second = ex.submit(_complete, client, "route-2")
+            wait_until(lambda: sum(queued()) == 2, "the second request to queue", HANG_GUARD)
+            assert queued() == [1, 1]  # not behind the first
+            for n, (stub, lease) in leases.items():
+                stub.Release(pb.ReleaseRequest(request_id=f"hold-{n}", lease=lease), timeout=HANG_GUARD)
+            assert first.result(HANG_GUARD).usage.completion_tokens == 2
+            assert second.result(HANG_GUARD).usage.completion_tokens == 2
+    finally:
+        s.stop()
 
 
 def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
