@@ -28,7 +28,7 @@ from splitgemma.services.decode.slots import SlotTable
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 from test_gateway import MODEL_NAME, Stack
-from tools.procs import wait_until
+from tools.procs import free_ports, wait_until
 
 SLOTS = 4
 HANG_GUARD = 60  # seconds: only so that a bug fails instead of hanging
@@ -36,7 +36,9 @@ HANG_GUARD = 60  # seconds: only so that a bug fails instead of hanging
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("admission"), slots=SLOTS)
+    (metrics_port,) = free_ports(1)
+    s = Stack(tmp_path_factory.mktemp("admission"), slots=SLOTS, decode_args=("--metrics-port", str(metrics_port)))
+    s.decode_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
     yield s
     assert s.stop() == []
 
@@ -64,11 +66,16 @@ def _wait_queued(stack, n: int) -> None:
     wait_until(lambda: _queued(stack) == n, f"{n} Reserve calls queued", HANG_GUARD)
 
 
-def _gateway_metric(stack, name: str) -> float:
-    for line in httpx.get(stack.url + "/metrics", timeout=HANG_GUARD).text.splitlines():
+def _metric(url: str, name: str) -> float:
+    """One sample (name with its labels, as Prometheus writes it) from a /metrics page."""
+    for line in httpx.get(url, timeout=HANG_GUARD).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
-    raise AssertionError(f"{name} not in the gateway's metrics")
+    raise AssertionError(f"{name} not in {url}")
+
+
+def _gateway_metric(stack, name: str) -> float:
+    return _metric(stack.url + "/metrics", name)
 
 
 def _granted(stack, prefix: str) -> list[str]:
@@ -92,6 +99,8 @@ def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
     held = _hold(stack, SLOTS, "fifo")
     client = stack.client()
     n = 3 * SLOTS
+    waits = 'splitgemma_decode_queue_wait_seconds_count{outcome="granted"}'
+    granted_before = _metric(stack.decode_metrics, waits)
     with ThreadPoolExecutor(n) as ex:
         try:
             futures = []
@@ -100,6 +109,7 @@ def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
                 _wait_queued(stack, i + 1)
             # The gateway counts exactly the requests that wait (none has a lease yet).
             assert _gateway_metric(stack, "splitgemma_gateway_requests_waiting") == n
+            assert _metric(stack.decode_metrics, "splitgemma_decode_queue_depth") == n
             assert not any(f.done() for f in futures)
         finally:
             _release(stack, held)
@@ -109,6 +119,8 @@ def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
     a = stack.wait_idle().admission
     assert a.queued == 0 and a.queued_total >= n and a.slots_freed_per_second > 0
     assert _gateway_metric(stack, "splitgemma_gateway_requests_waiting") == 0
+    assert _metric(stack.decode_metrics, "splitgemma_decode_queue_depth") == 0
+    assert _metric(stack.decode_metrics, waits) == granted_before + n
 
 
 def _raw_request(port: int, rid: str) -> socket.socket:

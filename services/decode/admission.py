@@ -102,6 +102,11 @@ class Admission:
                                buckets=_WAIT_BUCKETS, registry=registry)
         self._refused = Counter("splitgemma_decode_reserve_refused", "Reserve calls refused by the queue",
                                 ["reason"], registry=registry)
+        # Every series exists from the start (at 0), so a rate over it is defined before the first event.
+        for outcome in ("granted", "timeout", "cancelled", "draining"):
+            self._wait.labels(outcome=outcome)
+        for reason in ("queue_full", "timeout"):
+            self._refused.labels(reason=reason)
 
     @property
     def depth(self) -> int:
