@@ -5,8 +5,8 @@ choices reserve their slots one by one, each waiting in the decode worker's queu
 and if one is refused the leases already taken are released and the request is answered 429 (queue full) or 503
 (waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
 timeout); the Generate stream has an idle deadline between events, so a stalled worker turns into an error instead
-of a hang. Whatever ends a pipeline (an error, the
-client going away, cancellation), its lease is released or its Generate call cancelled, which frees the slot.
+of a hang. Whatever ends a pipeline (an error, the client going away, cancellation), its lease is released or its
+Generate call cancelled, which frees the slot.
 """
 
 from __future__ import annotations
