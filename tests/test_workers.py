@@ -409,8 +409,12 @@ def test_a_slot_still_written_is_not_handed_out(pair, shm_dir, ref_model):
         assert pair.stats().slots_quarantined == 1
         others = [pair.reserve(f"stale-other-{i}", 8) for i in range(7)]
         assert lease.slot not in {o.slot for o in others}
-        code, msg = status_of(lambda: pair.reserve("stale-none", 8))
-        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1 quarantined" in msg
+        # No slot left: a Reserve waits in the queue; its caller's deadline takes it out again.
+        code, _ = status_of(lambda: pair.decode.Reserve(pb.ReserveRequest(request_id="stale-none",
+                                                                          prompt_tokens=8), timeout=0.5))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: pair.stats().admission.queued == 0, "the queue to empty", RPC_TIMEOUT)
+        assert pair.stats().slots_quarantined == 1
         for i, o in enumerate(others):
             pair.decode.Release(pb.ReleaseRequest(request_id=f"stale-other-{i}", lease=o), timeout=RPC_TIMEOUT)
     finally:
@@ -557,13 +561,23 @@ def test_bad_requests(pair):
 
 
 def test_slots_run_out(pair):
+    """With every slot leased, a Reserve waits in the queue and gets the first slot given back."""
     leases = [pair.reserve(f"full-{i}", 4) for i in range(8)]
     assert len({lease.slot for lease in leases}) == 8
-    code, msg = status_of(lambda: pair.reserve("full-9", 4))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry-after-ms=" in msg
+    before = pair.stats().admission
+    waiting = pair.decode.Reserve.future(pb.ReserveRequest(request_id="full-9", prompt_tokens=4),
+                                         timeout=RPC_TIMEOUT)
+    wait_until(lambda: pair.stats().admission.queued == 1, "the Reserve to queue", RPC_TIMEOUT)
+    assert not waiting.done()
+    assert pair.decode.Release(pb.ReleaseRequest(request_id="full-3", lease=leases[3]), timeout=RPC_TIMEOUT).released
+    granted = waiting.result(RPC_TIMEOUT)
+    assert granted.slot == leases[3].slot and granted.generation > leases[3].generation
+    st = pair.stats().admission
+    assert st.queued == 0 and st.queued_total == before.queued_total + 1
+    leases[3] = granted
     for i, lease in enumerate(leases):
-        assert pair.decode.Release(pb.ReleaseRequest(request_id=f"full-{i}", lease=lease),
-                                   timeout=RPC_TIMEOUT).released
+        rid = "full-9" if i == 3 else f"full-{i}"
+        assert pair.decode.Release(pb.ReleaseRequest(request_id=rid, lease=lease), timeout=RPC_TIMEOUT).released
     pair.wait_idle()
 
 

@@ -17,6 +17,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from splitgemma.services.decode.admission import Admission, Draining, QueueFull, QueueTimeout
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
 from splitgemma.services.decode.slots import Claim, SlotTable
 from splitgemma.engine import Sample
@@ -24,7 +25,7 @@ from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.shm_arena import ShmArena, request_key
 from splitgemma.serving.stop_tokens import model_stop_tokens
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes,
+from splitgemma.serving.worker import (MAX_LEASE_MS, GrpcServer, InvalidRequest, gen_ai_request_attributes,
                                        open_model, sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
                                        worker_id)
 from splitgemma.v1 import serving_pb2 as pb
@@ -32,7 +33,6 @@ from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitgemma.decode")
 
-MAX_LEASE_MS = 3_600_000
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 
@@ -65,11 +65,12 @@ class DecodeMetrics:
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
-    def __init__(self, *, model, arena: ShmArena, table: SlotTable, batch: BatchLoop, metrics: DecodeMetrics,
-                 worker: str, tokenizer, stop_tokens, lease_ms: int, tracer):
+    def __init__(self, *, model, arena: ShmArena, table: SlotTable, admission: Admission, batch: BatchLoop,
+                 metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, tracer):
         self.model = model
         self.shm = arena
         self.table = table
+        self.admission = admission
         self.batch = batch
         self.metrics = metrics
         self.worker_id = worker
@@ -100,18 +101,23 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"lease_ms {request.lease_ms} exceeds the maximum {MAX_LEASE_MS}")
         lease_ms = request.lease_ms or self.lease_ms
-        s = self.table.reserve(request.request_id, request.max_tokens, lease_ms / 1000, time.time())
-        if s is None:
+        rid = request.request_id
+        try:
+            s, waited = await self.admission.reserve(rid, request.max_tokens, lease_ms / 1000)
+        except (QueueFull, QueueTimeout) as e:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else \
+                grpc.StatusCode.DEADLINE_EXCEEDED
+            retry_ms = max(1, round(e.retry_after * 1000))
             counts = self.table.counts()
-            # Half a lease is a fair guess of when a slot frees up when all are merely leased; running
-            # sequences free theirs much sooner.
-            retry_ms = 200 if counts["running"] else max(200, lease_ms // 2)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"no free KV slot ({counts['leased']} leased, {counts['running']} running, "
-                                f"{counts['quarantine']} quarantined of {self.table.n_slots}); "
-                                f"retry-after-ms={retry_ms}",
+            log.info("reserve refused", extra={"request_id": rid, "reason": code.name, "retry_after_ms": retry_ms})
+            await context.abort(code, f"{e} ({counts['leased']} leased, {counts['running']} running, "
+                                      f"{counts['quarantine']} quarantined of {self.table.n_slots} slots); "
+                                      f"retry-after-ms={retry_ms}",
                                 trailing_metadata=(("retry-after-ms", str(retry_ms)),))
-        log.info("reserved", extra={"request_id": request.request_id, "slot": s.index, "generation": s.generation})
+        except Draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
+        log.info("reserved", extra={"request_id": rid, "slot": s.index, "generation": s.generation,
+                                    "queued_seconds": round(waited, 4)})
         return self._lease(s)
 
     def _lease(self, s) -> pb.Lease:
@@ -131,13 +137,20 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Stats(self, request, context):
         c = self.table.counts()
         st = self.batch.stats
+        a = self.admission
+        admission = pb.AdmissionStats(queued=a.depth, max_queue=a.max_queue,
+                                      queue_timeout_ms=round(a.timeout_s * 1000), lease_ms=self.lease_ms,
+                                      queued_total=a.queued_total, refused_queue_full=a.refused_full,
+                                      refused_timeout=a.refused_timeout, cancelled=a.cancelled,
+                                      slots_freed_per_second=a.rate.per_second(time.monotonic()),
+                                      leases_extended=self.table.leases_extended)
         return pb.DecodeStats(worker_id=self.worker_id, slots_total=self.table.n_slots, slots_leased=c["leased"],
                               slots_running=c["running"], slots_quarantined=c["quarantine"], steps=st.steps,
                               tokens_generated=st.tokens, max_batch_seen=st.max_batch_seen,
                               leases_expired=self.table.leases_expired,
                               admissions_refused=self.admissions_refused, backend=self.model.backend,
                               model=self.model.path, layout_signature=self.model.layout_signature,
-                              max_context=self.model.max_context)
+                              max_context=self.model.max_context, admission=admission)
 
     # --------------------------------------------------------------------------------------------------------
 
@@ -299,11 +312,14 @@ async def serve(args) -> int:
     shm = ShmArena.create(model, args.slots, wid, args.shm_dir)
     task = None
     try:
-        table = SlotTable(args.slots, stamp=shm.stamp_lease, revoke=shm.revoke)
         registry = CollectorRegistry()
+        table = SlotTable(args.slots, stamp=shm.stamp_lease, revoke=shm.revoke, writing=shm.writing)
+        admission = Admission(table, loop, registry, max_queue=args.max_queue, timeout_s=args.queue_timeout)
+        table.on_free = admission.slot_freed
         metrics = DecodeMetrics(registry, table)
         batch = BatchLoop(model, shm.arena, table, loop, metrics)
-        servicer = DecodeServicer(model=model, arena=shm, table=table, batch=batch, metrics=metrics, worker=wid,
+        servicer = DecodeServicer(model=model, arena=shm, table=table, admission=admission, batch=batch,
+                                  metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
                                   tracer=tel.tracer)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
@@ -324,6 +340,7 @@ async def serve(args) -> int:
 
         def start_draining() -> None:
             servicer.draining = True
+            admission.drain()  # queued Reserves are answered UNAVAILABLE now, not left to time out
 
         # Running streams finish (bounded) before the batch loop stops.
         await serve_until_signalled(server, lambda: servicer.streams, args.drain_seconds, start_draining,

@@ -11,6 +11,14 @@ a cancellation or the lease deadline only between chunks. Every slot whose lease
 which succeeds only when no prefill holds the slot's writer lock, and clears the stamp so that none can start
 (splitgemma/serving/shm_arena.py). Until then the slot is quarantined and `tick` retries. After a verified run the
 prefill has long let go, so the slot is free at once.
+
+A lease whose prefill is still running must not expire under it (prompts may wait for the prefill worker behind
+others, and a long prompt takes long): `tick` looks at the writer lock of every leased slot (without taking it) and,
+while a prefill holds it, keeps the deadline at least one lease length ahead. Only a lease nobody is writing expires,
+one lease length after its grant or after its prefill was last seen writing, whichever is later.
+
+Reserve never waits here: the queue of callers waiting for a slot is services/decode/admission.py, which `on_free`
+tells (from any thread: the batch thread frees finished sequences' slots).
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ class Slot:
     request_id: str = ""
     deadline: float = 0.0  # unix seconds: the lease is revoked after this unless claimed
     max_tokens: int = 0  # as reserved
+    lease_s: float = 0.0  # the lease length: how far ahead of a writing prefill the deadline is kept
+    granted_deadline: float = 0.0  # the deadline without extensions
+    extended: bool = False  # a prefill was still writing at granted_deadline: the lease lived on
     sequence: object = None  # the running sequence (cancel() on Release)
     released: bool = False  # Release came while the Generate was still being admitted
 
@@ -53,10 +64,15 @@ _EXPIRED_MEMORY = 4096  # expired leases remembered, to answer DEADLINE_EXCEEDED
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, stamp: Callable[[int, int], None], revoke: Callable[[int], bool]):
+    def __init__(self, n_slots: int, stamp: Callable[[int, int], None], revoke: Callable[[int], bool],
+                 writing: Callable[[int], bool]):
         """stamp(slot, generation): let that lease's prefill write the slot. revoke(slot): True once no prefill
-        writes the slot and none can start; False, at once, while one still does."""
-        self._stamp, self._revoke = stamp, revoke
+        writes the slot and none can start; False, at once, while one still does. writing(slot): does a prefill hold
+        the slot's writer lock (looking only)?"""
+        self._stamp, self._revoke, self._writing = stamp, revoke, writing
+        # Called whenever a slot becomes free, with the table's lock held (so it must only schedule work); the
+        # admission queue sets it.
+        self.on_free: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._slots = [Slot(i) for i in range(n_slots)]
         # Free slots in the order they were freed: the longest-free is leased first.
@@ -64,6 +80,7 @@ class SlotTable:
         self._generation = secrets.randbits(48)
         self._expired: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.leases_expired = 0
+        self.leases_extended = 0
 
     @property
     def n_slots(self) -> int:
@@ -79,6 +96,7 @@ class SlotTable:
             self._stamp(s.index, self._generation)
             s.state, s.generation, s.request_id = State.LEASED, self._generation, request_id
             s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
+            s.lease_s, s.granted_deadline, s.extended = lease_s, s.deadline, False
             return Slot(**vars(s))
 
     def claim(self, slot: int, generation: int, request_id: str, now: float) -> tuple[Claim, Slot | None]:
@@ -139,16 +157,21 @@ class SlotTable:
                 self._retire(s)
 
     def tick(self, now: float) -> list[Slot]:
-        """Revoke leases past their deadline and end quarantines that are over. Returns the revoked leases."""
+        """Keep the leases of prefills in progress alive, revoke the other leases past their deadline and end
+        quarantines that are over. Returns the revoked leases."""
         expired = []
         with self._lock:
             for s in self._slots:
-                if s.state is State.LEASED and now > s.deadline:
+                if s.state is State.LEASED and self._writing(s.index):
+                    s.deadline = max(s.deadline, now + s.lease_s)
+                    if now > s.granted_deadline and not s.extended:
+                        s.extended = True
+                        self.leases_extended += 1
+                elif s.state is State.LEASED and now > s.deadline:
                     expired.append(Slot(**vars(s)))
                     self._expire(s)
                 elif s.state is State.QUARANTINE and self._revoke(s.index):
-                    s.state = State.FREE
-                    self._free.append(s.index)
+                    self._set_free(s)
         return expired
 
     def counts(self) -> dict[str, int]:
@@ -168,7 +191,11 @@ class SlotTable:
     def _retire(self, s: Slot) -> None:
         s.sequence = None
         if self._revoke(s.index):
-            s.state = State.FREE
-            self._free.append(s.index)
+            self._set_free(s)
         else:
             s.state = State.QUARANTINE
+
+    def _set_free(self, s: Slot) -> None:
+        s.state = State.FREE
+        self._free.append(s.index)
+        self.on_free()

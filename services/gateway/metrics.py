@@ -27,7 +27,8 @@ class GatewayMetrics:
                                          "Prefill RPC duration (prompt compute + KV handoff into the leased slot)",
                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.in_flight = Gauge(p + "requests_running", "Requests being generated", registry=r)
-        self.waiting = Gauge(p + "requests_waiting", "Requests tokenizing or waiting for admission", registry=r)
+        self.waiting = Gauge(p + "requests_waiting",
+                             "Requests waiting for admission: a decode slot (queued at a decode worker)", registry=r)
         self.rejections = Counter(p + "rejections", "Requests refused before generation, by reason",
                                   ["reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens admitted", registry=r)

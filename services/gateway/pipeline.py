@@ -1,10 +1,12 @@
 """One generation through the workers: Decode.Reserve → Prefill.Prefill(lease) → Decode.Generate(lease) stream.
 
-A request with n choices (or several prompts) runs one pipeline per choice. Admission is all or nothing: every
-choice reserves its slot first, and if one cannot, the leases already taken are released and the request is
-answered 429/503 before any compute is spent. Every RPC has a deadline; the Generate stream has an idle deadline
-between events, so a stalled worker turns into an error instead of a hang. Whatever ends a pipeline (an error, the
-client going away, cancellation), its lease is released or its Generate call cancelled, which frees the slot.
+A request with n choices (or several prompts) runs one pipeline per choice. Admission is all or nothing: the
+choices reserve their slots one by one, each waiting in the decode worker's queue if it must (docs/scheduling.md),
+and if one is refused the leases already taken are released and the request is answered 429 (queue full) or 503
+(waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
+timeout); the Generate stream has an idle deadline between events, so a stalled worker turns into an error instead
+of a hang. Whatever ends a pipeline (an error, the client going away, cancellation), its lease is released or its
+Generate call cancelled, which frees the slot.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from splitgemma.serving.worker import MAX_LEASE_MS
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import ApiError
@@ -28,8 +31,10 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 
 @dataclass
 class Timeouts:
-    reserve: float = 5.0
-    prefill: float = 300.0          # a whole prompt; the worker checks for cancellation between chunks
+    reserve: float = 5.0            # the Reserve RPC, beyond the decode worker's queue timeout
+    # A whole prompt, including its wait for the prefill worker behind others: a hang guard, not a limit (the
+    # decode worker keeps the lease alive while its prefill writes; the client going away cancels the call).
+    prefill: float = 1800.0
     first_event: float = 30.0       # Generate: admission into the batch (checks the slot header) to the first event
     idle: float = 60.0              # Generate: between two events
     release: float = 2.0
@@ -123,20 +128,22 @@ class Pipelines:
             check_context(spec, context)
         runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
         try:
-            for run in runs:
-                await self._reserve(run)
+            for i, run in enumerate(runs):
+                await self._reserve(run, later=len(runs) - 1 - i)
         except BaseException:
             self.release_all(runs)
             raise
         return runs
 
-    async def _reserve(self, run: Run) -> None:
+    async def _reserve(self, run: Run, later: int) -> None:
+        """Lease a slot for one choice, waiting in the chosen decode worker's queue if it must. `later` choices
+        of the same request reserve after this one: the lease is asked to outlive their queue waits."""
         spec = run.spec
         candidates = self.pool.decode_candidates()
         if not candidates:
             self.metrics.rejections.labels(reason="no_decode_worker").inc()
             raise ApiError(503, "no decode worker is available", retry_after=1.0)
-        exhausted_hint = None
+        full_hint = None
         unavailable = 0
         for w in candidates:
             if w.max_context:
@@ -144,15 +151,28 @@ class Pipelines:
                 want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
             else:
                 want = 1  # this worker's context is not known before its first lease, which is checked below
+            queue_timeout, lease_ms = w.queue_timeout, 0
+            if later and w.stats is not None and w.stats.admission.lease_ms:
+                lease_ms = min(MAX_LEASE_MS, w.stats.admission.lease_ms + later * round(queue_timeout * 1000))
+            w.reserving += 1
             try:
+                # Cancelled when the client goes away: the decode worker takes the call out of its queue.
                 lease = await w.stub.Reserve(pb.ReserveRequest(request_id=run.request_id,
                                                                prompt_tokens=len(spec.prompt_ids),
-                                                               max_tokens=want), timeout=self.timeouts.reserve)
+                                                               max_tokens=want, lease_ms=lease_ms),
+                                             timeout=queue_timeout + self.timeouts.reserve)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted_hint = _retry_after(e)
+                    # This worker's queue is full; another's may not be.
+                    full_hint = _retry_after(e) if full_hint is None else min(full_hint, _retry_after(e))
                     continue
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Waited the whole queue timeout (the worker says so, with its hint) or our own deadline
+                    # passed; queueing again elsewhere would double the wait.
+                    self.metrics.rejections.labels(reason="queue_timeout").inc()
+                    raise ApiError(503, f"no decode slot became free in time: {e.details()}",
+                                   retry_after=_retry_after(e), code="queue_timeout") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ApiError(400, e.details() or "the decode worker rejected the request",
                                    param=spec.prompt_param,
@@ -160,6 +180,8 @@ class Pipelines:
                 self.pool.mark_failed(w, e)
                 unavailable += 1
                 continue
+            finally:
+                w.reserving -= 1
             w.pending_reserves += 1
             run.decode, run.lease = w, lease
             if lease.max_context and lease.max_context != w.max_context:
@@ -172,10 +194,10 @@ class Pipelines:
             run.max_tokens = spec.max_tokens if spec.max_tokens is not None else \
                 lease.max_context - len(spec.prompt_ids)
             return
-        if exhausted_hint is not None:
-            self.metrics.rejections.labels(reason="no_free_slot").inc()
-            raise ApiError(429, "all decode slots are busy; retry later", retry_after=exhausted_hint,
-                           code="no_free_slot")
+        if full_hint is not None:
+            self.metrics.rejections.labels(reason="queue_full").inc()
+            raise ApiError(429, "all decode slots are busy and the queue for them is full; retry later",
+                           retry_after=full_hint, code="queue_full")
         self.metrics.rejections.labels(reason="decode_unavailable").inc()
         raise ApiError(503, f"no decode worker answered ({unavailable} unavailable)", retry_after=1.0)
 

@@ -5,10 +5,11 @@ A monitor task asks every worker for its grpc.health.v1 status (and every decode
 unusable at once, so a dead worker drops out of routing (and /ready) without waiting for the next probe.
 
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
-made since), the prefill worker with the fewest calls in flight from this gateway, round-robin among equals. A
-prompt with at least one full prefix-cache block (the slot's chunk, more tokens than that) goes by its first
-block to one prefill worker (rendezvous hashing over the healthy ones), so prompts that share it meet the same
-worker's prefix cache; unless that worker has more than AFFINITY_SLACK calls in flight beyond the least loaded.
+made since), else the one with the shortest Reserve queue (the larger of its last Stats' count and this gateway's
+Reserve calls open there now); the prefill worker with the fewest calls in flight from this gateway, round-robin
+among equals. A prompt with at least one full prefix-cache block (the slot's chunk, more tokens than that) goes by
+its first block to one prefill worker (rendezvous hashing over the healthy ones), so prompts that share it meet the
+same worker's prefix cache; unless that worker has more than AFFINITY_SLACK calls in flight beyond the least loaded.
 
 Geometry: a decode worker's slot context comes from its Stats (DecodeStats.max_context, read by the health probe
 before the worker counts as up) and from the leases it grants; it is forgotten when its worker id changes, i.e. it
@@ -66,6 +67,7 @@ class Worker:
     in_flight: int = 0              # calls from this gateway
     stats: pb.DecodeStats | None = None
     pending_reserves: int = 0       # decode: leases taken since the last Stats
+    reserving: int = 0              # decode: Reserve calls from this gateway open now (most of them queued)
     worker_id: str = ""
     max_context: int = 0            # decode: slot context from a lease (0 = not known yet)
 
@@ -77,6 +79,16 @@ class Worker:
             self.pending_reserves
         return max(0, self.stats.slots_total - used)
 
+    @property
+    def queued(self) -> int:
+        """Reserve calls waiting at this worker, as far as this gateway can tell."""
+        return max(self.stats.admission.queued if self.stats is not None else 0, self.reserving)
+
+    @property
+    def queue_timeout(self) -> float:
+        """Seconds a Reserve may wait in this worker's queue (from its Stats; 0 before the first)."""
+        return self.stats.admission.queue_timeout_ms / 1000 if self.stats is not None else 0.0
+
     def describe(self) -> dict:
         out = {"address": self.address, "healthy": self.healthy, "status": self.status,
                "in_flight": self.in_flight}
@@ -84,7 +96,8 @@ class Worker:
             out["worker_id"] = self.worker_id
         if self.kind == "decode" and self.stats is not None:
             out.update(slots_total=self.stats.slots_total, slots_leased=self.stats.slots_leased,
-                       slots_running=self.stats.slots_running, max_context=self.max_context or None)
+                       slots_running=self.stats.slots_running, queued=self.stats.admission.queued,
+                       max_context=self.max_context or None)
         return out
 
 
@@ -177,9 +190,9 @@ class WorkerPool:
     # -- routing -------------------------------------------------------------------------------------------------
 
     def decode_candidates(self) -> list[Worker]:
-        """Healthy decode workers, most free slots first."""
+        """Healthy decode workers, most free slots first, then the shortest queue."""
         healthy = [w for w in self.decode if w.healthy]
-        return sorted(healthy, key=lambda w: (-w.free_slots, w.in_flight))
+        return sorted(healthy, key=lambda w: (-w.free_slots, w.queued, w.in_flight))
 
     def pick_prefill(self, exclude: set[Worker] = frozenset(), affinity: bytes | None = None) -> Worker | None:
         healthy = [w for w in self.prefill if w.healthy and w not in exclude]

@@ -33,6 +33,17 @@ def positive_int(text: str) -> int:
     return v
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0 (limits where 0 switches something off)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 0")
+    return v
+
+
 def positive_float(text: str) -> float:
     """argparse type: a number above 0 (durations)."""
     try:

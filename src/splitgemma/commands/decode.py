@@ -4,25 +4,37 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_PORT = 50052
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_QUEUE_TIMEOUT = 120.0
 
 
 def register(subparsers) -> None:
-    from splitgemma.commands import positive_int
+    from splitgemma.commands import non_negative_int, positive_float, positive_int
     from splitgemma.commands.prefill import add_worker_options
     p = subparsers.add_parser(
         "decode", help="run a decode worker (gRPC service splitgemma.v1.Decode)",
         description="Run a decode worker: it creates the shared-memory KV arena (--slots slots under --shm-dir), "
                     "leases its slots (Reserve), verifies each slot a prefill worker filled (Generate) and decodes "
-                    "every running sequence in one continuous batch, streaming the tokens. Also serves "
-                    "grpc.health.v1 and server reflection. SIGTERM/SIGINT: stop admitting, finish the running "
-                    "streams (at most --drain-seconds), unlink the arena.",
+                    "every running sequence in one continuous batch, streaming the tokens. A Reserve that finds "
+                    "every slot taken waits in a first-come-first-served queue (--max-queue, --queue-timeout) "
+                    "shared by every gateway in front of this worker. Also serves grpc.health.v1 and server "
+                    "reflection. SIGTERM/SIGINT: stop admitting (queued Reserves are answered UNAVAILABLE), "
+                    "finish the running streams (at most --drain-seconds), unlink the arena.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="int4")
     p.add_argument("--slots", type=positive_int, default=8, help="KV slots in the arena (default: 8)")
     p.add_argument("--max-batch", type=positive_int, default=8,
                    help="decode rows per forward pass; a larger batch runs in several passes (default: 8)")
     p.add_argument("--lease-ms", type=positive_int, default=30000,
-                   help="how long a reserved slot waits for its Generate (default: 30000)")
+                   help="how long a reserved slot waits for its Generate; while a prefill is writing the slot "
+                        "the lease does not expire (default: 30000)")
+    p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="Reserve calls that may wait for a slot when all are taken; one more is refused at once "
+                        "(RESOURCE_EXHAUSTED, the gateway's 429) with a retry-after from the observed rate at "
+                        f"which slots free up. 0 = no queue (default: {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
+                   help="the longest a Reserve waits in the queue before it is refused (DEADLINE_EXCEEDED, the "
+                        f"gateway's 503) with a retry-after (default: {DEFAULT_QUEUE_TIMEOUT:g})")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json for token texts and stop strings (default: beside the model file; "
                         "without one, texts stay empty and stop strings are refused)")

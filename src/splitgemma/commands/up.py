@@ -12,7 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import CommandError, add_kv_dtype_option
+from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float
+from splitgemma.commands.decode import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
 from splitgemma.commands.prefill import add_prefix_cache_option
 
 
@@ -33,6 +34,12 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside the model)")
     p.add_argument("--chat-template", metavar="FILE.jinja", help="chat template (default: beside the model)")
     p.add_argument("--slots", type=int, default=8, help="KV slots = concurrent sequences (default: 8)")
+    p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                   help="requests that may wait for a slot when all are busy; one more gets 429 "
+                        f"(default: {DEFAULT_MAX_QUEUE}; see splitgemma decode --help)")
+    p.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
+                   help="the longest a request waits for a slot before it gets 503 "
+                        f"(default: {DEFAULT_QUEUE_TIMEOUT:g})")
     p.add_argument("--max-context", type=int, default=4096, metavar="C", help="positions per slot (default: 4096)")
     p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill rows per pass (default: 256)")
     p.add_argument("--threads", type=int, default=None,
@@ -115,6 +122,7 @@ def run(args) -> int:
     if args.kv_dtype:
         geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--slots", str(args.slots),
+                         "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
                          "--drain-seconds", str(args.drain_timeout)]
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]

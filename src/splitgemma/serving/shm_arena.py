@@ -225,6 +225,13 @@ class SlotLocks:
             raise
         return True
 
+    def is_locked(self, slot: int) -> bool:
+        """Does another open file description hold the slot's writer lock? Only looks (F_OFD_GETLK): a writer
+        that wants the lock right now is not delayed."""
+        got = fcntl.fcntl(self._file.fileno(), fcntl.F_OFD_GETLK,
+                          struct.pack(self._FLOCK, fcntl.F_WRLCK, os.SEEK_SET, slot * self.slot_bytes, 1, 0))
+        return struct.unpack(self._FLOCK, got)[0] != fcntl.F_UNLCK
+
     def unlock(self, slot: int) -> None:
         self._op(fcntl.F_OFD_SETLK, fcntl.F_UNLCK, slot)
 
@@ -274,6 +281,10 @@ class ShmArena:
         finally:
             self.locks.unlock(slot)
         return True
+
+    def writing(self, slot: int) -> bool:
+        """Is a prefill holding the slot's writer lock (writing its K/V, or about to)?"""
+        return self.locks.is_locked(slot)
 
     @property
     def owner_path(self) -> str:

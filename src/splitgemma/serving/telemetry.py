@@ -42,6 +42,8 @@ gen_ai.server.request.duration with the buckets the conventions recommend.
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import logging
 import os
@@ -223,9 +225,23 @@ def grpc_server_interceptors(tracer_provider=None) -> list:
 
 def grpc_client_interceptors(tracer_provider=None) -> list:
     """Interceptors for grpc.aio.insecure_channel(…, interceptors=…): a CLIENT span per RPC and the current
-    context injected as traceparent/tracestate/baggage metadata (all four call shapes, streaming included)."""
+    context injected as traceparent/tracestate/baggage metadata (all four call shapes, streaming included), and
+    an innermost one that makes cancelling a unary call cancel the RPC (_CancelUnaryCalls)."""
+    import grpc
     from opentelemetry.instrumentation.grpc import aio_client_interceptors
-    return aio_client_interceptors(tracer_provider=tracer_provider, filter_=_probe_filter())
+
+    class _CancelUnaryCalls(grpc.aio.UnaryUnaryClientInterceptor):
+        """grpc.aio runs the interceptor chain of a call in a task of its own, and OTel's unary interceptor awaits
+        the call's status inside it. Cancelling the caller (or call.cancel()) cancels that task, which abandons
+        the wait but not the RPC: the server would go on (a queued Decode.Reserve would keep its place in the
+        queue, a Prefill would run to its end). Cancel the RPC with the task."""
+
+        async def intercept_unary_unary(self, continuation, client_call_details, request):
+            call = await continuation(client_call_details, request)
+            asyncio.current_task().add_done_callback(lambda task: call.cancel() if task.cancelled() else None)
+            return call
+
+    return [*aio_client_interceptors(tracer_provider=tracer_provider, filter_=_probe_filter()), _CancelUnaryCalls()]
 
 
 # ---------------------------------------------------------------------------------------------------------------

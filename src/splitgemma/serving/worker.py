@@ -23,6 +23,7 @@ from splitgemma.serving import telemetry
 from splitgemma.v1 import serving_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
+MAX_LEASE_MS = 3_600_000  # the longest lease a decode worker grants (ReserveRequest.lease_ms); gateways ask within it
 
 log = logging.getLogger("splitgemma.worker")
 

@@ -1,0 +1,211 @@
+"""Admission: the decode worker's queue of Reserve calls waiting for a KV slot (docs/scheduling.md, "Admission").
+
+The queue lives here, in the worker that owns the slots, rather than in a gateway: several gateways in front of one
+decode worker then share one order of arrival, and a slot that frees is handed on the spot, without a round trip.
+
+* First come, first served. A Reserve that finds no free slot, or finds others already waiting, joins the tail; a
+  slot that frees goes to the head. A newcomer takes a free slot at once only when no one is waiting, so it never
+  jumps the queue (a slot may be free for an instant while its hand-over to the head is still on its way here).
+* Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull); a caller that waited
+  `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: the rate at
+  which slots have freed up recently and how many callers would be served first.
+* A caller that goes away (its call is cancelled) leaves the queue at once; the callers behind it move up.
+* Draining: every waiter is refused (Draining) and no one else is queued.
+
+The SlotTable (services/decode/slots.py) stays the only owner of slot state: this queue asks it for a slot
+(SlotTable.reserve) and is told by it when one frees (on_free, from any thread: the batch thread frees finished
+sequences' slots), and hops onto the event loop, where all of the queue's state lives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .slots import Slot, SlotTable
+
+# How far back the drain rate looks: the last RATE_EVENTS frees, none older than RATE_HORIZON_S.
+RATE_EVENTS = 32
+RATE_HORIZON_S = 60.0
+RETRY_MIN_S, RETRY_MAX_S = 0.1, 3600.0
+_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+
+
+class Refused(Exception):
+    """A Reserve the queue will not serve; `retry_after` in seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFull(Refused):
+    pass
+
+
+class QueueTimeout(Refused):
+    pass
+
+
+class Draining(Exception):
+    pass
+
+
+class DrainRate:
+    """Slots freed per second: k frees seen since the oldest of the last RATE_EVENTS (within RATE_HORIZON_S) make
+    k / (now - oldest). Time since the last free counts, so a worker that stopped draining shows a falling rate."""
+
+    def __init__(self):
+        self._times: deque[float] = deque(maxlen=RATE_EVENTS)
+
+    def note(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_second(self, now: float) -> float:
+        while self._times and now - self._times[0] > RATE_HORIZON_S:
+            self._times.popleft()
+        if not self._times:
+            return 0.0
+        return len(self._times) / max(now - self._times[0], 1e-3)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    request_id: str
+    max_tokens: int
+    lease_s: float
+    future: asyncio.Future
+    since: float  # monotonic
+    timer: asyncio.TimerHandle | None = None
+
+
+class Admission:
+    def __init__(self, table: SlotTable, loop: asyncio.AbstractEventLoop, registry: CollectorRegistry, *,
+                 max_queue: int, timeout_s: float):
+        self.table = table
+        self.loop = loop
+        self.max_queue = max_queue
+        self.timeout_s = timeout_s
+        self.rate = DrainRate()
+        self.draining = False
+        self._queue: deque[_Waiter] = deque()
+        self.queued_total = self.refused_full = self.refused_timeout = self.cancelled = 0
+        Gauge("splitgemma_decode_queue_depth", "Reserve calls waiting for a KV slot",
+              registry=registry).set_function(lambda: len(self._queue))
+        self._wait = Histogram("splitgemma_decode_queue_wait_seconds",
+                               "how long a Reserve waited in the queue, by outcome (granted, timeout, cancelled, "
+                               "draining); Reserves served at once are not counted", ["outcome"],
+                               buckets=_WAIT_BUCKETS, registry=registry)
+        self._refused = Counter("splitgemma_decode_reserve_refused", "Reserve calls refused by the queue",
+                                ["reason"], registry=registry)
+        # Every series exists from the start (at 0), so a rate over it is defined before the first event.
+        for outcome in ("granted", "timeout", "cancelled", "draining"):
+            self._wait.labels(outcome=outcome)
+        for reason in ("queue_full", "timeout"):
+            self._refused.labels(reason=reason)
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def slot_freed(self) -> None:
+        """SlotTable's on_free: any thread, with the table's lock held, so only schedule."""
+        self.loop.call_soon_threadsafe(self._on_free)
+
+    def retry_after(self, position: int, idle_guess: float) -> float:
+        """Seconds until `position` more slots have freed at the observed rate; `idle_guess` when nothing has
+        freed lately."""
+        rate = self.rate.per_second(time.monotonic())
+        guess = position / rate if rate > 0 else idle_guess
+        return min(max(guess, RETRY_MIN_S), RETRY_MAX_S)
+
+    async def reserve(self, request_id: str, max_tokens: int, lease_s: float) -> tuple[Slot, float]:
+        """A slot (a copy of its lease) and the seconds waited for it. Raises QueueFull, QueueTimeout, Draining;
+        cancelling the caller's task takes it out of the queue (or gives back a slot granted at that instant)."""
+        if self.draining:
+            raise Draining()
+        if not self._queue:
+            s = self.table.reserve(request_id, max_tokens, lease_s, time.time())
+            if s is not None:
+                return s, 0.0
+        if len(self._queue) >= self.max_queue:
+            self.refused_full += 1
+            self._refused.labels(reason="queue_full").inc()
+            ahead = len(self._queue)
+            # Nothing draining: the queue has room at the latest when its head times out.
+            head_left = self._queue[0].since + self.timeout_s - time.monotonic() if self._queue else self.timeout_s
+            raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
+                            f"{self.max_queue})", self.retry_after(ahead + 1, head_left))
+        w = _Waiter(request_id, max_tokens, lease_s, self.loop.create_future(), time.monotonic())
+        w.timer = self.loop.call_later(self.timeout_s, self._time_out, w)
+        self._queue.append(w)
+        self.queued_total += 1
+        self._grant()  # a slot may have freed with its notice still on its way here
+        try:
+            s = await w.future
+        except asyncio.CancelledError:
+            if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
+                # Granted in the same instant the caller went away: the slot goes back (and on to the next).
+                s = w.future.result()
+                self.table.release(s.index, s.generation, s.request_id)
+            elif w in self._queue:
+                self._queue.remove(w)
+                w.timer.cancel()
+            self.cancelled += 1
+            self._wait.labels(outcome="cancelled").observe(time.monotonic() - w.since)
+            raise
+        except QueueTimeout:
+            self._wait.labels(outcome="timeout").observe(time.monotonic() - w.since)
+            raise
+        except Draining:
+            self._wait.labels(outcome="draining").observe(time.monotonic() - w.since)
+            raise
+        waited = time.monotonic() - w.since
+        self._wait.labels(outcome="granted").observe(waited)
+        return s, waited
+
+    def drain(self) -> None:
+        """Stop queueing: every waiter is answered Draining."""
+        self.draining = True
+        while self._queue:
+            w = self._queue.popleft()
+            w.timer.cancel()
+            if not w.future.done():
+                w.future.set_exception(Draining())
+
+    # -- on the event loop ---------------------------------------------------------------------------------------
+
+    def _on_free(self) -> None:
+        self.rate.note(time.monotonic())
+        self._grant()
+
+    def _grant(self) -> None:
+        """Free slots to the head of the queue, in order, as long as there are both."""
+        while self._queue:
+            w = self._queue[0]
+            if w.future.done():
+                # Its caller was cancelled in this same instant and has yet to take itself out: skip it.
+                self._queue.popleft()
+                w.timer.cancel()
+                continue
+            s = self.table.reserve(w.request_id, w.max_tokens, w.lease_s, time.time())
+            if s is None:
+                return
+            self._queue.popleft()
+            w.timer.cancel()
+            w.future.set_result(s)
+
+    def _time_out(self, w: _Waiter) -> None:
+        if w.future.done():  # cancelled in this same instant: its caller takes it out
+            return
+        position = self._queue.index(w) + 1
+        self._queue.remove(w)
+        self.refused_timeout += 1
+        self._refused.labels(reason="timeout").inc()
+        w.future.set_exception(QueueTimeout(
+            f"no KV slot freed for this request within the queue timeout of {self.timeout_s:g} s (it was "
+            f"number {position} in the queue)", self.retry_after(position, self.timeout_s)))

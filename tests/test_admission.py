@@ -1,0 +1,311 @@
+"""Admission (services/decode/admission.py, docs/scheduling.md): the decode worker's first-come-first-served queue
+of Reserve calls, driven through the gateway with the official openai client over real processes.
+
+Arrival order is made certain without timing: request i is sent only once the decode worker's Stats show the
+i before it waiting. The slots are held by leases this test takes itself (gRPC Reserve), so nothing frees a slot
+until the test says so; the order in which the queued requests then got their leases is read from the decode
+worker's log ("reserved" lines, written as leases are granted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx
+import openai
+import pytest
+from prometheus_client import CollectorRegistry
+
+from splitgemma.serving.shm_arena import SlotLocks
+from splitgemma.services.decode.admission import Admission, DrainRate
+from splitgemma.services.decode.slots import SlotTable
+from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pbg
+from test_gateway import MODEL_NAME, Stack
+from tools.procs import free_ports, wait_until
+
+SLOTS = 4
+HANG_GUARD = 60  # seconds: only so that a bug fails instead of hanging
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    (metrics_port,) = free_ports(1)
+    s = Stack(tmp_path_factory.mktemp("admission"), slots=SLOTS, decode_args=("--metrics-port", str(metrics_port)))
+    s.decode_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+    yield s
+    assert s.stop() == []
+
+
+def _hold(stack, n: int, tag: str) -> list[tuple[str, pb.Lease]]:
+    """Take n slots with leases nobody will use (long enough not to expire during the test)."""
+    out = []
+    for i in range(n):
+        rid = f"hold-{tag}-{i}"
+        out.append((rid, stack.decode.Reserve(pb.ReserveRequest(request_id=rid, prompt_tokens=4, max_tokens=4,
+                                                                lease_ms=600_000), timeout=HANG_GUARD)))
+    return out
+
+
+def _release(stack, held) -> None:
+    for rid, lease in held:
+        stack.decode.Release(pb.ReleaseRequest(request_id=rid, lease=lease), timeout=HANG_GUARD)
+
+
+def _queued(stack) -> int:
+    return stack.stats().admission.queued
+
+
+def _wait_queued(stack, n: int) -> None:
+    wait_until(lambda: _queued(stack) == n, f"{n} Reserve calls queued", HANG_GUARD)
+
+
+def _metric(url: str, name: str) -> float:
+    """One sample (name with its labels, as Prometheus writes it) from a /metrics page."""
+    for line in httpx.get(url, timeout=HANG_GUARD).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in {url}")
+
+
+def _gateway_metric(stack, name: str) -> float:
+    return _metric(stack.url + "/metrics", name)
+
+
+def _granted(stack, prefix: str) -> list[str]:
+    """Request ids of the leases the decode worker granted, in the order it granted them."""
+    out = []
+    for line in stack.log("decode").splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            if rec.get("msg") == "reserved" and rec["request_id"].startswith(prefix):
+                out.append(rec["request_id"])
+    return out
+
+
+def _complete(client: openai.OpenAI, rid: str, **kw):
+    return client.completions.create(model=MODEL_NAME, prompt="w5 w6 w7", max_tokens=2, temperature=0,
+                                     extra_headers={"X-Request-Id": rid}, **kw)
+
+
+def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
+    stack.wait_idle()
+    held = _hold(stack, SLOTS, "fifo")
+    client = stack.client()
+    n = 3 * SLOTS
+    waits = 'splitgemma_decode_queue_wait_seconds_count{outcome="granted"}'
+    granted_before = _metric(stack.decode_metrics, waits)
+    with ThreadPoolExecutor(n) as ex:
+        try:
+            futures = []
+            for i in range(n):
+                futures.append(ex.submit(_complete, client, f"fifo-{i}"))
+                _wait_queued(stack, i + 1)
+            # The gateway counts exactly the requests that wait (none has a lease yet).
+            assert _gateway_metric(stack, "splitgemma_gateway_requests_waiting") == n
+            assert _metric(stack.decode_metrics, "splitgemma_decode_queue_depth") == n
+            assert not any(f.done() for f in futures)
+        finally:
+            _release(stack, held)
+        results = [f.result(HANG_GUARD) for f in futures]
+    assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2 for r in results)
+    assert _granted(stack, "fifo-") == [f"fifo-{i}-0" for i in range(n)]
+    a = stack.wait_idle().admission
+    assert a.queued == 0 and a.queued_total >= n and a.slots_freed_per_second > 0
+    assert _gateway_metric(stack, "splitgemma_gateway_requests_waiting") == 0
+    assert _metric(stack.decode_metrics, "splitgemma_decode_queue_depth") == 0
+    assert _metric(stack.decode_metrics, waits) == granted_before + n
+
+
+def _raw_request(port: int, rid: str) -> socket.socket:
+    """A completion request on a raw connection, so that the test decides when the client goes away."""
+    body = json.dumps({"model": MODEL_NAME, "prompt": "w5", "max_tokens": 2}).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"X-Request-Id: " + rid.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                 b"\r\n\r\n" + body)
+    return sock
+
+
+def test_a_queued_client_that_disconnects_gives_its_place_to_the_next(stack):
+    stack.wait_idle()
+    held = _hold(stack, SLOTS, "gone")
+    before = stack.stats().admission
+    client = stack.client()
+    with ThreadPoolExecutor(1) as ex:
+        try:
+            gone = _raw_request(stack.port, "gone")
+            _wait_queued(stack, 1)
+            after = ex.submit(_complete, client, "gone-next")
+            _wait_queued(stack, 2)
+            gone.close()  # the head of the queue goes away: the gateway cancels its Reserve
+            wait_until(lambda: stack.stats().admission.cancelled == before.cancelled + 1, "the cancel", HANG_GUARD)
+            assert _queued(stack) == 1
+            assert _gateway_metric(stack, "splitgemma_gateway_requests_waiting") == 1
+            _release(stack, held[:1])  # one slot frees: it goes to the one left waiting
+            assert after.result(HANG_GUARD).usage.completion_tokens == 2
+        finally:
+            _release(stack, held[1:])
+    assert _granted(stack, "gone") == ["gone-next-0"]
+    stack.wait_idle()
+
+
+def test_with_every_slot_busy_the_gateway_queues_at_the_shortest_queue(tmp_path):
+    s = Stack(tmp_path, slots=1, n_decode=2)
+    try:
+        names = ("decode", "decode-2")
+        leases = {}
+        for n in names:  # both slots taken
+            stub = pbg.DecodeStub(s.channels[n])
+            leases[n] = (stub, stub.Reserve(pb.ReserveRequest(request_id=f"hold-{n}", prompt_tokens=4,
+                                                              lease_ms=600_000), timeout=HANG_GUARD))
+
+        def gateway_sees_both_full():
+            workers = httpx.get(s.url + "/ready", timeout=HANG_GUARD).json()["workers"]["decode"]
+            return all(w.get("slots_leased") == 1 for w in workers)
+
+        wait_until(gateway_sees_both_full, "the gateway to see both slots taken", HANG_GUARD)
+        client = s.client()
+
+        def queued() -> list[int]:
+            return [s.stats(n).admission.queued for n in names]
+
+        with ThreadPoolExecutor(2) as ex:
+            first = ex.submit(_complete, client, "route-1")
+            wait_until(lambda: sum(queued()) == 1, "the first request to queue", HANG_GUARD)
+            second = ex.submit(_complete, client, "route-2")
+            wait_until(lambda: sum(queued()) == 2, "the second request to queue", HANG_GUARD)
+            assert queued() == [1, 1]  # not behind the first
+            for n, (stub, lease) in leases.items():
+                stub.Release(pb.ReleaseRequest(request_id=f"hold-{n}", lease=lease), timeout=HANG_GUARD)
+            assert first.result(HANG_GUARD).usage.completion_tokens == 2
+            assert second.result(HANG_GUARD).usage.completion_tokens == 2
+    finally:
+        s.stop()
+
+
+def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
+    """One slot, a queue of one, two seconds of patience: a full queue is 429, a wait past the timeout is 503, both
+    with Retry-After; n choices that cannot all get a slot take none; a lease whose slot a prefill is writing does
+    not expire; a draining worker answers its queue UNAVAILABLE."""
+    s = Stack(tmp_path, slots=1, decode_args=("--max-queue", "1", "--queue-timeout", "2"))
+    try:
+        client = s.client()
+        held = _hold(s, 1, "limit")
+        with ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(_complete, client, "limit-wait")
+            _wait_queued(s, 1)
+            with pytest.raises(openai.RateLimitError) as full:
+                _complete(client, "limit-full")
+            with pytest.raises(openai.InternalServerError) as late:
+                waiting.result(HANG_GUARD)
+        assert full.value.status_code == 429 and full.value.code == "queue_full"
+        assert late.value.status_code == 503 and late.value.code == "queue_timeout"
+        # Nothing freed a slot yet: the hint for the timeout is the queue timeout (that long brought no slot); for the
+        # full queue, when its head times out (at most the queue timeout), in whole seconds rounded up.
+        assert late.value.response.headers["Retry-After"] == "2"
+        assert 1 <= int(full.value.response.headers["Retry-After"]) <= 2
+        a = s.stats().admission
+        assert (a.queued, a.refused_queue_full, a.refused_timeout) == (0, 1, 1)
+        _release(s, held)
+
+        # n=2 on one slot: the first choice gets it, the second waits out the timeout, and the first is given back
+        # (released by the gateway, not expired).
+        expired = s.wait_idle().leases_expired
+        with pytest.raises(openai.InternalServerError) as both:
+            _complete(client, "limit-n", n=2)
+        assert both.value.status_code == 503
+        assert _granted(s, "limit-n") == ["limit-n-0"]
+        assert s.wait_idle(HANG_GUARD).leases_expired == expired
+
+        # A prefill holds the writer lock of the one slot (the test does, as a long prefill would) past the lease's
+        # deadline: the lease lives on. Let go, and it expires.
+        arena = s.decode.Reserve(pb.ReserveRequest(request_id="limit-probe", prompt_tokens=4), timeout=HANG_GUARD)
+        assert s.decode.Release(pb.ReleaseRequest(request_id="limit-probe", lease=arena), timeout=HANG_GUARD).released
+        s.wait_idle()
+        locks = SlotLocks(os.open(arena.arena_path, os.O_RDWR), arena.slot_bytes)
+        try:
+            assert locks.try_lock(0)
+            before = s.stats()
+            lease = s.decode.Reserve(pb.ReserveRequest(request_id="limit-long", prompt_tokens=4, lease_ms=200),
+                                     timeout=HANG_GUARD)
+            wait_until(lambda: s.stats().admission.leases_extended == before.admission.leases_extended + 1,
+                       "the lease to outlive its deadline", HANG_GUARD)
+            st = s.stats()
+            assert (st.slots_leased, st.leases_expired) == (1, before.leases_expired)
+        finally:
+            locks.unlock(0)
+            locks.close()
+        wait_until(lambda: s.stats().leases_expired == before.leases_expired + 1, "the lease to expire", HANG_GUARD)
+        assert not s.decode.Release(pb.ReleaseRequest(request_id="limit-long", lease=lease),
+                                    timeout=HANG_GUARD).released
+
+        # SIGTERM while a Reserve waits: it is answered UNAVAILABLE at once, not left to time out.
+        held = _hold(s, 1, "drain")
+        waiting = s.decode.Reserve.future(pb.ReserveRequest(request_id="drain-wait", prompt_tokens=4),
+                                          timeout=HANG_GUARD)
+        _wait_queued(s, 1)
+        s.procs["decode"].send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as drained:
+            waiting.result(HANG_GUARD)
+        assert drained.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in drained.value.details()
+    finally:
+        s.stop()
+
+
+def test_queue_order_when_a_slot_frees_and_callers_go_away():
+    """The queue in process, over a real SlotTable of one slot, stepped by the event loop's own callback order (no
+    timing): a newcomer never takes a slot the head is owed; a waiter that goes away leaves its place to the next;
+    a slot granted in the instant its caller goes away is passed on."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = SlotTable(1, stamp=lambda slot, generation: None, revoke=lambda slot: True,
+                          writing=lambda slot: False)
+        queue = Admission(table, loop, CollectorRegistry(), max_queue=8, timeout_s=HANG_GUARD)
+        table.on_free = queue.slot_freed
+
+        async def ask(rid):
+            s, _ = await queue.reserve(rid, 1, 30.0)
+            return s
+
+        def give_back(s):
+            assert table.release(s.index, s.generation, s.request_id)
+
+        async def settle():  # let every callback and task step scheduled so far run
+            for _ in range(8):
+                await asyncio.sleep(0)
+
+        first = await ask("a")
+        b, c, d = (asyncio.ensure_future(ask(r)) for r in "bcd")
+        await settle()
+        assert queue.depth == 3
+        give_back(first)          # free now; the notice to the queue is a callback still to run
+        b.cancel()                # the head goes away before it is served
+        e = asyncio.ensure_future(ask("e"))
+        await settle()            # e arrives while the slot is free: it queues behind c and d, and c is served
+        assert c.done() and c.result().request_id == "c" and not (d.done() or e.done())
+        assert queue.depth == 2 and queue.cancelled == 1
+        give_back(c.result())     # the notice runs first, granting d; then d's caller goes away
+        loop.call_soon(d.cancel)
+        await settle()
+        assert d.cancelled() and queue.cancelled == 2
+        assert (await asyncio.wait_for(e, HANG_GUARD)).request_id == "e"  # d's slot, passed on
+        assert queue.depth == 0 and table.counts()["leased"] == 1
+
+    asyncio.run(main())
+
+
+def test_drain_rate():
+    r = DrainRate()
+    assert r.per_second(100.0) == 0
+    for t in (100.0, 100.5, 101.0, 102.0):
+        r.note(t)
+    assert r.per_second(102.0) == 4 / 2.0
+    assert r.per_second(104.0) == 4 / 4.0  # nothing freed since: the rate falls
+    assert r.per_second(100.0 + 60.5) == 3 / 60.0  # the oldest free is past the horizon
