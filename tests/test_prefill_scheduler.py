@@ -31,14 +31,14 @@ def greedy() -> pb.SamplingParams:
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    """One decode worker and four prefill workers on its arena: rr (the default flags), srf, fifo, and a tight one
+    """One decode worker and four prefill workers on its arena: rr, srf (the default flags), fifo, and a tight one
     (2 prompts in flight, 3 s per prompt, metrics on)."""
     logs = tmp_path_factory.mktemp("sched")
     with private_shm("sched") as shm:
         geometry = ["--model", str(FGM), "--max-context", str(CTX), "--chunk", str(CHUNK), "--shm-dir", str(shm)]
         d = Worker("decode", [*geometry, "--slots", "8", "--lease-ms", "60000"], logs / "decode.log")
         (metrics,) = free_ports(1)
-        flags = {"rr": [], "srf": ["--prefill-policy", "srf"], "fifo": ["--prefill-policy", "fifo"],
+        flags = {"rr": ["--prefill-policy", "rr"], "srf": [], "fifo": ["--prefill-policy", "fifo"],
                  "tight": ["--max-prompts", "2", "--max-prefill-seconds", "3", "--metrics-port", str(metrics)]}
         prefill = {name: Worker("prefill", [*geometry, *f], logs / f"prefill-{name}.log") for name, f in flags.items()}
         try:
@@ -223,7 +223,7 @@ def test_more_prompts_than_the_bound_are_refused(workers):
             release(c, f"cap-{i}", lease)
     stats = prefill_stats(c)
     assert (stats.prompts_waiting, stats.prompts_running, stats.max_prompts) == (0, 0, 2)
-    assert stats.prefill_policy == "rr" and stats.queued_seconds > 0
+    assert stats.prefill_policy == "srf" and stats.queued_seconds > 0  # the default
     values = _metrics(c.metrics_ports["prefill"])
     assert values["splitgemma_prefill_queued_seconds_count"] >= 2
     c.wait_idle()

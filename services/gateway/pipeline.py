@@ -29,7 +29,9 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 @dataclass
 class Timeouts:
     reserve: float = 5.0
-    prefill: float = 300.0          # a whole prompt; the worker checks for cancellation between chunks
+    # A whole prompt, its wait in the prefill worker's queue included: the worker holds the slot (and the decode
+    # worker keeps its lease) while the call lasts, and stops the prompt, unsealed, when this deadline passes.
+    prefill: float = 300.0
     first_event: float = 30.0       # Generate: admission into the batch (checks the slot header) to the first event
     idle: float = 60.0              # Generate: between two events
     release: float = 2.0

@@ -159,13 +159,17 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 "retry later", trailing_metadata=(("retry-after-ms", "1000"),))
         try:
             await self._lock_slot(job)
-            self.scheduler.submit(job)
         except Stopped as e:
             self._drop(job)
             await context.abort(e.code, str(e))
         except BaseException:
-            self._drop(job)  # never submitted: nothing else will
+            self._drop(job)  # cancelled while waiting: it holds nothing
             raise
+        try:
+            self.scheduler.submit(job)
+        except Stopped as e:  # the worker is stopping
+            self._release(job)
+            await context.abort(e.code, str(e))
         try:
             r = await job.outcome
         except asyncio.CancelledError:
@@ -186,6 +190,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.m_seconds.observe(r.seconds)
         self.m_seal.observe(r.seal_seconds)
         telemetry.set_gen_ai_response(span, output_tokens=1)
+        span.set_attribute("splitgemma.prefill.queued_seconds", r.queued_seconds)
         log.info("prefilled", extra={"request_id": rid, "slot": lease.slot, "generation": lease.generation,
                                      "arena": lease.arena_path, "prompt_tokens": n,
                                      "seconds": round(r.seconds, 6), "queued_seconds": round(r.queued_seconds, 6),

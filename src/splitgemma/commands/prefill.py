@@ -9,7 +9,7 @@ from splitgemma.commands import add_kv_dtype_option, positive_float, positive_in
 
 # The prefill scheduler's policies (services/prefill/scheduler.py); defined here so that --help loads no service.
 POLICIES = ("rr", "srf", "fifo")
-DEFAULT_POLICY = "rr"
+DEFAULT_POLICY = "srf"  # the best time to first token measured (docs/scheduling.md)
 
 DEFAULT_PORT = 50051
 
