@@ -165,11 +165,6 @@ class Scheduler:
             self._jobs.append(job)
             self._cv.notify()
 
-    def wake(self) -> None:
-        """A job was cancelled: drop it now if the model thread is idle between turns."""
-        with self._cv:
-            self._cv.notify()
-
     def close(self) -> None:
         """Stop after the chunk in progress; the jobs still in flight end UNAVAILABLE."""
         with self._cv:

@@ -173,8 +173,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             r = await job.outcome
         except asyncio.CancelledError:
-            job.cancel()  # the caller went away: the job stops before its next chunk, the slot stays unsealed
-            self.scheduler.wake()
+            # The caller went away: the model thread, which sweeps its jobs before every turn, drops this one before
+            # its next chunk; the slot stays unsealed.
+            job.cancel()
             log.info("prefill cancelled by the caller", extra={"request_id": rid, "slot": lease.slot})
             raise
         except Stopped as e:
