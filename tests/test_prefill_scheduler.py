@@ -58,7 +58,7 @@ def prefill_stats(c: Client) -> pb.PrefillStats:
 
 def wait_counts(c: Client, waiting: int, running: int) -> None:
     wait_until(lambda: (lambda s: (s.prompts_waiting, s.prompts_running) == (waiting, running))(prefill_stats(c)),
-               f"{waiting} prompts waiting and {running} running", HANG_GUARD)
+               f"{waiting} prompts waiting and {running} running", HANG_GUARD, interval=0.01)
 
 
 def release(c: Client, rid: str, lease: pb.Lease) -> None:

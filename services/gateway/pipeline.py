@@ -186,8 +186,9 @@ class Pipelines:
     async def prefill(self, run: Run) -> None:
         """Prefill into the leased slot; on any failure (or cancellation) the lease is released.
 
-        A worker that is UNAVAILABLE (gone, or not accepting calls) has not written into the slot, so the prefill
-        is tried again on another healthy prefill worker, once per worker."""
+        A worker that is UNAVAILABLE (gone, or not accepting calls) or RESOURCE_EXHAUSTED (its --max-prompts in
+        flight) has not written into the slot, so the prefill is tried again on another healthy prefill worker, once
+        per worker."""
         tried: set[Worker] = set()
         try:
             while True:
@@ -205,9 +206,11 @@ class Pipelines:
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and self.pool.pick_prefill(exclude=tried):
-                        log.warning("prefill worker unavailable; trying another",
-                                    extra={"request_id": run.request_id, "worker": w.address})
+                    retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    if retry and self.pool.pick_prefill(exclude=tried):
+                        log.warning("prefill worker unavailable or full; trying another",
+                                    extra={"request_id": run.request_id, "worker": w.address,
+                                           "error": e.code().name})
                         continue
                     raise _prefill_error(e) from None
                 finally:

@@ -28,7 +28,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
-from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena, request_key
+from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
                                        sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
                                        token_message, worker_id)
