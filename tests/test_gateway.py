@@ -28,6 +28,7 @@ from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError, fi
     special_token_strings
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest, CompletionRequest, \
     parse_request
+from splitgemma.serving.shm_arena import SlotLocks
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 from tools.otlp_collector import OtlpCollector
@@ -191,7 +192,10 @@ class Stack:
 
     def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS,
                  n_decode: int = 1, n_prefill: int = 1, chunk: int = CHUNK, worker_args: tuple = (),
-                 prefill_args: tuple = (), decode_args: tuple = ()):
+                 prefill_args: tuple = (), decode_args: tuple = (),
+                 per_worker: dict[str, list[str]] | None = None):
+        """worker_args go to every worker, prefill_args / decode_args to every worker of that kind, per_worker to
+        the one named (e.g. {"prefill": ["--max-prompts", "1"]})."""
         self.folder = folder
         self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -211,7 +215,7 @@ class Stack:
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["prefill", *common, "--port", self.addresses[name].split(":")[1],
-                               "--weights", PREFILL_WEIGHTS, *prefill_args])
+                               "--weights", PREFILL_WEIGHTS, *prefill_args, *(per_worker or {}).get(name, [])])
         self.decode_addr, self.prefill_addr = self.addresses["decode"], self.addresses["prefill"]
         joined = {kind: ",".join(a for n, a in self.addresses.items() if n.startswith(kind))
                   for kind in ("decode", "prefill")}
@@ -792,6 +796,37 @@ def test_routing_over_two_decode_and_two_prefill_workers(tmp_path):
         assert ready["status"] == "ready"
         assert [w["healthy"] for w in ready["workers"]["decode"]] == [False, True]
     finally:
+        s.stop()
+
+
+def test_a_full_prefill_worker_is_passed_over(tmp_path):
+    """A prefill worker with its --max-prompts in flight refuses a call (RESOURCE_EXHAUSTED) before writing
+    anything, so the gateway tries the other one: two requests in a row both succeed, although the gateway's
+    alternation sends one of them to the full worker first. The full worker's one call waits for a slot whose writer
+    lock this test holds."""
+    s = Stack(tmp_path, n_prefill=2, per_worker={"prefill": ["--max-prompts", "1"]})
+    locks = None
+    try:
+        lease = s.decode.Reserve(pb.ReserveRequest(request_id="filler", prompt_tokens=4, max_tokens=1), timeout=5)
+        locks = SlotLocks(os.open(lease.arena_path, os.O_RDWR), lease.slot_bytes)
+        assert locks.try_lock(lease.slot)
+        filler = pbg.PrefillStub(s.channels["prefill"]).Prefill.future(
+            pb.PrefillRequest(request_id="filler", prompt_token_ids=[5, 6, 7, 8], lease=lease,
+                              sampling=pb.SamplingParams(temperature=0)), timeout=60)
+        wait_until(lambda: s.stats("prefill").prompts_waiting == 1, "the full prefill worker", 30)
+        before = s.stats("prefill-2").requests
+        for i in range(2):
+            r = s.client().completions.create(model=MODEL_NAME, prompt=_words(400 + i, 6), max_tokens=2)
+            assert r.usage.completion_tokens == 2
+        assert s.stats("prefill-2").requests == before + 2
+        assert "prefill worker unavailable or full; trying another" in s.log("gateway")
+        locks.unlock(lease.slot)
+        assert filler.result(30).prompt_tokens == 4
+        s.decode.Release(pb.ReleaseRequest(request_id="filler", lease=lease), timeout=5)
+        s.wait_idle()
+    finally:
+        if locks is not None:
+            locks.close()
         s.stop()
 
 

@@ -32,8 +32,9 @@ FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "lengt
 @dataclass
 class Timeouts:
     reserve: float = 5.0            # the Reserve RPC, beyond the decode worker's queue timeout
-    # A whole prompt, including its wait for the prefill worker behind others: a hang guard, not a limit (the
-    # decode worker keeps the lease alive while its prefill writes; the client going away cancels the call).
+    # A whole prompt, its wait in the prefill worker's queue included: the worker holds the slot (and the decode
+    # worker keeps its lease) while the call lasts, and stops the prompt, unsealed, when this deadline or its own
+    # --max-prefill-seconds (default 600 s) passes. A hang guard: the client going away cancels the call sooner.
     prefill: float = 1800.0
     first_event: float = 30.0       # Generate: admission into the batch (checks the slot header) to the first event
     idle: float = 60.0              # Generate: between two events
@@ -206,8 +207,9 @@ class Pipelines:
     async def prefill(self, run: Run) -> None:
         """Prefill into the leased slot; on any failure (or cancellation) the lease is released.
 
-        A worker that is UNAVAILABLE (gone, or not accepting calls) has not written into the slot, so the prefill
-        is tried again on another healthy prefill worker, once per worker."""
+        A worker that is UNAVAILABLE (gone, or not accepting calls) or RESOURCE_EXHAUSTED (its --max-prompts in
+        flight) has not written into the slot, so the prefill is tried again on another healthy prefill worker, once
+        per worker."""
         tried: set[Worker] = set()
         affinity = prefix_affinity(run.spec.prompt_ids, run.lease.chunk)
         try:
@@ -226,9 +228,11 @@ class Pipelines:
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)
-                    if e.code() == grpc.StatusCode.UNAVAILABLE and self.pool.pick_prefill(exclude=tried):
-                        log.warning("prefill worker unavailable; trying another",
-                                    extra={"request_id": run.request_id, "worker": w.address})
+                    retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+                    if retry and self.pool.pick_prefill(exclude=tried):
+                        log.warning("prefill worker unavailable or full; trying another",
+                                    extra={"request_id": run.request_id, "worker": w.address,
+                                           "error": e.code().name})
                         continue
                     raise _prefill_error(e) from None
                 finally:

@@ -1,14 +1,17 @@
-"""The prefill worker: runs a prompt straight into a slot of a decode worker's shared-memory arena, seals the slot
+"""The prefill worker: runs prompts straight into slots of decode workers' shared-memory arenas, seals each slot
 header and samples the first token (protos/splitgemma/v1/serving.proto, service Prefill).
 
-One Model per worker; its calls run one at a time on a single worker thread (the engine releases the GIL), so
-the asyncio loop keeps answering health checks and cancellations while a prompt runs. The prompt is run chunk by
-chunk (Model.chunk positions per call, the same passes one call would make): between chunks the worker notices a
-cancelled call or a lease past its deadline and stops without sealing, so a half-written slot can never be
-admitted (Generate verifies the seal and checksum). It writes a slot only under the slot's writer lock and only if
-the slot's lease stamp is its lease (shm_arena.SlotLocks), so the decode worker never hands a slot to a new owner
-while a stale prefill can still write it. The prefix cache (prefix_cache.py) restores a prompt's cached prefix
-into the slot before the first chunk and keeps the full blocks each chunk completes.
+One Model per worker. Calls are accepted concurrently (up to --max-prompts) and their chunks run interleaved on one
+model thread (scheduler.py, --prefill-policy), so a short prompt does not wait for a long one to end; the engine
+releases the GIL, so the asyncio loop keeps answering health checks, Stats and cancellations meanwhile.
+
+A call takes its slot's writer lock when it is accepted (shm_arena.SlotLocks; waiting on the loop, by polling,
+while another writer holds it) and keeps it until its seal or its stop. While the lock is held the decode worker
+cannot take the slot back, so the lease's deadline is checked once, on arrival; from then on the bound is the
+call's own gRPC deadline (the gateway sets one), capped by --max-prefill-seconds. Between chunks a cancelled call or
+a passed deadline stops the prompt without sealing, so a half-written slot can never be admitted (Generate
+verifies the seal and checksum), and the lock is let go. The prefix cache (prefix_cache.py) restores a
+prompt's cached prefix into the slot in the job's first step and keeps the full blocks each chunk completes.
 """
 
 from __future__ import annotations
@@ -18,18 +21,15 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 from opentelemetry import trace
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from splitgemma.engine import sample
 from splitgemma.serving import telemetry
-from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena, request_key
+from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
                                        sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
                                        token_message, worker_id)
@@ -37,6 +37,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 from .prefix_cache import PrefixCache, PrefixCacheCollector
+from .scheduler import PrefillJob, Scheduler, Stopped
 
 log = logging.getLogger("splitgemma.prefill")
 
@@ -44,61 +45,80 @@ log = logging.getLogger("splitgemma.prefill")
 _MAX_ARENAS = 64
 
 
-class _Stopped(Exception):
-    """The prompt run stopped between chunks: `code` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class _Result:
-    first: object  # splitgemma.engine.Sample
-    checksum: int
-    cached_tokens: int
-    seconds: float
-    seal_seconds: float
+# Polling for a slot's writer lock held by another writer: a first retry soon (a stale prefill that finds its
+# stamp cleared lets go at once), then at most this often.
+_LOCK_POLL_S = (0.002, 0.02)
 
 
 class PrefillServicer(pb_grpc.PrefillServicer):
-    def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer,
-                 prefix_cache: PrefixCache):
+    def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer, policy: str,
+                 max_prompts: int, max_seconds: float, prefix_cache: PrefixCache):
         self.model = model
         self.prefix_cache = prefix_cache
         self.shm_dir = shm_dir
         self.worker_id = worker
         self.tracer = tracer
         self.model_name = Path(model.path).stem
+        self.max_prompts = max_prompts
+        self.max_seconds = max_seconds
         self.draining = False
-        self.in_flight = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefill-model")
+        self.in_flight = 0  # calls being answered (the drain waits for them)
         self._arenas: dict[str, MappedArena] = {}
+        # Accepted jobs that have not ended, and the slots they hold the writer lock of. Two calls for one slot in
+        # this process share the arena's file description, so its OFD lock would not keep them apart: this does.
+        # Added to on the loop, removed from on the model thread.
+        self._jobs: set[PrefillJob] = set()
+        self._slots: dict[tuple, PrefillJob] = {}
+        self._jobs_lock = threading.Lock()
         layout = model.kv_layout
         scale_bytes = 8 if layout["kv_dtype"] == "int8" else 0  # an f16 cache has no per-position scales
         self._kv_layers = [(L["cap"], 2 * L["row_bytes"] + scale_bytes) for L in layout["layers"]]
         self.requests = 0
         self.prompt_tokens = 0
         self.busy_seconds = 0.0
+        self.queued_seconds = 0.0
         self.m_requests = Counter("splitgemma_prefill_requests", "Prefill calls by outcome", ["outcome"],
                                   registry=registry)
         self.m_tokens = Counter("splitgemma_prefill_tokens", "prompt tokens run", registry=registry)
-        self.m_seconds = Histogram("splitgemma_prefill_seconds", "prompt run time (all chunks)",
-                                   buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60),
+        self.m_seconds = Histogram("splitgemma_prefill_seconds", "prompt run time (first chunk to seal)",
+                                   buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120, 300),
                                    registry=registry)
+        self.m_queued = Histogram("splitgemma_prefill_queued_seconds",
+                                  "time from accepting a call to its first chunk (slot lock and queue)",
+                                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 20, 60, 120, 300),
+                                  registry=registry)
         self.m_seal = Histogram("splitgemma_prefill_handoff_seal_seconds", "slot header seal (checksum) time",
                                 buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1), registry=registry)
         registry.register(PrefixCacheCollector(prefix_cache))
+        prompts = Gauge("splitgemma_prefill_prompts", "accepted calls: waiting (for the slot lock or their first "
+                        "chunk) or running", ["state"], registry=registry)
+        prompts.labels(state="waiting").set_function(lambda: self.counts()[0])
+        prompts.labels(state="running").set_function(lambda: self.counts()[1])
+        self.scheduler = Scheduler(policy, on_start=self._started)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.scheduler.close()
+
+    def counts(self) -> tuple[int, int]:
+        """(waiting, running) accepted calls."""
+        with self._jobs_lock:
+            running = sum(j.started is not None for j in self._jobs)
+            return len(self._jobs) - running, running
+
+    def _started(self, job: PrefillJob) -> None:
+        queued = job.started - job.accepted
+        self.queued_seconds += queued  # only the model thread adds
+        self.m_queued.observe(queued)
 
     # --------------------------------------------------------------------------------------------------------
 
     async def Stats(self, request, context):
+        waiting, running = self.counts()
         stats = pb.PrefillStats(worker_id=self.worker_id, requests=self.requests, prompt_tokens=self.prompt_tokens,
                                 busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
-                                layout_signature=self.model.layout_signature, prefix_cache=self.prefix_cache.stats())
+                                layout_signature=self.model.layout_signature, prefix_cache=self.prefix_cache.stats(),
+                                prompts_waiting=waiting, prompts_running=running, queued_seconds=self.queued_seconds,
+                                prefill_policy=self.scheduler.policy, max_prompts=self.max_prompts)
         stats.prefix_cache.block_tokens = self.model.chunk
         return stats
 
@@ -134,35 +154,107 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (InvalidRequest, ArenaError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
-        cancel = threading.Event()
-        loop = asyncio.get_running_loop()
+        if time.time() * 1000 > lease.deadline_unix_ms:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
+                                "written")
+        job = self._accept(context, view, request, tokens, sampling)
+        if job is None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
+                                "retry later", trailing_metadata=(("retry-after-ms", "1000"),))
         try:
-            r = await loop.run_in_executor(self._executor, self._run, view, request, tokens, sampling, seed, cancel)
+            await self._lock_slot(job)
+        except Stopped as e:
+            self._drop(job)
+            await context.abort(e.code, str(e))
+        except BaseException:
+            self._drop(job)  # cancelled while waiting: it holds nothing
+            raise
+        try:
+            self.scheduler.submit(job)
+        except Stopped as e:  # the worker is stopping
+            self._release(job)
+            await context.abort(e.code, str(e))
+        try:
+            r = await job.outcome
         except asyncio.CancelledError:
-            cancel.set()  # the caller went away: stop at the next chunk, leave the slot unsealed
+            # The caller went away: the model thread, which sweeps its jobs before every turn, drops this one before
+            # its next chunk; the slot stays unsealed.
+            job.cancel()
             log.info("prefill cancelled by the caller", extra={"request_id": rid, "slot": lease.slot})
             raise
-        except _Stopped as e:
+        except Stopped as e:
             await context.abort(e.code, str(e))
         except (ValueError, IndexError) as e:  # the engine refused (its checks run before any slot byte changes)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill refused: {e}")
         n = len(tokens)
         self.requests += 1
         self.prompt_tokens += n
-        self.busy_seconds += r.seconds
+        self.busy_seconds += job.busy_seconds
         self.m_requests.labels(outcome="ok").inc()
         self.m_tokens.inc(n)
         self.m_seconds.observe(r.seconds)
         self.m_seal.observe(r.seal_seconds)
         telemetry.set_gen_ai_response(span, output_tokens=1)
         span.set_attribute("gen_ai.usage.cache_read.input_tokens", r.cached_tokens)
+        span.set_attribute("splitgemma.prefill.queued_seconds", r.queued_seconds)
         log.info("prefilled", extra={"request_id": rid, "slot": lease.slot, "generation": lease.generation,
                                      "arena": lease.arena_path, "prompt_tokens": n, "cached_tokens": r.cached_tokens,
-                                     "seconds": round(r.seconds, 6), "first_token": r.first.token})
+                                     "seconds": round(r.seconds, 6), "queued_seconds": round(r.queued_seconds, 6),
+                                     "first_token": r.first.token})
         return pb.PrefillResponse(first_token=token_message(r.first), prompt_tokens=n, kv_checksum=r.checksum,
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
-                                  kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens)
+                                  kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens,
+                                  queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
+                                  last_chunk_step=r.last_step)
+
+    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict) -> PrefillJob | None:
+        """A job for the call, counted in flight; None when --max-prompts are in flight already."""
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < self.max_seconds:
+            deadline, reason = time.monotonic() + remaining, "the call's deadline"
+        else:
+            deadline, reason = time.monotonic() + self.max_seconds, \
+                f"the worker's limit of {self.max_seconds:g} s per prompt (--max-prefill-seconds)"
+        seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
+        job = PrefillJob(self.model, view, request, tokens, sampling, seed, deadline, reason,
+                         prefix_cache=self.prefix_cache, release=lambda: self._release(job),
+                         loop=asyncio.get_running_loop())
+        with self._jobs_lock:
+            if len(self._jobs) >= self.max_prompts:
+                return None
+            self._jobs.add(job)
+        return job
+
+    async def _lock_slot(self, job: PrefillJob) -> None:
+        """Take the job's slot's writer lock, polling while another writer (in this process or another) holds it,
+        until the job's deadline."""
+        view, slot = job.view, job.lease.slot
+        key = (view.identity, slot)
+        delay = _LOCK_POLL_S[0]
+        while True:
+            with self._jobs_lock:
+                if key not in self._slots and view.locks.try_lock(slot):
+                    self._slots[key] = job
+                    return
+            if time.monotonic() > job.deadline:
+                raise Stopped(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"slot {slot}'s writer lock was still held by another writer when "
+                              f"{job.deadline_reason} passed; nothing was written")
+            await asyncio.sleep(min(delay, max(0.0, job.deadline - time.monotonic())))
+            delay = min(2 * delay, _LOCK_POLL_S[1])
+
+    def _release(self, job: PrefillJob) -> None:
+        """The job has ended (on the model thread): its slot's writer lock goes back, then its place in flight."""
+        job.view.locks.unlock(job.lease.slot)
+        with self._jobs_lock:
+            del self._slots[(job.view.identity, job.lease.slot)]
+        self._drop(job)
+
+    def _drop(self, job: PrefillJob) -> None:
+        with self._jobs_lock:
+            self._jobs.discard(job)
 
     def _check(self, request) -> np.ndarray:
         lease, m = request.lease, self.model
@@ -206,43 +298,6 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         log.info("mapped arena", extra={"arena": lease.arena_path, "slots": lease.n_slots})
         return view
 
-    def _run(self, view: MappedArena, request, tokens: np.ndarray, sampling: dict, seed: int,
-             cancel: threading.Event) -> _Result:
-        """The prompt run, on the model thread."""
-        lease = request.lease
-        deadline = lease.deadline_unix_ms / 1000
-
-        def check() -> None:
-            if cancel.is_set():
-                raise _Stopped(grpc.StatusCode.CANCELLED, "the caller cancelled the prefill")
-            if time.time() > deadline:
-                raise _Stopped(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"the lease on slot {lease.slot} expired before the prefill finished; the slot was "
-                               "left unsealed")
-
-        t0 = time.perf_counter()
-        chunk = self.model.chunk
-        logits = None
-        # The slot's writer lock, held for the whole run: the decode worker cannot take the slot back while we write
-        # (shm_arena.SlotLocks). Under it, the lease stamp says whether the slot is still ours.
-        with view.locks.held(lease.slot):
-            check()  # an expired lease says so (its stamp is cleared too)
-            if view.arena.header(lease.slot)["generation"] != lease.generation:
-                raise _Stopped(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"slot {lease.slot} is not leased to generation {lease.generation} (the lease was "
-                               "revoked: released or expired, or was never issued); nothing was written")
-            cached = self.prefix_cache.restore(view.arena, lease.slot, tokens)
-            for i in range(cached, len(tokens), chunk):
-                check()
-                logits = self.model.prefill(view.arena, lease.slot, tokens[i:i + chunk], pos0=i)
-                self.prefix_cache.capture(view.arena, lease.slot, tokens, i, len(tokens[i:i + chunk]))
-            check()
-            t1 = time.perf_counter()
-            view.arena.seal(lease.slot, request_key(request.request_id), lease.generation)
-            t2 = time.perf_counter()
-        first = sample(logits, rng_state=seed, **sampling)
-        return _Result(first, view.arena.header(lease.slot)["checksum"], cached, t2 - t0, t2 - t1)
-
     def _kv_bytes(self, n: int) -> int:
         """Bytes of K/V (codes and scales) and header this prompt left in the slot."""
         return 64 + sum(min(cap, n) * per_position for cap, per_position in self._kv_layers)
@@ -255,7 +310,8 @@ async def serve(args) -> int:
     model = open_model(args, max_batch=1)
     registry = CollectorRegistry()
     servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer,
-                               prefix_cache=PrefixCache(args.prefix_cache_bytes))
+                               policy=args.prefill_policy, max_prompts=args.max_prompts,
+                               max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes))
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
                             lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv))
@@ -266,6 +322,8 @@ async def serve(args) -> int:
             "port": server.port, "max_context": model.max_context, "chunk": model.chunk, "backend": model.backend,
             "weights": model.weights, "threads": model.threads, "model": model.path, "shm_dir": args.shm_dir,
             "prefix_cache_bytes": args.prefix_cache_bytes,
+            "prefill_policy": args.prefill_policy, "max_prompts": args.max_prompts,
+            "max_prefill_seconds": args.max_prefill_seconds,
             "layout_signature": f"{model.layout_signature:016x}"})
         def start_draining() -> None:
             servicer.draining = True

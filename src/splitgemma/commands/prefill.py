@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import add_kv_dtype_option, byte_count, positive_int
+from splitgemma.commands import add_kv_dtype_option, byte_count, positive_float, positive_int
+
+# The prefill scheduler's policies (services/prefill/scheduler.py); defined here so that --help loads no service.
+POLICIES = ("rr", "srf", "fifo")
+DEFAULT_POLICY = "srf"  # the best time to first token measured (docs/scheduling.md)
 
 DEFAULT_PORT = 50051
 
@@ -64,6 +68,16 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="auto:16")
     add_prefix_cache_option(p)
+    p.add_argument("--prefill-policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help="which prompt's chunk the model thread runs next: rr (round robin by chunk), srf (shortest "
+                        "remaining first) or fifo (one prompt at a time); docs/scheduling.md compares them "
+                        f"(default: {DEFAULT_POLICY})")
+    p.add_argument("--max-prompts", type=positive_int, default=32, metavar="N",
+                   help="Prefill calls in flight (waiting or running); more are refused with RESOURCE_EXHAUSTED "
+                        "(default: 32)")
+    p.add_argument("--max-prefill-seconds", type=positive_float, default=600.0, metavar="S",
+                   help="longest a call may hold its slot, from acceptance to seal, when its own gRPC deadline is "
+                        "later or absent (default: 600)")
     p.set_defaults(func=run)
 
 
