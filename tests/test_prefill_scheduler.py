@@ -40,7 +40,10 @@ def workers(tmp_path_factory):
         (metrics,) = free_ports(1)
         flags = {"rr": ["--prefill-policy", "rr"], "srf": [], "fifo": ["--prefill-policy", "fifo"],
                  "tight": ["--max-prompts", "2", "--max-prefill-seconds", "3", "--metrics-port", str(metrics)]}
-        prefill = {name: Worker("prefill", [*geometry, *f], logs / f"prefill-{name}.log") for name, f in flags.items()}
+        # The prefix cache is off: these tests run a prompt solo and then again, and the second run must compute
+        # every chunk, not restore them (tests/test_prefix_cache.py covers the cache).
+        prefill = {name: Worker("prefill", [*geometry, "--prefix-cache-bytes", "0", *f], logs / f"prefill-{name}.log")
+                   for name, f in flags.items()}
         try:
             d.wait_ready()
             clients = {name: Client(d, p.wait_ready()) for name, p in prefill.items()}
