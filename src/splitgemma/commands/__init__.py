@@ -8,6 +8,7 @@ belong inside ``func`` so that ``splitgemma --help`` stays quick.
 """
 
 import argparse
+import re
 
 
 class CommandError(Exception):
@@ -41,4 +42,22 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a number") from None
     if not v > 0:
         raise argparse.ArgumentTypeError(f"invalid value {text}: must be positive")
+    return v
+
+
+
+_SIZE = re.compile(r"(\d[\d_]*)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size of at least 1 byte, in bytes or with a binary suffix as docker writes them
+    (512m, 8g, 8GiB, 8G = 8 × 2**30)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: bytes, or a whole number with k, m, g or t "
+                                         "(powers of 1024)")
+    v = int(m.group(1).replace("_", "")) * _SIZE_UNITS[m.group(2).lower()]
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be at least 1 byte")
     return v
