@@ -5,17 +5,20 @@ against sample()."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 
 import numpy as np
 import pytest
 
-from splitgemma.engine import Model, sample
-from splitgemma.services.decode.batch import _argmax
+from splitgemma.engine import Model, Sample, open_arena, sample
+from splitgemma.serving.detokenize import TextStream
+from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError, _argmax
+from splitgemma.services.decode.slots import SlotTable
 from splitgemma.services.decode.capacity import FOLDER_HEADROOM, CapacityError, default_budget, plan
 from splitgemma.v1 import serving_pb2 as pb
-from test_workers import FGM, RPC_TIMEOUT, Client, Worker, _metrics, prompt_of, reference
+from test_workers import FGM, RPC_TIMEOUT, Client, Worker, _byte_fallback_tokenizer, _metrics, prompt_of, reference
 from tools.procs import SPLITGEMMA, free_ports, private_shm
 
 # A context long enough that no stream can end (it runs until its slot is full) before all 32 have joined: the
@@ -162,3 +165,57 @@ def test_argmax_path_equals_greedy_sample():
         assert _argmax(row, 0) is None  # the batch loop then calls sample(), which raises its own error
         with pytest.raises(ValueError):
             sample(row, temperature=0)
+
+
+class _Metrics:
+    """What the batch loop reports per step (DecodeMetrics' two calls), kept."""
+
+    def __init__(self):
+        self.batches = []
+
+    def step(self, seconds: float, batch: int) -> None:
+        self.batches.append(batch)
+
+    def host(self, seconds: float) -> None:
+        pass
+
+
+def test_a_failing_row_ends_alone(ref_model):
+    """One sequence's detokenizer fails (tokenizers' DecodeStream refuses byte 0xC3 followed by a plain token: the
+    UTF-8 character never completes); the batch loop ends that stream with INTERNAL and the others decode on."""
+    tok, vocab = _byte_fallback_tokenizer()
+    bad_text = TextStream(tok)
+    bad_text.push(vocab["<0x41>"])
+    bad_text.push(vocab["<0xC3>"])
+
+    async def run():
+        arena = open_arena(ref_model, 3)
+        prompts = [prompt_of(700 + i, 9) for i in range(3)]
+        firsts = [sample(ref_model.prefill(arena, i, p), temperature=0) for i, p in enumerate(prompts)]
+        metrics = _Metrics()
+        loop = BatchLoop(ref_model, arena, SlotTable(3, stamp=lambda s, g: None, revoke=lambda s: True),
+                         asyncio.get_running_loop(), metrics)
+        seqs = [Sequence(request_id=f"row-{i}", slot=i, prompt_tokens=9, first=firsts[i] if i else Sample(1, 0, 0, []),
+                         sampling={"temperature": 0.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0}, logprobs=False,
+                         rng_state=0, max_tokens=12, max_context=CTX, stop_ids=frozenset(),
+                         text=bad_text if i == 0 else None, token_name=str, queue=asyncio.Queue()) for i in range(3)]
+        loop.start()
+        for q in seqs:
+            loop.admit(q)
+        got = []
+        for q in seqs:
+            items = [await asyncio.wait_for(q.queue.get(), RPC_TIMEOUT)]
+            while not isinstance(items[-1], StreamError) and not items[-1].finish_reason:
+                items.append(await asyncio.wait_for(q.queue.get(), RPC_TIMEOUT))
+            got.append(items)
+        loop.stop()
+        return prompts, got, metrics.batches
+
+    prompts, got, batches = asyncio.run(run())
+    assert len(got[0]) == 1 and isinstance(got[0][0], StreamError) and got[0][0].code == "INTERNAL"
+    assert "Invalid prefix" in str(got[0][0])
+    for i in (1, 2):
+        tokens = [t.token_id for ev in got[i] for t in ev.tokens]
+        assert got[i][-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert tokens == [s.token for s in reference(ref_model, prompts[i], 12, pb.SamplingParams(temperature=0))]
+    assert max(batches) == 2

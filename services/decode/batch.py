@@ -182,8 +182,8 @@ class BatchLoop:
                 if self._running:
                     self._step(out)
             except Exception as e:
-                # Never let this thread die with streams waiting on it: whatever failed (a decode step, a row's
-                # sampling) ends the sequences of this iteration with the error; the worker goes on.
+                # Never let this thread die with streams waiting on it: whatever failed outside one row's own
+                # work (a decode step) ends the sequences of this iteration with the error; the worker goes on.
                 held = list(dict.fromkeys(new + self._running))
                 log.exception("decode iteration failed", extra={"request_ids": [q.request_id for q in held]})
                 for seq in held:
@@ -199,8 +199,7 @@ class BatchLoop:
         if seq.cancelled:
             out.append((seq, seq.end(pb.FINISH_REASON_CANCELLED)))
             return
-        out.append((seq, seq.accept(seq.first, batch_size=len(self._running) + 1)))
-        if not seq.done:
+        if self._accept_row(seq, seq.first, len(self._running) + 1, out) and not seq.done:
             self._running.append(seq)
 
     def _drop_cancelled(self, out: list) -> None:
@@ -233,12 +232,29 @@ class BatchLoop:
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, n)
         self.metrics.step(dt, n)
         for i, seq in enumerate(batch):
-            s = _argmax(logits[i], seq.rng_state) if seq.argmax_only else None
-            if s is None:
-                s = sample(logits[i], rng_state=seq.rng_state, **seq.sampling)
-            seq.rng_state = s.rng_state
-            out.append((seq, seq.accept(s, batch_size=n)))
+            self._accept_row(seq, logits[i], n, out)
         self._running = [s for s in batch if not s.done]
+
+    def _accept_row(self, seq: Sequence, row, batch_size: int, out: list) -> bool:
+        """Sample the row's token (row: its logits, or the prefill's Sample) and queue its event. A row whose
+        sampling or detokenizing fails ends alone with the error: in a wide batch, one bad row must not take the
+        other streams with it. False when it failed."""
+        try:
+            if isinstance(row, Sample):
+                s = row
+            else:
+                s = _argmax(row, seq.rng_state) if seq.argmax_only else None
+                if s is None:
+                    s = sample(row, rng_state=seq.rng_state, **seq.sampling)
+                seq.rng_state = s.rng_state
+            out.append((seq, seq.accept(s, batch_size=batch_size)))
+            return True
+        except Exception as e:
+            log.exception("a sequence failed in its decode step", extra={"request_id": seq.request_id,
+                                                                          "slot": seq.slot})
+            seq.finish_reason = pb.FINISH_REASON_ERROR
+            out.append((seq, StreamError("INTERNAL", f"decode failed for this sequence: {e}")))
+            return False
 
     def _rows_alone(self, batch: list[Sequence], out: list):
         good, rows = [], []
