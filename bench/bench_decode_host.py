@@ -23,7 +23,7 @@ import numpy as np
 
 from splitgemma.engine import Model, Sample, open_arena
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.services.decode.batch import BatchLoop, Sequence
+from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
 from splitgemma.services.decode.slots import SlotTable
 
 ARMS = {"greedy": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0},
@@ -59,8 +59,12 @@ async def run_round(model, arena, tokenizer, batch: int, arm: str, steps: int, p
     for s in seqs:
         bl.admit(s)
     for s in seqs:
-        while not (await s.queue.get()).finish_reason:
-            pass
+        while True:
+            item = await s.queue.get()
+            if isinstance(item, StreamError):
+                raise SystemExit(f"{s.request_id}: {item}")
+            if item.finish_reason:
+                break
     bl.stop()
     return rec
 
@@ -85,7 +89,8 @@ def main() -> None:
     arena = open_arena(model, max(batches))
     rng = np.random.default_rng(0)
     for s in range(max(batches)):
-        model.prefill(arena, s, rng.integers(4, 1000, args.prompt_tokens).tolist())
+        # Ids past the byte-fallback tokens (Gemma's <0x..> are 238-493), so that the text stays valid UTF-8.
+        model.prefill(arena, s, rng.integers(1000, 20000, args.prompt_tokens).tolist())
     print(f"model {args.model}: backend {model.backend}, {model.threads} threads, vocab {model.vocab_size}, "
           f"load average {os.getloadavg()[0]:.1f}")
     got: dict = {}
