@@ -9,7 +9,7 @@ admits B sequences (prompts of --prompt-tokens random ids, prefilled once) and d
 sampling arms, alternated and repeated (--repeats): greedy without logprobs (the argmax path), greedy with the
 token's logprob (a sample() call per row, as every row was before the argmax path) and sampled (temperature 1,
 top-k 64, top-p 0.95) with logprobs and 5 alternatives. Medians per step are printed, with the
-load average: the machine is shared.
+load average (the machine is shared) and the streams that ended with an error (they leave the batch).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class Recorder:
 
     def __init__(self):
         self.steps, self.hosts = [], []
+        self.failed = 0  # streams that ended with an error
 
     def step(self, seconds: float, batch: int) -> None:
         self.steps.append(seconds)
@@ -51,7 +52,7 @@ async def run_round(model, arena, tokenizer, batch: int, arm: str, steps: int, p
     bl = BatchLoop(model, arena, table, loop, rec)
     bl.start()
     kw = ARMS[arm]
-    seqs = [Sequence(request_id=f"r{i}", slot=i, prompt_tokens=prompt_tokens, first=Sample(7 + i, 1, 0.0, []),
+    seqs = [Sequence(request_id=f"r{i}", slot=i, prompt_tokens=prompt_tokens, first=Sample(1000 + i, 1, 0.0, []),
                      sampling=kw, logprobs=arm != "greedy", rng_state=1 + i, max_tokens=steps + 1,
                      max_context=model.max_context, stop_ids=frozenset(),
                      text=TextStream(tokenizer) if tokenizer is not None else None, token_name=str,
@@ -61,8 +62,9 @@ async def run_round(model, arena, tokenizer, batch: int, arm: str, steps: int, p
     for s in seqs:
         while True:
             item = await s.queue.get()
-            if isinstance(item, StreamError):
-                raise SystemExit(f"{s.request_id}: {item}")
+            if isinstance(item, StreamError):  # the row left the batch (e.g. its text was not UTF-8)
+                rec.failed += 1
+                break
             if item.finish_reason:
                 break
     bl.stop()
@@ -101,10 +103,13 @@ def main() -> None:
                 got.setdefault((b, arm), Recorder())
                 got[(b, arm)].steps += rec.steps
                 got[(b, arm)].hosts += rec.hosts
-    print(f"{'B':>3} {'arm':<17} {'Model.decode ms':>16} {'host ms/step':>13} {'host share':>10} {'tok/s':>7}")
+                got[(b, arm)].failed += rec.failed
+    print(f"{'B':>3} {'arm':<17} {'Model.decode ms':>16} {'host ms/step':>13} {'host share':>10} {'tok/s':>7} "
+          f"{'failed':>6}")
     for (b, arm), rec in got.items():
         d, h = statistics.median(rec.steps), statistics.median(rec.hosts)
-        print(f"{b:>3} {arm:<17} {d * 1e3:>16.1f} {h * 1e3:>13.2f} {h / (d + h):>9.1%} {b / (d + h):>7.1f}")
+        print(f"{b:>3} {arm:<17} {d * 1e3:>16.1f} {h * 1e3:>13.2f} {h / (d + h):>9.1%} {b / (d + h):>7.1f} "
+              f"{rec.failed:>6}")
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
