@@ -61,7 +61,8 @@ def _ready_line(log: str) -> dict:
 
 
 def test_budget_sets_the_slot_count(wide, slot_bytes):
-    assert wide.stats().slots_total == N
+    st = wide.stats()
+    assert (st.slots_total, st.slot_bytes, st.kv_cache_bytes) == (N, slot_bytes, N * slot_bytes + slot_bytes // 2)
     log = wide.decode_worker.log_text()
     ready = _ready_line(log)
     assert (ready["slots"], ready["slot_bytes"], ready["arena_bytes"]) == (N, slot_bytes, N * slot_bytes)
@@ -102,6 +103,8 @@ def test_32_streams_in_one_pass_each_equal_alone(wide, ref_model):
     values = _metrics(wide.metrics_ports["decode"])
     # One observation of the batch loop's own time per decode step, beside the engine's.
     assert values["splitgemma_decode_host_seconds_count"] == values["splitgemma_decode_step_seconds_count"] == st.steps
+    assert values["splitgemma_decode_host_seconds_sum"] == pytest.approx(st.host_seconds)
+    assert values["splitgemma_decode_step_seconds_sum"] == pytest.approx(st.decode_seconds)
     assert values["splitgemma_decode_batch_size_bucket{le=\"32.0\"}"] - \
         values["splitgemma_decode_batch_size_bucket{le=\"16.0\"}"] >= 6
 

@@ -112,6 +112,8 @@ class BatchStats:
     steps: int = 0
     tokens: int = 0
     max_batch_seen: int = 0
+    decode_seconds: float = 0.0  # in Model.decode
+    host_seconds: float = 0.0  # the loop's own work in iterations that stepped
 
 
 class BatchLoop:
@@ -193,7 +195,9 @@ class BatchLoop:
                 self._running = []
             self._finish(out)
             if self._engine_seconds is not None:
-                self.metrics.host(time.perf_counter() - t0 - self._engine_seconds)
+                host = time.perf_counter() - t0 - self._engine_seconds
+                self.stats.host_seconds += host
+                self.metrics.host(host)
 
     def _start(self, seq: Sequence, out: list) -> None:
         if seq.cancelled:
@@ -226,6 +230,7 @@ class BatchLoop:
                 return
         dt = time.perf_counter() - t0
         self._engine_seconds = dt
+        self.stats.decode_seconds += dt
         n = len(batch)
         self.stats.steps += 1
         self.stats.tokens += n

@@ -76,7 +76,7 @@ class DecodeMetrics:
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, *, model, arena: ShmArena, table: SlotTable, batch: BatchLoop, metrics: DecodeMetrics,
-                 worker: str, tokenizer, stop_tokens, lease_ms: int, tracer):
+                 worker: str, tokenizer, stop_tokens, lease_ms: int, tracer, kv_cache_bytes: int | None):
         self.model = model
         self.shm = arena
         self.table = table
@@ -87,6 +87,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.stop_tokens = frozenset(stop_tokens)
         self.lease_ms = lease_ms
         self.tracer = tracer
+        self.kv_cache_bytes = kv_cache_bytes
         self.model_name = Path(model.path).stem
         self.draining = False
         self.admissions_refused = 0
@@ -147,7 +148,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                               leases_expired=self.table.leases_expired,
                               admissions_refused=self.admissions_refused, backend=self.model.backend,
                               model=self.model.path, layout_signature=self.model.layout_signature,
-                              max_context=self.model.max_context)
+                              max_context=self.model.max_context, slot_bytes=self.shm.slot_bytes,
+                              kv_cache_bytes=self.kv_cache_bytes or 0, decode_seconds=st.decode_seconds,
+                              host_seconds=st.host_seconds)
 
     # --------------------------------------------------------------------------------------------------------
 
@@ -319,7 +322,7 @@ async def serve(args) -> int:
         batch = BatchLoop(model, shm.arena, table, loop, metrics)
         servicer = DecodeServicer(model=model, arena=shm, table=table, batch=batch, metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
-                                  tracer=tel.tracer)
+                                  tracer=tel.tracer, kv_cache_bytes=cap.budget)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
                             lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv))
         start_metrics(args.metrics_port, args.host, registry)
