@@ -261,7 +261,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             request_id=rid, slot=lease.slot, prompt_tokens=request.prompt_tokens,
             first=Sample(first.token_id, request.rng_state, first.logprob,
                          [(t.token_id, t.logprob) for t in first.top_logprobs]),
-            sampling=sampling, logprobs=request.sampling.logprobs, rng_state=request.rng_state, max_tokens=request.max_tokens or slot.max_tokens,
+            sampling=sampling, logprobs=request.sampling.logprobs, rng_state=request.rng_state,
+            max_tokens=request.max_tokens or slot.max_tokens,
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
             text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens)
                   if self.tokenizer is not None else None),
