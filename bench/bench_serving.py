@@ -32,10 +32,12 @@ import time
 from pathlib import Path
 
 
-def start_stack(args, shm_dir: str) -> tuple[subprocess.Popen, str]:
+def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`splitgemma up` for args.model with slots for max(args.concurrency) streams (and `extra` options); its
+    process and /v1 URL once it is ready."""
     argv = [sys.executable, "-m", "splitgemma", "up", "--model", args.model, "--port", "0",
             "--slots", str(max(args.concurrency)), "--max-context", str(args.max_context),
-            "--shm-dir", shm_dir, "--log-level", "WARNING"]
+            "--shm-dir", shm_dir, "--log-level", "WARNING", *extra]
     if args.tokenizer:
         argv += ["--tokenizer", args.tokenizer]
     if args.threads:

@@ -11,7 +11,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import openai
+import pytest
+
+from splitgemma.engine import Model
 
 from tools.procs import SPLITGEMMA, LoggedProcess
 
@@ -44,11 +48,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start(shm_dir: Path, tmp_path: Path):
+def _start(shm_dir: Path, tmp_path: Path, *options: str):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     # up gets SIGTERM (and stops its children) if the tests die; it prints its URL on stdout when ready
     p = LoggedProcess([*SPLITGEMMA, "up", "--model", str(MODEL), "--port", "0",
-                       "--max-context", "512", "--chunk", "64", "--slots", "2", "--threads", "1",
+                       "--max-context", "512", "--chunk", "64", *(options or ("--slots", "2", "--threads", "1")),
                        "--shm-dir", str(shm_dir), "--chat-template", str(TEMPLATE), "--drain-timeout", "5"],
                       tmp_path / "up.log", env=env, stdout=subprocess.PIPE)
     deadline = time.monotonic() + 90
@@ -99,3 +103,27 @@ def test_up_fails_when_a_child_dies(shm_dir, tmp_path):
     assert "the decode worker exited unexpectedly (signal SIGKILL)" in log
     assert not any(_alive(pid) for pid in children)
     assert list(shm_dir.iterdir()) == [], "the dead worker's arena was swept"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--cores split needs 2 CPUs")
+def test_up_passes_the_kv_budget_and_splits_the_cores(shm_dir, tmp_path):
+    slot = Model(str(MODEL), threads=1, max_context=512, chunk=64, max_batch=1).kv_slot_bytes
+    p, url = _start(shm_dir, tmp_path, "--kv-cache-bytes", str(3 * slot + 1), "--cores", "split")
+    try:
+        ready = httpx.get(url.removesuffix("/v1") + "/ready", timeout=10).json()
+        assert ready["workers"]["decode"][0]["slots_total"] == 3
+        children = {cmd.split()[3]: pid for pid, cmd in _children(p.pid).items()}
+        cpus = sorted(os.sched_getaffinity(0))
+        half = len(cpus) // 2
+        # Pinned, and with no --threads each engine's pool is its own share of the CPUs.
+        assert os.sched_getaffinity(children["decode"]) == set(cpus[:half])
+        assert os.sched_getaffinity(children["prefill"]) == set(cpus[half:])
+        assert os.sched_getaffinity(children["gateway"]) == set(cpus)
+        log = (tmp_path / "up.log").read_text()
+        ready_line = next(line for line in log.splitlines() if '"decode worker ready"' in line)
+        assert f'"threads": {half}' in ready_line
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()

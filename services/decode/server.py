@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import grpc
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from splitgemma.services.decode import capacity
 from splitgemma.services.decode.admission import Admission, Draining, QueueFull, QueueTimeout
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
 from splitgemma.services.decode.slots import Claim, SlotTable
@@ -48,6 +50,11 @@ class DecodeMetrics:
         self.step_seconds = Histogram("splitgemma_decode_step_seconds", "Model.decode time per step",
                                       buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
                                       registry=registry)
+        self.host_seconds = Histogram("splitgemma_decode_host_seconds",
+                                      "the batch loop's own time per step, besides Model.decode (admitting, "
+                                      "sampling, stop checks, detokenizing, events)",
+                                      buckets=(1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1),
+                                      registry=registry)
         self.verify_seconds = Histogram("splitgemma_decode_handoff_verify_seconds",
                                         "slot header + checksum verification per admitted handoff",
                                         buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1),
@@ -58,6 +65,9 @@ class DecodeMetrics:
         for state in ("free", "leased", "running", "quarantine"):
             slots.labels(state=state).set_function(lambda st=state: table.counts()[st])
 
+    def host(self, seconds: float) -> None:
+        self.host_seconds.observe(seconds)
+
     def step(self, seconds: float, batch: int) -> None:
         self.step_seconds.observe(seconds)
         self.batch.observe(batch)
@@ -66,7 +76,8 @@ class DecodeMetrics:
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, *, model, arena: ShmArena, table: SlotTable, admission: Admission, batch: BatchLoop,
-                 metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, tracer):
+                 metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, tracer,
+                 kv_cache_bytes: int | None):
         self.model = model
         self.shm = arena
         self.table = table
@@ -78,6 +89,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.stop_tokens = frozenset(stop_tokens)
         self.lease_ms = lease_ms
         self.tracer = tracer
+        self.kv_cache_bytes = kv_cache_bytes
         self.model_name = Path(model.path).stem
         self.draining = False
         self.admissions_refused = 0
@@ -150,7 +162,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                               leases_expired=self.table.leases_expired,
                               admissions_refused=self.admissions_refused, backend=self.model.backend,
                               model=self.model.path, layout_signature=self.model.layout_signature,
-                              max_context=self.model.max_context, admission=admission)
+                              max_context=self.model.max_context, slot_bytes=self.shm.slot_bytes,
+                              kv_cache_bytes=self.kv_cache_bytes or 0, decode_seconds=st.decode_seconds,
+                              host_seconds=st.host_seconds, admission=admission)
 
     # --------------------------------------------------------------------------------------------------------
 
@@ -261,7 +275,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             request_id=rid, slot=lease.slot, prompt_tokens=request.prompt_tokens,
             first=Sample(first.token_id, request.rng_state, first.logprob,
                          [(t.token_id, t.logprob) for t in first.top_logprobs]),
-            sampling=sampling, rng_state=request.rng_state, max_tokens=request.max_tokens or slot.max_tokens,
+            sampling=sampling, logprobs=request.sampling.logprobs, rng_state=request.rng_state,
+            max_tokens=request.max_tokens or slot.max_tokens,
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
             text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens)
                   if self.tokenizer is not None else None),
@@ -309,11 +324,15 @@ async def serve(args) -> int:
     model = open_model(args, max_batch=args.max_batch)
     tokenizer = _load_tokenizer(args)
     stop_tokens, stop_source = model_stop_tokens(args.model)
-    shm = ShmArena.create(model, args.slots, wid, args.shm_dir)
+    cap = capacity.plan(model.kv_slot_bytes, slots=args.slots, kv_cache_bytes=args.kv_cache_bytes,
+                        folder=args.shm_dir, model_path=args.model)
+    # For the person starting it (the JSON "decode worker ready" line carries the same figures as fields).
+    print(f"splitgemma decode: {cap.describe()}", file=sys.stderr, flush=True)
+    shm = ShmArena.create(model, cap.slots, wid, args.shm_dir)
     task = None
     try:
         registry = CollectorRegistry()
-        table = SlotTable(args.slots, stamp=shm.stamp_lease, revoke=shm.revoke, writing=shm.writing)
+        table = SlotTable(cap.slots, stamp=shm.stamp_lease, revoke=shm.revoke, writing=shm.writing)
         admission = Admission(table, loop, registry, max_queue=args.max_queue, timeout_s=args.queue_timeout)
         table.on_free = admission.slot_freed
         metrics = DecodeMetrics(registry, table)
@@ -321,7 +340,7 @@ async def serve(args) -> int:
         servicer = DecodeServicer(model=model, arena=shm, table=table, admission=admission, batch=batch,
                                   metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
-                                  tracer=tel.tracer)
+                                  tracer=tel.tracer, kv_cache_bytes=cap.budget)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
                             lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv))
         start_metrics(args.metrics_port, args.host, registry)
@@ -332,7 +351,9 @@ async def serve(args) -> int:
         task = asyncio.create_task(_sweep_leases(table, metrics, min(0.05, max(0.01, args.lease_ms / 4000))))
         await server.set_serving(True)
         log.info("decode worker ready", extra={
-            "port": server.port, "arena": shm.path, "slots": args.slots, "slot_bytes": shm.slot_bytes,
+            "port": server.port, "arena": shm.path, "slots": cap.slots, "slot_bytes": shm.slot_bytes,
+            "arena_bytes": shm.size, "kv_cache_bytes": cap.budget, "slots_from": cap.rule,
+            "rows_per_pass": model.max_rows,
             "max_context": model.max_context, "chunk": model.chunk, "backend": model.backend,
             "weights": model.weights, "threads": model.threads, "model": model.path,
             "layout_signature": f"{model.layout_signature:016x}", "stop_tokens": list(stop_tokens),

@@ -8,6 +8,7 @@ belong inside ``func`` so that ``splitgemma --help`` stays quick.
 """
 
 import argparse
+import re
 
 
 class CommandError(Exception):
@@ -55,18 +56,27 @@ def positive_float(text: str) -> float:
     return v
 
 
-_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"(-?\d[\d_]*)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(text: str, minimum: int) -> int:
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: an integer number of bytes, or a whole number with "
+                                         "k, m, g or t (powers of 1024, as docker writes them: 512m, 8g, 8GiB)")
+    v = int(m.group(1).replace("_", "")) * _SIZE_UNITS[m.group(2).lower()]
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be "
+                                         + (">= 0" if minimum == 0 else f"at least {minimum} byte"))
+    return v
 
 
 def byte_count(text: str) -> int:
-    """argparse type: a size in bytes, >= 0, with an optional binary unit: 1073741824, 512M, 1G (K/M/G/T = 2**10…)."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _BYTE_UNITS else ""
-    try:
-        v = int(t[: len(t) - len(unit)]) * _BYTE_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: an integer number of bytes, optionally with "
-                                         "K, M, G or T") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be >= 0")
-    return v
+    """argparse type: a size in bytes, >= 0 (0 turns a cache off), with an optional binary unit: 512M, 1G."""
+    return _size(text, 0)
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size of at least 1 byte, with an optional binary unit: 512m, 8g."""
+    return _size(text, 1)

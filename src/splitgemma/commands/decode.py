@@ -6,6 +6,21 @@ import argparse
 DEFAULT_PORT = 50052
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_QUEUE_TIMEOUT = 120.0
+# Rows per pass over the weights. The engine sizes its scratch for, and decodes per pass, max(chunk, max_batch) rows
+# (docs/engine-api.md), so at the default --chunk 256 this bound costs nothing and binds only with a smaller chunk.
+DEFAULT_MAX_BATCH = 64
+
+
+def add_capacity_options(p: argparse.ArgumentParser) -> None:
+    """--kv-cache-bytes or --slots: how many sequences the decode worker's arena holds (up passes them on)."""
+    from splitgemma.commands import byte_size, positive_int
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
+                   help="memory for the KV arena (bytes, or e.g. 512m, 8g); concurrent sequences = SIZE // the "
+                        "slot size of the model at --max-context/--chunk/--kv-dtype (default: min(free space of "
+                        "--shm-dir, (available RAM - the model file) / 2); services/decode/capacity.py)")
+    g.add_argument("--slots", type=positive_int, default=None,
+                   help="KV slots in the arena = concurrent sequences, instead of a memory budget")
 
 
 def register(subparsers) -> None:
@@ -13,7 +28,8 @@ def register(subparsers) -> None:
     from splitgemma.commands.prefill import add_worker_options
     p = subparsers.add_parser(
         "decode", help="run a decode worker (gRPC service splitgemma.v1.Decode)",
-        description="Run a decode worker: it creates the shared-memory KV arena (--slots slots under --shm-dir), "
+        description="Run a decode worker: it creates the shared-memory KV arena under --shm-dir (as many slots as "
+                    "--kv-cache-bytes holds, or --slots), "
                     "leases its slots (Reserve), verifies each slot a prefill worker filled (Generate) and decodes "
                     "every running sequence in one continuous batch, streaming the tokens. A Reserve that finds "
                     "every slot taken waits in a first-come-first-served queue (--max-queue, --queue-timeout) "
@@ -22,9 +38,11 @@ def register(subparsers) -> None:
                     "finish the running streams (at most --drain-seconds), unlink the arena.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="int4")
-    p.add_argument("--slots", type=positive_int, default=8, help="KV slots in the arena (default: 8)")
-    p.add_argument("--max-batch", type=positive_int, default=8,
-                   help="decode rows per forward pass; a larger batch runs in several passes (default: 8)")
+    add_capacity_options(p)
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
+                   help="decode rows per forward pass; a larger batch runs in several passes. The engine's "
+                        "scratch holds max(--chunk, --max-batch) rows, so up to --chunk rows cost no memory "
+                        f"(default: {DEFAULT_MAX_BATCH})")
     p.add_argument("--lease-ms", type=positive_int, default=30000,
                    help="how long a reserved slot waits for its Generate; while a prefill is writing the slot "
                         "the lease does not expire (default: 30000)")

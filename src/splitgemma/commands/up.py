@@ -12,9 +12,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float
-from splitgemma.commands.decode import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
+from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float, positive_int
+from splitgemma.commands.decode import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, add_capacity_options
 from splitgemma.commands.prefill import add_prefix_cache_option
+
+CORE_RULES = ("shared", "split")
 
 
 def register(subparsers) -> None:
@@ -33,7 +35,13 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside the model)")
     p.add_argument("--chat-template", metavar="FILE.jinja", help="chat template (default: beside the model)")
-    p.add_argument("--slots", type=int, default=8, help="KV slots = concurrent sequences (default: 8)")
+    add_capacity_options(p)
+    p.add_argument("--max-batch", type=positive_int, default=DEFAULT_MAX_BATCH,
+                   help=f"decode rows per forward pass (default: {DEFAULT_MAX_BATCH})")
+    p.add_argument("--cores", choices=CORE_RULES, default="shared",
+                   help="how the two workers share this machine's CPUs: shared = both run a thread on every CPU "
+                        "(the OS time-shares them); split = the decode worker gets the first half of the CPUs, the "
+                        "prefill worker the rest, each pinned (default: shared; docs/deploy.md has the measurement)")
     p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="requests that may wait for a slot when all are busy; one more gets 429 "
                         f"(default: {DEFAULT_MAX_QUEUE}; see splitgemma decode --help)")
@@ -61,10 +69,13 @@ def _free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(cpus: list[int] | None = None) -> None:
     # Runs in the child before exec: its own session (a terminal's Ctrl-C reaches only `up`, which stops the
-    # children in order) and SIGTERM if `up` itself dies, so no worker outlives it.
+    # children in order) and SIGTERM if `up` itself dies, so no worker outlives it; pinned to `cpus` if given (the
+    # engine's default thread count is the number of CPUs a process may run on, so that sizes its pool too).
     os.setsid()
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
@@ -74,9 +85,9 @@ def _die_with_parent() -> None:
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str]):
+    def __init__(self, name: str, argv: list[str], cpus: list[int] | None = None):
         self.name = name
-        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(cpus), stdin=subprocess.DEVNULL)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -102,10 +113,21 @@ def _ready(url: str) -> bool:
         return False
 
 
+def split_cpus(cpus: list[int]) -> tuple[list[int], list[int]]:
+    """--cores split: (decode's CPUs, prefill's CPUs), the first half (rounded down) to decode."""
+    if len(cpus) < 2:
+        raise CommandError(f"--cores split needs at least 2 CPUs; this process may run on {len(cpus)}")
+    half = len(cpus) // 2
+    return cpus[:half], cpus[half:]
+
+
 def run(args) -> int:
-    for name in ("slots", "max_context", "chunk"):
+    for name in ("max_context", "chunk"):
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    decode_cpus = prefill_cpus = None
+    if args.cores == "split":
+        decode_cpus, prefill_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
     if args.model is None:
         from splitgemma.default_model import resolve_default_model
         args.model, tokenizer, template = resolve_default_model()
@@ -121,9 +143,13 @@ def run(args) -> int:
         geometry += ["--threads", str(args.threads)]
     if args.kv_dtype:
         geometry += ["--kv-dtype", args.kv_dtype]
-    decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--slots", str(args.slots),
+    decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
                          "--drain-seconds", str(args.drain_timeout)]
+    if args.slots:
+        decode_argv += ["--slots", str(args.slots)]
+    if args.kv_cache_bytes:
+        decode_argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]
     prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout),
@@ -144,8 +170,8 @@ def run(args) -> int:
     children: list[_Child] = []
     failure = None
     try:
-        children.append(_Child("decode worker", decode_argv))
-        children.append(_Child("prefill worker", prefill_argv))
+        children.append(_Child("decode worker", decode_argv, decode_cpus))
+        children.append(_Child("prefill worker", prefill_argv, prefill_cpus))
         children.append(_Child("gateway", gateway_argv))
         shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
         url = f"http://{shown_host}:{port}"

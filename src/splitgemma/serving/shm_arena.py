@@ -248,10 +248,16 @@ class SlotLocks:
         self._file.close()
 
 
+def free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate in `directory` (tmpfs: what is left of its size)."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
 def _space_message(directory: str, need: int, free: int, n_slots: int, slot_bytes: int) -> str:
     return (f"not enough shared memory for the KV arena in {directory}: {need:,} bytes required "
-            f"({n_slots} slots × {slot_bytes:,} bytes), {free:,} bytes free. Use fewer --slots or a smaller "
-            f"--max-context, or give the container more /dev/shm (docker: --shm-size / compose: shm_size)")
+            f"({n_slots} slots × {slot_bytes:,} bytes), {free:,} bytes free. Use fewer --slots, a smaller "
+            f"--kv-cache-bytes or --max-context, or give the container more /dev/shm (docker: --shm-size / compose: shm_size)")
 
 
 class ShmArena:
@@ -315,8 +321,7 @@ class ShmArena:
         try:
             fcntl.flock(owner_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.write(owner_fd, json.dumps(_owner_record(worker_id, size)).encode())
-            st = os.statvfs(directory)
-            free = st.f_bavail * st.f_frsize
+            free = free_bytes(directory)
             if free < size:
                 raise ArenaError(_space_message(directory, size, free, n_slots, slot_bytes))
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -325,8 +330,7 @@ class ShmArena:
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
                     raise
-                st = os.statvfs(directory)
-                raise ArenaError(_space_message(directory, size, st.f_bavail * st.f_frsize, n_slots,
+                raise ArenaError(_space_message(directory, size, free_bytes(directory), n_slots,
                                                 slot_bytes)) from None
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             arena = KvArena(model, buf, n_slots)
