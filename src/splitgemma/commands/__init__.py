@@ -23,26 +23,24 @@ def add_kv_dtype_option(p) -> None:
                         "f16)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1 (counts, sizes, threads)."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 1")
+    if v < minimum:
+        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least {minimum}")
     return v
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (counts, sizes, threads)."""
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer of at least 0 (limits where 0 switches something off)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least 0")
-    return v
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:
