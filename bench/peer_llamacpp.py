@@ -63,13 +63,30 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # the sdist whose vendored llama.cpp we build (bump to move the peer)
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
-VARIANTS = {
-    # -march=native: on an AMX host GCC defines __AMX_INT8__ and ggml compiles its AMX int8 kernels
-    "native": ["-DGGML_NATIVE=ON"],
-    # the same ISA minus AMX (-mno-amx-* after -march=native): ggml's AVX-512 VNNI kernels
-    "noamx": ["-DGGML_NATIVE=ON", "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-              "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"],
-}
+VARIANTS = ("native", "noamx")
+# noamx: GGML_NATIVE=OFF and ggml's own ISA switches, each on when /proc/cpuinfo has the flag, the AMX ones off
+# (-mno-amx-* in CMAKE_C_FLAGS would not do: GCC expands -march=native, which ggml appends after them, into
+# explicit -mamx-* flags)
+_NOAMX_ISA = {"GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+              "GGML_BMI2": "bmi2", "GGML_AVX_VNNI": "avx_vnni", "GGML_AVX512": "avx512f",
+              "GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def variant_options(variant: str) -> list[str]:
+    if variant == "native":
+        # -march=native: on an AMX host GCC defines __AMX_INT8__ and ggml compiles its AMX int8 kernels
+        return ["-DGGML_NATIVE=ON"]
+    flags = set(machine_flags())
+    return (["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in _NOAMX_ISA.items()]
+            + ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
+def machine_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].split()
+    return []
 COMMON_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                 "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
                 "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
@@ -150,24 +167,29 @@ def build_dir(version: str, variant: str) -> Path:
     return cache_root() / f"llama.cpp-{version}-{variant}"
 
 
-def build(version: str, variant: str, jobs: int = 2) -> Path:
-    """Configure and build the four tools once; returns the directory holding the binaries."""
+def build(version: str, variant: str, jobs: int = 2, server: bool = True) -> Path:
+    """Configure and build the tools once (llama-server too unless server=False, built after the benchmark
+    tools, which are then usable sooner); returns the directory holding the binaries."""
     out = build_dir(version, variant)
     bins = out / "build" / "bin"
     stamp = out / "built.json"
-    if stamp.is_file() and all((bins / t).is_file() for t in TARGETS):
+    tools = [t for t in TARGETS if t != "llama-server"]
+    if stamp.is_file() and all((bins / t).is_file() for t in tools):
+        if server and not (bins / "llama-server").is_file():
+            run(["cmake", "--build", out / "build", "--config", "Release", f"-j{jobs}", "--target", "llama-server"],
+                log_to=out / "build-server.log")
         return bins
     tree = source_tree(version)
     out.mkdir(parents=True, exist_ok=True)
-    options = COMMON_CMAKE + VARIANTS[variant]
+    options = COMMON_CMAKE + variant_options(variant)
     t0 = time.monotonic()
     run(["cmake", "-S", tree, "-B", out / "build", *options], log_to=out / "configure.log")
-    run(["cmake", "--build", out / "build", "--config", "Release", f"-j{jobs}", "--target", *TARGETS],
+    run(["cmake", "--build", out / "build", "--config", "Release", f"-j{jobs}", "--target", *tools],
         log_to=out / "build.log")
     cc = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     stamp.write_text(json.dumps({"variant": variant, "cmake_options": options, "compiler": cc[0] if cc else None,
                                  "build_seconds": round(time.monotonic() - t0), **source_revision(tree)}, indent=1))
-    return bins
+    return build(version, variant, jobs, server) if server else bins
 
 
 def build_info(version: str, variant: str) -> dict:
@@ -243,6 +265,11 @@ def prepare_e2b(bins: Path, tree: Path) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     if not (hf / "model.safetensors").is_file():
         run([sys.executable, HERE / "make_hf_checkpoint.py", hf, "--preset", "e2b", "--seed", "0"])
+    # the config alone is rewritten each time (cheap), so a checkpoint written by an older make_hf_checkpoint.py
+    # gets the release's keys that llama.cpp's converter needs
+    sys.path.insert(0, str(HERE))
+    from make_hf_checkpoint import hf_config
+    (hf / "config.json").write_text(json.dumps(hf_config("e2b"), indent=2))
     if not (hf / "tokenizer.json").is_file():
         # llama.cpp's Gemma 4 converter reads the vocabulary from tokenizer.json (LlamaHfVocab: a BPE with byte
         # fallback, through transformers' AutoTokenizer). Gemma 3's has the same 262,144 entries.
@@ -462,6 +489,9 @@ def start_llama_server(gguf: str, parallel: int = 1, threads: int = 2, ctx_per_s
     GET /health answers 200 and returns (process, "http://127.0.0.1:PORT/v1"). Stop it with stop_llama_server."""
     if bins is None:
         bins = find_build()
+    if not (bins / "llama-server").is_file():
+        c = json.loads((cache_root() / "chosen.json").read_text())
+        bins = build(c["version"], c["variant"], server=True)
     port = free_port()
     argv = [bins / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads, "-tb", threads,
             "--parallel", parallel, "-c", parallel * ctx_per_slot, "-kvu", "--cache-prompt", "--no-webui",
@@ -505,7 +535,7 @@ def find_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
             return bins
     for variant in VARIANTS:
         bins = build_dir(version, variant) / "build" / "bin"
-        if (bins / "llama-server").is_file():
+        if (bins / "llama-bench").is_file():
             return bins
     raise RuntimeError("no llama.cpp build yet: run bench/peer_llamacpp.py --prepare-only first")
 
@@ -516,14 +546,19 @@ def find_build(version: str = LLAMA_CPP_PYTHON_VERSION) -> Path:
 def choose_build(version: str, variant: str, probe_gguf: Path, threads: int) -> tuple[Path, str, list[str]]:
     notes = []
     if variant != "auto":
-        return build(version, variant), variant, notes
-    bins = build(version, "native")
+        return build(version, variant, server=False), variant, notes
+    chosen = cache_root() / "chosen.json"
+    if chosen.is_file():  # an earlier auto run's choice (and why) stands
+        c = json.loads(chosen.read_text())
+        if c.get("version") == version and c.get("variant") in VARIANTS:
+            return build(version, c["variant"], server=False), c["variant"], c.get("notes", [])
+    bins = build(version, "native", server=False)
     ok, msg = smoke(bins, probe_gguf, threads)
     notes.append(f"native build smoke test: {'ok' if ok else 'FAILED'}: {msg}")
     log(notes[-1])
     if ok:
         return bins, "native", notes
-    bins = build(version, "noamx")
+    bins = build(version, "noamx", server=False)
     ok, msg = smoke(bins, probe_gguf, threads)
     notes.append(f"noamx build smoke test: {'ok' if ok else 'FAILED'}: {msg}")
     log(notes[-1])
@@ -562,7 +597,9 @@ def main(argv=None) -> int:
     # the smoke test needs a GGUF: the default model's, which needs no llama.cpp tool
     from splitgemma.default_model import ensure_gguf
     bins, variant, notes = choose_build(args.version, args.variant, ensure_gguf(progress=True), args.threads)
-    (cache_root() / "chosen.json").write_text(json.dumps({"version": args.version, "variant": variant}))
+    if args.variant == "auto":
+        (cache_root() / "chosen.json").write_text(json.dumps({"version": args.version, "variant": variant,
+                                                              "notes": notes}, indent=1))
     prepared = {}
     for m in models:
         try:
@@ -574,6 +611,7 @@ def main(argv=None) -> int:
               "llama_cpp": {"variant": variant, **build_info(args.version, variant)}, "notes": notes,
               "threads": args.threads, "context": args.context, "steps": args.steps, "models": {}}
     if args.prepare_only:
+        build(args.version, variant, server=True)
         result["models"] = prepared
         print(json.dumps(result, indent=1))
         return 0
