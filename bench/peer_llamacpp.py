@@ -28,10 +28,12 @@ What it does, in order (every step is cached and skipped when its output exists)
              splitgemma bench    --prompt-lens 512,1024 --batches 1,8,32 --context 1024 --steps 32
            Each figure is the median over the passes that were not loaded. Before every arm the 1-minute load
            average is checked: above 0.5 × CPUs the script waits up to --settle seconds for it to drop, then runs
-           anyway and flags the arm; the CPU time other processes used during the arm (/proc/stat minus our
-           child's) and the CPU steal are recorded too, and an arm during which others used more than 0.25 of a
-           CPU is flagged as well. When every pass of an arm was flagged, its medians are over all passes and the
-           table marks them "*" (lower bounds: llama.cpp's spinning threads collapse under load).
+           anyway. The load average cannot tell others' work from our previous arm's (it decays for minutes), so
+           what flags an arm as loaded is the CPU time other processes used during it (/proc/stat's busy time
+           minus our child's rusage): more than 0.25 of a CPU on average. The load before, the steal and the
+           others' share are recorded with every run. When every pass of an arm was flagged, its medians are over
+           all passes and the table marks them "*" (lower bounds: llama.cpp's spinning threads collapse under
+           load).
 
 The table: one row per figure, tok/s for llama.cpp Q4_0, Q8_0 and splitgemma, and splitgemma's ratio to the
 better of the two llama.cpp figures. --json prints everything (every pass, loads, build options) instead.
@@ -49,6 +51,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -314,16 +317,6 @@ def _cpu_times() -> tuple[int, int, int]:
     return total - idle - steal, total, steal
 
 
-def _proc_cpu(pid: int) -> int:
-    """utime + stime + children's of a process, in jiffies (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return sum(int(x) for x in fields[11:15])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 class Arm:
     """One measured command with the machine's load around it."""
 
@@ -344,31 +337,21 @@ class Arm:
         argv = [str(a) for a in argv]
         load_before = self.wait_quiet()
         busy0, total0, steal0 = _cpu_times()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.monotonic()
         log("$", " ".join(argv), f"(load {load_before:.2f})")
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        last = 0
-        out, err = "", ""
-        while True:
-            try:
-                out, err = p.communicate(timeout=1)
-                break
-            except subprocess.TimeoutExpired:
-                last = _proc_cpu(p.pid) or last
-        own = last  # our child's CPU time, read from /proc while it ran (the last reading)
+        out, err = p.communicate()
         wall = time.monotonic() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         busy1, total1, steal1 = _cpu_times()
         tick = os.sysconf("SC_CLK_TCK")
-        # CPU-seconds the others used: all busy time minus ours (ours read until the last second it ran: the
-        # unread tail of at most a second × threads errs on the side of flagging)
-        others = max(0.0, (busy1 - busy0 - own) / tick / wall)
+        own = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)  # our child's CPU-seconds
+        # CPUs' worth of time the other processes used during the arm: all busy time minus ours
+        others = max(0.0, ((busy1 - busy0) / tick - own) / wall)
         steal = (steal1 - steal0) / max(1, total1 - total0)
         load_after = os.getloadavg()[0]
-        flags = []
-        if load_before > LOAD_FACTOR * self.cpus:
-            flags.append(f"load {load_before:.2f} before")
-        if others > OTHERS_LIMIT:
-            flags.append(f"others used {others:.2f} CPUs")
+        flags = [f"others used {others:.2f} CPUs"] if others > OTHERS_LIMIT else []
         meta = {"argv": argv, "wall_s": round(wall, 2), "load_before": load_before, "load_after": load_after,
                 "others_cpus": round(others, 3), "steal": round(steal, 3), "flags": flags}
         if p.returncode:
@@ -416,11 +399,19 @@ def splitgemma_arm(arm: Arm, fgm: str, threads: int, repeats: int, context: int,
             "limits": r["limits"]}
 
 
+def _loaded(run: dict) -> bool:
+    """Other processes' CPU use during the run decides (the load average before an arm still holds our previous
+    arm's threads: a 1-minute average decays for minutes)."""
+    if "others_cpus" in run:
+        return run["others_cpus"] > OTHERS_LIMIT
+    return bool(run.get("flags"))
+
+
 def summarise(passes: list[dict]) -> dict:
     """Per arm and figure: the median over unflagged passes (or over all, marked loaded)."""
     out = {}
     for name in passes[0]:
-        clean = [p[name] for p in passes if not any(m["flags"] for m in p[name]["runs"])]
+        clean = [p[name] for p in passes if p[name]["figures"] and not any(_loaded(m) for m in p[name]["runs"])]
         use = clean or [p[name] for p in passes]
         keys = sorted({k for p in use for k in p["figures"]})
         out[name] = {"loaded": not clean, "passes_used": len(use), "passes": len(passes),
@@ -431,20 +422,19 @@ def summarise(passes: list[dict]) -> dict:
     return out
 
 
-ROWS = [("prefill 512", "prefill_512"), ("prefill 1024", "prefill_1024"),
-        ("decode B=1 (llama-bench tg @ctx)", "decode_b1_bench"), ("decode B=1", "decode_b1"),
-        ("decode B=8 aggregate", "decode_b8"), ("decode B=32 aggregate", "decode_b32")]
+def rows(prompt_lens, batches, context: int) -> list[tuple[str, str]]:
+    out = [(f"prefill {n}", f"prefill_{n}") for n in prompt_lens]
+    out.append((f"decode B=1 @{context} (llama-bench tg)", "decode_b1_bench"))
+    out += [(f"decode B={b} @{context}" + (" aggregate" if b > 1 else " (batched-bench)"), f"decode_b{b}")
+            for b in batches]
+    return out
 
 
-def table(model: str, summary: dict, threads: int, context: int) -> str:
+def table(model: str, summary: dict, threads: int, context: int, prompt_lens, batches) -> str:
     arms = [f"llama.cpp {q}" for q in QUANTS] + ["splitgemma"]
     head = f"| {threads} threads, tok/s ({model}) | " + " | ".join(arms) + " | ratio |"
     lines = [head, "|" + "---|" * (len(arms) + 2)]
-    for label, key in ROWS:
-        if "decode" in label and "@" not in label:
-            label = f"{label} @{context}"
-        if "@ctx" in label:
-            label = label.replace("@ctx", f"@{context}")
+    for label, key in rows(prompt_lens, batches, context):
         cells, vals = [], {}
         for a in arms:
             s = summary.get(a)
@@ -567,6 +557,23 @@ def choose_build(version: str, variant: str, probe_gguf: Path, threads: int) -> 
     return bins, "noamx", notes
 
 
+def print_footer(result: dict) -> None:
+    lb = result["load_before_arms"]
+    runs = [r for mm in result["models"].values() for p in mm["passes"] for a in p.values() for r in a["runs"]
+            if "others_cpus" in r]
+    others = [r["others_cpus"] for r in runs]
+    print(f"{result['date']}; {result['machine']['cpu']}, {result['machine']['cpus']} CPUs, flags "
+          f"{', '.join(k for k, v in result['machine']['flags'].items() if v)}; llama.cpp build "
+          f"{result['llama_cpp'].get('variant')} ({(result['llama_cpp'].get('commit') or '?')[:10]}, "
+          f"llama-cpp-python {result['llama_cpp'].get('llama_cpp_python')}); 1-minute load average before the "
+          f"arms " + (f"{lb['min']:.2f}–{lb['max']:.2f} (median {lb['median']:.2f})" if lb else "–")
+          + (f"; other processes' CPU use during the runs {min(others):.2f}–{max(others):.2f} CPUs, "
+             f"{sum(o > OTHERS_LIMIT for o in others)} of {len(others)} runs above {OTHERS_LIMIT}" if others else "")
+          + "; * = every pass of that arm was loaded (lower bound)")
+    for n in result["notes"]:
+        print("note:", n)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="gemma3-270m,e2b",
@@ -588,7 +595,18 @@ def main(argv=None) -> int:
     ap.add_argument("--version", default=LLAMA_CPP_PYTHON_VERSION, help="llama-cpp-python sdist to build from")
     ap.add_argument("--prepare-only", action="store_true", help="build and convert, then stop")
     ap.add_argument("--json", action="store_true", help="print one JSON object (all passes) instead of tables")
+    ap.add_argument("--from-json", metavar="FILE", help="print the tables of a saved run (<cache>/peer/last-run.json "
+                                                        "or --json output) again, summarised anew; runs nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        for m, spec in saved["models"].items():
+            spec["summary"] = summarise(spec["passes"])
+            print(table(m, spec["summary"], saved["threads"], saved["context"],
+                        [int(x) for x in args.prompt_lens.split(",")], [int(x) for x in args.batches.split(",")]))
+            print()
+        print_footer(saved)
+        return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -639,7 +657,8 @@ def main(argv=None) -> int:
             passes.append({k: one[k] for k, _, _ in arms})
         result["models"][m] = {**spec, "passes": passes, "summary": summarise(passes)}
         if not args.json:
-            print(table(m, result["models"][m]["summary"], args.threads, args.context), flush=True)
+            print(table(m, result["models"][m]["summary"], args.threads, args.context, prompt_lens, batches),
+                  flush=True)
             print()
 
     loads = [r["load_before"] for mm in result["models"].values() for p in mm["passes"] for a in p.values()
@@ -649,15 +668,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        lb = result["load_before_arms"]
-        print(f"{result['date']}; {result['machine']['cpu']}, {result['machine']['cpus']} CPUs, flags "
-              f"{', '.join(k for k, v in result['machine']['flags'].items() if v)}; llama.cpp build "
-              f"{variant} ({result['llama_cpp'].get('commit', '?')[:10]}, llama-cpp-python "
-              f"{result['llama_cpp'].get('llama_cpp_python')}); load average before the arms "
-              + (f"{lb['min']:.2f}–{lb['max']:.2f} (median {lb['median']:.2f})" if lb else "–")
-              + "; * = every pass of that arm was loaded (lower bound)")
-        for n in notes:
-            print("note:", n)
+        print_footer(result)
     with contextlib.suppress(OSError):
         (cache_root() / "last-run.json").write_text(json.dumps(result, indent=1))
     return 0
