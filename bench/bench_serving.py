@@ -6,7 +6,13 @@ streaming) for 1 and N concurrent clients, beside the in-process engine on the s
     python bench/bench_serving.py --url http://127.0.0.1:8000/v1 --model m.fgm ...   (a stack already running)
 
 Without --url the stack is started with `splitgemma up` (decode + prefill + gateway on loopback) and stopped at
-the end. Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
+the end. With --peer llama-server --gguf FILE the same request profile goes to llama.cpp's llama-server instead
+(bench/peer_llamacpp.py builds it and starts it on a free loopback port: --parallel = the largest concurrency,
+its prompt cache on, unified KV, --threads threads), and the engine rows are skipped:
+
+    python bench/bench_serving.py --peer llama-server --gguf ~/.cache/splitgemma/peer/models/.../x-q4_0.gguf
+
+Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
 --gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
 
 Per request: TTFT = request sent → first token chunk; decode rate = (tokens − 1) / (last chunk − first chunk).
@@ -58,7 +64,7 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
 def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
-    tokens = 0
+    tokens = chunks = 0
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0, stream=True,
                                        logprobs=0, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -68,8 +74,10 @@ def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
             if first is None:
                 first = now
             last = now
+            chunks += 1
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+    tokens = tokens or chunks  # a server that sends no usage: one token per chunk (logprobs asks for that)
     return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens,
             "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")}
 
@@ -123,7 +131,10 @@ def engine_figures(args, prompts, batch: int, gen: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="the .fgm file (served, and run in process for comparison)")
+    ap.add_argument("--model", help="the .fgm file (served, and run in process for comparison); not with --peer")
+    ap.add_argument("--peer", choices=("llama-server",), help="serve with llama.cpp's llama-server instead "
+                                                              "(bench/peer_llamacpp.py's build)")
+    ap.add_argument("--gguf", help="the GGUF llama-server serves (with --peer)")
     ap.add_argument("--tokenizer", help="tokenizer.json for the stack (default: beside the model)")
     ap.add_argument("--url", help="an already running gateway's /v1 URL (default: start splitgemma up)")
     ap.add_argument("--model-name", help="model id to request (default: the file name without .fgm)")
@@ -137,6 +148,13 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine rows")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.peer:
+        if not args.gguf:
+            ap.error("--peer llama-server needs --gguf FILE")
+        args.no_engine = True
+        args.model = args.gguf
+    elif not args.model:
+        ap.error("--model is required (or --peer llama-server --gguf FILE)")
     name = args.model_name or Path(args.model).stem
     rng = random.Random(0)
     prompts = [[rng.randrange(4, args.vocab) for _ in range(args.prompt_tokens)] for _ in range(16)]
@@ -147,15 +165,22 @@ def main() -> None:
     proc, shm = None, None
     try:
         url = args.url
-        if url is None:
+        if url is None and args.peer:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from peer_llamacpp import start_llama_server
+            proc, url = start_llama_server(args.gguf, parallel=max(args.concurrency), threads=args.threads or 2,
+                                           ctx_per_slot=args.max_context)
+            print(f"llama-server at {url} (--parallel {max(args.concurrency)})")
+        elif url is None:
             shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
             proc, url = start_stack(args, shm)
         one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
                     name, prompts[0], 4)  # warm-up: first-touch of the weights in both workers
         for c in args.concurrency:
             r = gateway_round(url, name, c, args.requests, prompts, args.gen_tokens)
-            rows.append((f"gateway, {c} client{'s' if c > 1 else ''}", r["n"], statistics.mean(r["ttft"]),
-                         statistics.median(r["ttft"]), statistics.mean(r["decode"]), r["aggregate"]))
+            rows.append((f"{args.peer or 'gateway'}, {c} client{'s' if c > 1 else ''}", r["n"],
+                         statistics.mean(r["ttft"]), statistics.median(r["ttft"]), statistics.mean(r["decode"]),
+                         r["aggregate"]))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

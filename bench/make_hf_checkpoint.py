@@ -57,7 +57,10 @@ def hf_config(preset: str) -> dict:
     text.update({"model_type": "gemma4_text", "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
                  "attention_k_eq_v": False, "enable_moe_block": False, "tie_word_embeddings": True,
                  "dtype": "bfloat16", "bos_token_id": 2, "eos_token_id": [1, 106], "pad_token_id": 0,
-                 "max_position_embeddings": 131072})
+                 "max_position_embeddings": 131072,
+                 # the release's config.json names the MoE fields of a dense model as null; llama.cpp's converter
+                 # reads expert_intermediate_size as a required key
+                 "num_experts": None, "top_k_experts": None, "expert_intermediate_size": None})
     return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
             "tie_word_embeddings": True, "text_config": text}
 
