@@ -15,6 +15,18 @@ its prompt cache on, unified KV, --threads threads), and the engine rows are ski
 Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
 --gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
 
+--profile seed runs the seed's serving profile instead (fastgemma's model card: 8 concurrent requests sharing a
+tool-declaration prefix, long prompts, long outputs; TTFT first 70.1 s / last 342.1 s, 191.6 prefill and 46.8
+decode tok/s aggregate on 4 cores with 8192-token prompts), scaled to 2 cores so that both engines finish in about
+ten minutes: 8 clients at once, each prompt a shared 512-token prefix + 1,536 tokens of its own (2,048 in all,
+a quarter of the seed's), 128 generated tokens each. Arms, alternated over --passes: splitgemma (`up --slots 8`,
+once per --policies prefill policy) and, with --gguf, llama-server (--parallel 8, its prompt cache on). Per arm:
+TTFT first / median / last (and last/first), aggregate prefill tok/s (prompt tokens / time to the last first
+token), aggregate decode tok/s (tokens after each request's first / the span from the first first-token to the
+last token) and the prefix hit rate (usage.prompt_tokens_details.cached_tokens / prompt tokens):
+
+    python bench/bench_serving.py --profile seed --model e2b.fgm --gguf e2b-q4_0.gguf [--passes 2]
+
 Per request: TTFT = request sent → first token chunk; decode rate = (tokens − 1) / (last chunk − first chunk).
 Aggregate = all tokens generated / wall time of the whole round. The engine rows run the same model in this
 process: TTFT = prefill of the prompt + sampling; decode = Model.decode steps at batch 1 and N. The machine is
@@ -64,7 +76,7 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
 def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
-    tokens = chunks = 0
+    tokens = chunks = cached = 0
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0, stream=True,
                                        logprobs=0, stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": True})
@@ -77,8 +89,11 @@ def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
             chunks += 1
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+            details = getattr(chunk.usage, "prompt_tokens_details", None)
+            cached = (getattr(details, "cached_tokens", None) or 0) if details is not None else 0
     tokens = tokens or chunks  # a server that sends no usage: one token per chunk (logprobs asks for that)
-    return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens,
+    return {"ttft": first - t0, "e2e": last - t0, "tokens": tokens, "cached": cached, "sent": t0, "first": first,
+            "last": last, "prompt_tokens": len(prompt),
             "decode_tok_s": (tokens - 1) / (last - first) if tokens > 1 and last > first else float("nan")}
 
 
@@ -129,6 +144,115 @@ def engine_figures(args, prompts, batch: int, gen: int) -> dict:
     return {"ttft": ttft, "decode_per_seq": (gen - 1) / dt, "aggregate": batch * (gen - 1) / dt}
 
 
+# The seed's profile (docs/benchmarks.md, "Serving: the seed profile"), scaled to 2 cores.
+SEED = {"clients": 8, "shared": 512, "unique": 1536, "gen": 128}
+SEED_PUBLISHED = "fastgemma (4 cores, 8192-token prompts): TTFT first 70.1 s, last 342.1 s; prefill 191.6, decode 46.8 tok/s"
+
+
+def seed_prompts(vocab: int, seed: int) -> list[list[int]]:
+    """8 prompts: one shared prefix (the tool declarations), then each its own tokens. A new prefix per pass, so
+    no pass finds the previous pass's prefix cached."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(4, vocab) for _ in range(SEED["shared"])]
+    return [shared + [rng.randrange(4, vocab) for _ in range(SEED["unique"])] for _ in range(SEED["clients"])]
+
+
+def seed_round(url: str, model: str, prompts: list[list[int]]) -> dict:
+    import openai
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=1800)
+    results: list[dict] = [None] * len(prompts)
+    errors: list[str] = []
+
+    def worker(k: int):
+        try:
+            results[k] = one_request(client, model, prompts[k], SEED["gen"])
+        except Exception as e:  # noqa: BLE001 - a failed request is a result of the run
+            errors.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ok = [r for r in results if r is not None]
+    if not ok:
+        return {"ok": 0, "errors": errors}
+    start = min(r["sent"] for r in ok)
+    ttft = sorted(r["ttft"] for r in ok)
+    first_token, last_token = max(r["first"] for r in ok), max(r["last"] for r in ok)
+    return {"ok": len(ok), "errors": errors, "ttft_first": ttft[0], "ttft_median": statistics.median(ttft),
+            "ttft_last": ttft[-1], "prefill_tok_s": sum(r["prompt_tokens"] for r in ok) / (first_token - start),
+            "decode_tok_s": sum(r["tokens"] - 1 for r in ok) / (last_token - min(r["first"] for r in ok)),
+            "hit_rate": sum(r["cached"] for r in ok) / sum(r["prompt_tokens"] for r in ok)}
+
+
+def seed_profile(args) -> None:
+    """Alternate the arms over args.passes passes; print each pass and the medians."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    arms = [("splitgemma " + pol, pol) for pol in args.policies.split(",")]
+    if args.gguf:
+        arms.append(("llama-server", None))
+    args.concurrency = [SEED["clients"]]
+    args.max_context = max(args.max_context, SEED["shared"] + SEED["unique"] + SEED["gen"])
+    print(f"seed profile: {SEED['clients']} clients, prompts {SEED['shared']} shared + {SEED['unique']} own tokens, "
+          f"{SEED['gen']} generated; model {args.model}" + (f", peer {args.gguf}" if args.gguf else ""))
+    print(f"published: {SEED_PUBLISHED}")
+    runs: dict[str, list[dict]] = {label: [] for label, _ in arms}
+    for p in range(args.passes):
+        order = arms[p % len(arms):] + arms[:p % len(arms)]  # rotate, so no arm always runs first
+        for label, policy in order:
+            prompts = seed_prompts(args.vocab, 1000 * p + len(runs[label]) + 1 + 97 * arms.index((label, policy)))
+            load = os.getloadavg()[0]
+            proc, shm = None, None
+            try:
+                if policy is None:
+                    from peer_llamacpp import start_llama_server, stop_llama_server
+                    proc, url = start_llama_server(args.gguf, parallel=SEED["clients"], threads=args.threads or 2,
+                                                   ctx_per_slot=args.max_context)
+                    name = Path(args.gguf).stem
+                else:
+                    shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
+                    proc, url = start_stack(args, shm, extra=("--prefill-policy", policy))
+                    name = args.model_name or Path(args.model).stem
+                one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
+                            name, prompts[0][:16], 4)  # warm-up: first touch of the weights
+                r = seed_round(url, name, prompts)
+            finally:
+                if proc is not None:
+                    if policy is None:
+                        stop_llama_server(proc)
+                    else:
+                        proc.send_signal(signal.SIGTERM)
+                        proc.wait(120)
+                if shm is not None:
+                    os.rmdir(shm)
+            r["load"] = load
+            runs[label].append(r)
+            print(f"pass {p + 1} {label:22} " + _seed_line(r), flush=True)
+    print(f"\n{'median over passes':34} {'ok':>3} {'TTFT first':>10} {'median':>8} {'last':>8} {'last/first':>10} "
+          f"{'prefill tok/s':>13} {'decode tok/s':>12} {'prefix hits':>11}")
+    for label, rs in runs.items():
+        good = [r for r in rs if r["ok"]]
+        if not good:
+            print(f"{label:34} every pass failed: {rs[-1]['errors'][:1]}")
+            continue
+        med = {k: statistics.median(r[k] for r in good) for k in ("ttft_first", "ttft_median", "ttft_last",
+                                                                   "prefill_tok_s", "decode_tok_s", "hit_rate")}
+        print(f"{label:34} {min(r['ok'] for r in good):3d} {med['ttft_first']:9.1f}s {med['ttft_median']:7.1f}s "
+              f"{med['ttft_last']:7.1f}s {med['ttft_last'] / med['ttft_first']:10.2f} {med['prefill_tok_s']:13.1f} "
+              f"{med['decode_tok_s']:12.1f} {100 * med['hit_rate']:10.1f}%")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+def _seed_line(r: dict) -> str:
+    if not r["ok"]:
+        return f"failed: {r['errors'][:1]} (load before {r['load']:.2f})"
+    return (f"ok {r['ok']}/{SEED['clients']}  TTFT {r['ttft_first']:.1f} / {r['ttft_median']:.1f} / "
+            f"{r['ttft_last']:.1f} s  prefill {r['prefill_tok_s']:.1f}  decode {r['decode_tok_s']:.1f} tok/s  "
+            f"hits {100 * r['hit_rate']:.1f}%  load before {r['load']:.2f}" + (f"  errors {r['errors'][:1]}"
+                                                                              if r["errors"] else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the .fgm file (served, and run in process for comparison); not with --peer")
@@ -146,7 +270,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024, help="prompt ids are drawn from [4, vocab) (default: 1024)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads per worker and in process")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine rows")
+    ap.add_argument("--profile", choices=("seed",), help="run the seed's serving profile (module doc) instead")
+    ap.add_argument("--policies", default="srf,rr",
+                    help="with --profile seed: the splitgemma arms' --prefill-policy values (default: srf,rr)")
+    ap.add_argument("--passes", type=int, default=1, help="with --profile seed: passes over the arms (default: 1)")
     args = ap.parse_args()
+    if args.profile == "seed":
+        if not args.model:
+            ap.error("--profile seed needs --model FILE.fgm (and --gguf FILE for the llama-server arm)")
+        args.vocab = max(args.vocab, 4096)
+        return seed_profile(args)
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.peer:
         if not args.gguf:

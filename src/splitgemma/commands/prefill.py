@@ -68,6 +68,16 @@ def register(subparsers) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="auto:16")
     add_prefix_cache_option(p)
+    add_scheduler_options(p)
+    p.set_defaults(func=run)
+
+
+# The K/V prefix of a 3.5k-token prompt of E2B (int8 K/V: 9,336 bytes a position) is 33 MB: 1 GiB holds ~30.
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
+
+
+def add_scheduler_options(p: argparse.ArgumentParser) -> None:
+    """How the prefill worker runs concurrent prompts (services/prefill/scheduler.py); also `splitgemma up`'s."""
     p.add_argument("--prefill-policy", choices=POLICIES, default=DEFAULT_POLICY,
                    help="which prompt's chunk the model thread runs next: rr (round robin by chunk), srf (shortest "
                         "remaining first) or fifo (one prompt at a time); docs/scheduling.md compares them "
@@ -78,11 +88,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-prefill-seconds", type=positive_float, default=600.0, metavar="S",
                    help="longest a call may hold its slot, from acceptance to seal, when its own gRPC deadline is "
                         "later or absent (default: 600)")
-    p.set_defaults(func=run)
-
-
-# The K/V prefix of a 3.5k-token prompt of E2B (int8 K/V: 9,336 bytes a position) is 33 MB: 1 GiB holds ~30.
-DEFAULT_PREFIX_CACHE_BYTES = 1 << 30
 
 
 def add_prefix_cache_option(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float, positive_int
 from splitgemma.commands.decode import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, add_capacity_options
-from splitgemma.commands.prefill import add_prefix_cache_option
+from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 
 CORE_RULES = ("shared", "split")
 
@@ -54,6 +54,7 @@ def register(subparsers) -> None:
                    help="compute threads per worker (default: the workers' own default)")
     add_kv_dtype_option(p)
     add_prefix_cache_option(p)
+    add_scheduler_options(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on stop, how long requests in flight may finish (default: 30)")
@@ -153,7 +154,9 @@ def run(args) -> int:
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]
     prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout),
-                          "--prefix-cache-bytes", str(args.prefix_cache_bytes)]
+                          "--prefix-cache-bytes", str(args.prefix_cache_bytes),
+                          "--prefill-policy", args.prefill_policy, "--max-prompts", str(args.max_prompts),
+                          "--max-prefill-seconds", str(args.max_prefill_seconds)]
     gateway_argv = exe + ["gateway", "--model", args.model, "--prefill", f"127.0.0.1:{prefill_port}",
                           "--decode", f"127.0.0.1:{decode_port}", "--host", args.host, "--port", str(port),
                           "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
