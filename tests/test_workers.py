@@ -60,6 +60,20 @@ def test_text_stream_never_splits_a_utf8_character():
     assert "".join(pieces) == tok.decode(ids)
 
 
+def test_text_stream_survives_bytes_that_never_form_a_character():
+    """A lead byte followed by a plain token can never complete its character: it comes out as U+FFFD with the
+    token after it (tokenizers' DecodeStream raised "Invalid prefix" here, which ended the stream), and an
+    incomplete character at the very end comes out at flush()."""
+    tok, vocab = _byte_fallback_tokenizer()
+    ts = TextStream(tok)
+    assert [ts.push(vocab[t])[0] for t in ("<0x41>", "<0xC3>", "a", "b")] == ["A", "", "\ufffda", "b"]
+    assert ts.flush() == ""
+    ts = TextStream(tok)
+    assert [ts.push(vocab[t])[0] for t in ("a", "<0xE2>", "<0x82>")] == ["a", "", ""]
+    assert ts.flush() == "\ufffd\ufffd"  # as tokenizer.decode gives the two bytes of an unfinished "€"
+    assert "a" + "\ufffd\ufffd" == tok.decode([vocab[t] for t in ("a", "<0xE2>", "<0x82>")])
+
+
 def test_text_stream_stop_strings():
     tok = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))  # word level: "w4".."w1023", joined by spaces
     ids = [10, 11, 12, 13, 14]

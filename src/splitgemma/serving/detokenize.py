@@ -2,8 +2,13 @@
 
 TextStream turns one sequence's generated token ids into text pieces as they arrive:
 
-* Pieces never split a UTF-8 character: the tokenizers library's DecodeStream holds back the bytes of a
-  character spread over several byte-fallback tokens until it is complete.
+* Pieces never split a UTF-8 character: text that ends in an incomplete character (U+FFFD from the bytes of a
+  character spread over several byte-fallback tokens) is held back until a later token completes it. Bytes that can
+  never form a character (a lead byte followed by a plain token) come out as U+FFFD (a whole decode turns every byte
+  token of such a run into U+FFFD, valid ones before it included; the stream has released those already);
+  tokenizers' own DecodeStream raises "Invalid prefix" there and ended the stream, so the stream decodes the ids
+  itself, by the prefix/read offsets TGI and vLLM use: the ids since the last piece are decoded together with the
+  piece before them, so the separators and spaces the decoder puts between tokens come out as in a whole decode.
 * The pieces concatenate to ``tokenizer.decode(ids, skip_special_tokens=...)`` of the ids pushed: special tokens
   (<unk>, <bos>, control tokens) are skipped by default, as OpenAI-style servers do; a caller that needs them (e.g.
   to see markers the model emits) asks for them. The model's stop tokens are never pushed.
@@ -17,20 +22,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
-        self._decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special = skip_special_tokens
+        self._ids: list[int] = []
+        # ids[_prefix:_read] is the last piece released; ids[_read:] have not been released yet.
+        self._prefix = self._read = 0
         self._stops = sorted({s for s in stops if s}, key=len, reverse=True)
         self._held = ""
 
     def push(self, token_id: int) -> tuple[str, str | None]:
         """Feed one token. Returns (text released now, the stop string matched or None). After a match the
         stream is finished: the caller stops feeding it."""
-        piece = self._decoder.step(self._tokenizer, token_id) or ""
+        self._ids.append(token_id)
+        piece = self._next_piece(final=False)
         if not self._stops:
             return piece, None
         text = self._held + piece
@@ -47,9 +55,21 @@ class TextStream:
         return text[: len(text) - keep], None
 
     def flush(self) -> str:
-        """Release the text held back for a possible stop string (the sequence ended otherwise)."""
-        text, self._held = self._held, ""
+        """Release the text held back (for a possible stop string, or an incomplete character): the sequence ended
+        otherwise."""
+        text, self._held = self._held + self._next_piece(final=True), ""
         return text
+
+    def _next_piece(self, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(self._ids[self._prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new yet (a skipped special token), or a character still incomplete
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special) if ids else ""
 
     def _partial_match_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
