@@ -42,8 +42,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 _SERVICE = {"prefill": "splitgemma.v1.Prefill", "decode": "splitgemma.v1.Decode"}
-# A prefill worker runs its calls one at a time: past this many extra calls queued on the worker holding a prompt's
-# prefix, a miss on an idler worker starts sooner than a hit behind the queue.
+# A prefill worker computes one chunk at a time for all of its calls (docs/scheduling.md): past this many extra calls
+# on the worker holding a prompt's prefix, a miss on an idler worker finishes sooner than a hit sharing the busy one.
 AFFINITY_SLACK = 2
 
 

@@ -43,7 +43,6 @@ gen_ai.server.request.duration with the buckets the conventions recommend.
 from __future__ import annotations
 
 import asyncio
-
 import contextlib
 import logging
 import os
