@@ -158,7 +158,7 @@ def test_engine_reads_the_gemma3_flags(tiny_fgm, tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.pop("use_layer_scalar"), "required tensor 'l0.layer_scalar' is missing"),
-    (lambda c: c.__setitem__("attention_scale", -0.5), "config.attention_scale must be positive"),
+    (lambda c: c.__setitem__("attention_scale", -0.5), "config.attention_scale = -0.5 is outside the supported range"),
     (lambda c: c.__setitem__("attention_scale", "x"), "config.attention_scale must be a number"),
     (lambda c: c.__setitem__("use_v_norm", 0), "config.use_v_norm must be a boolean"),
 ])

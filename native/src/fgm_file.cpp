@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -52,7 +53,9 @@ const char* dtype_name(DType t) {
 }
 
 FgmFile::FgmFile(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading blocks until a writer appears (forever, for a model path); with it the
+  // open returns at once and the S_ISREG check below refuses the FIFO. It is cleared again for the regular file.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd_ < 0) fail(std::string("cannot open: ") + std::strerror(errno));
   struct stat st;
   if (fstat(fd_, &st) != 0) {
@@ -65,6 +68,12 @@ FgmFile::FgmFile(const std::string& path) : path_(path) {
     ::close(fd_);
     fd_ = -1;
     fail("not a regular file");
+  }
+  if (int fl = fcntl(fd_, F_GETFL); fl < 0 || fcntl(fd_, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    int e = errno;
+    ::close(fd_);
+    fd_ = -1;
+    fail(std::string("cannot clear O_NONBLOCK: ") + std::strerror(e));
   }
   size_ = static_cast<uint64_t>(st.st_size);
   if (size_ < 12) {
@@ -289,7 +298,6 @@ void FgmFile::parse_config(const JsonValue& cfg) {
   c.attention_scale = get_num(this, cfg, "attention_scale", 1.0, failer);
   c.use_v_norm = get_bool(this, cfg, "use_v_norm", true, failer);
   c.use_layer_scalar = get_bool(this, cfg, "use_layer_scalar", true, failer);
-  if (!(c.attention_scale > 0)) fail("config.attention_scale must be positive");
   if (const JsonValue* kd = cfg.get("kv_cache_dtype"); kd && kd->kind != JsonValue::Kind::Null) {
     if (kd->kind != JsonValue::Kind::String || (kd->str != "int8" && kd->str != "f16"))
       fail("config.kv_cache_dtype must be \"int8\" or \"f16\"");
@@ -303,8 +311,37 @@ void FgmFile::parse_config(const JsonValue& cfg) {
   if (c.head_dim % 2 || c.global_head_dim % 2) fail("config head dims must be even (RoPE pairs)");
   if (c.first_shared_layer < 1 || c.first_shared_layer > c.num_layers)
     fail("config.first_shared_layer must lie in [1, num_hidden_layers]");
-  if (c.final_softcap < 0) fail("config.final_logit_softcapping must be positive or null");
-  if (!(c.rms_norm_eps > 0)) fail("config.rms_norm_eps must be positive");
+  // Ranges, beyond "a finite number": the engine computes in float32, where a value that passes as a double can be
+  // 0 or infinite (rms_norm_eps 1e-300 rounds to 0 and an all-zero row then normalises to 0 * inf = NaN; a scale
+  // of 1e300 is inf), and every size below multiplies into C++ ints. The bounds are far outside any real model
+  // (Gemma 4: eps 1e-6, softcap 30, head dims 256/512, 35 layers, vocabulary 262144) and well inside float32 and
+  // int32, so an accepted file cannot turn a configuration value into NaN logits or an overflowed size.
+  auto within = [&](const char* key, double v, double lo, double hi) {
+    if (!(v >= lo && v <= hi)) {
+      char text[160];
+      std::snprintf(text, sizeof text, "config.%s = %.17g is outside the supported range [%g, %g]", key, v, lo, hi);
+      fail(text);
+    }
+  };
+  within("hidden_size", c.hidden_size, 1, 1 << 16);
+  within("num_hidden_layers", c.num_layers, 1, 1024);
+  within("intermediate_size", c.intermediate_size, 1, 1 << 20);
+  within("num_attention_heads", c.num_heads, 1, 1024);
+  within("head_dim", c.head_dim, 2, 4096);
+  within("global_head_dim", c.global_head_dim, 2, 4096);
+  within("hidden_size_per_layer_input", c.ple_dim, 0, 1 << 16);
+  within("vocab_size", c.vocab_size, 1, 1 << 24);
+  within("vocab_size_per_layer_input", c.ple_vocab_size, c.ple_dim > 0 ? 1 : 0, 1 << 24);
+  within("sliding_window", c.sliding_window, 0, 1 << 24);
+  within("rms_norm_eps", c.rms_norm_eps, 1e-30, 1.0);
+  if (c.final_softcap != 0) within("final_logit_softcapping", c.final_softcap, 1e-2, 1e6);
+  within("embed_scale", c.embed_scale, 1e-6, 1e6);
+  within("attention_scale", c.attention_scale, 1e-6, 1e6);
+  if (c.ple_dim > 0) {
+    within("ple_embed_scale", c.ple_embed_scale, 1e-6, 1e6);
+    within("ple_model_projection_scale", c.ple_model_projection_scale, 1e-6, 1e6);
+    within("ple_input_scale", c.ple_input_scale, 1e-6, 1e6);
+  }
 
   const JsonValue* lt = cfg.get("layer_types");
   if (!lt || lt->kind != JsonValue::Kind::Array || int(lt->arr.size()) != c.num_layers)
@@ -350,6 +387,19 @@ void FgmFile::check_plain(const std::string& name, DType dt, const std::vector<i
          dtype_name(dt) + " " + shape_str(shape));
 }
 
+void FgmFile::check_vector(const std::string& name, int64_t n) const {
+  // Norm weights, layer scalars and RoPE frequencies multiply every activation: a NaN or infinity among them makes
+  // every logit NaN. They are a few KB, so they are checked here; the quantised weights are not (reading them all
+  // would page in the whole file at start), and a NaN that comes of them is refused by the sampler.
+  check_plain(name, DType::F32, {n});
+  const TensorInfo& t = require(name);
+  for (int64_t i = 0; i < n; ++i) {
+    float v;
+    std::memcpy(&v, t.data + 4 * i, 4);
+    if (!std::isfinite(v)) fail("tensor '" + name + "' holds a NaN or infinity at [" + std::to_string(i) + "]");
+  }
+}
+
 void FgmFile::check_linear(const std::string& name, int64_t n, int64_t k) const {
   const TensorInfo& t = require(name);
   if (t.dtype != DType::Q4G && t.dtype != DType::Q8C && t.dtype != DType::Q8G)
@@ -378,11 +428,11 @@ void FgmFile::check_inventory() {
   check_table("embed_tokens", V, H);
   // A q8g table is also a linear in the same layout (docs/fgm-extensions.md): it may serve as the tied LM head.
   if (find("lm_head") || require("embed_tokens").dtype != DType::Q8G) check_linear("lm_head", V, H);
-  check_plain("norm", DType::F32, {H});
+  check_vector("norm", H);
   if (P > 0) {
     check_table("embed_tokens_per_layer", c.ple_vocab_size, L * P);
     check_linear("per_layer_model_projection", L * P, H);
-    check_plain("per_layer_projection_norm", DType::F32, {P});
+    check_vector("per_layer_projection_norm", P);
   }
   bool seen_sliding = false, seen_full = false;
   for (int i = 0; i < c.num_layers; ++i) {
@@ -392,16 +442,16 @@ void FgmFile::check_inventory() {
     (ly.sliding ? seen_sliding : seen_full) = true;
     for (const char* nm : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                            "post_feedforward_layernorm"})
-      check_plain(p + nm, DType::F32, {H});
+      check_vector(p + nm, H);
     if (c.use_layer_scalar)
-      check_plain(p + "layer_scalar", DType::F32, {1});
+      check_vector(p + "layer_scalar", 1);
     else if (find(p + "layer_scalar"))
       fail("tensor '" + p + "layer_scalar' is present but config.use_layer_scalar is false");
-    check_plain(p + "q_norm", DType::F32, {hd});
+    check_vector(p + "q_norm", hd);
     check_linear(p + "q_proj", c.num_heads * hd, H);
     check_linear(p + "o_proj", H, c.num_heads * hd);
     if (ly.owns_kv) {
-      check_plain(p + "k_norm", DType::F32, {hd});
+      check_vector(p + "k_norm", hd);
       check_linear(p + "k_proj", c.num_kv_heads * hd, H);
       check_linear(p + "v_proj", c.num_kv_heads * hd, H);
     }
@@ -418,13 +468,13 @@ void FgmFile::check_inventory() {
       }
     }
     if (P > 0) {
-      check_plain(p + "post_per_layer_input_norm", DType::F32, {H});
+      check_vector(p + "post_per_layer_input_norm", H);
       check_linear(p + "per_layer_input_gate", P, H);
       check_linear(p + "per_layer_projection", H, P);
     }
   }
-  if (seen_sliding) check_plain("rope.sliding_attention.inv_freq", DType::F32, {c.head_dim / 2});
-  if (seen_full) check_plain("rope.full_attention.inv_freq", DType::F32, {c.global_head_dim / 2});
+  if (seen_sliding) check_vector("rope.sliding_attention.inv_freq", c.head_dim / 2);
+  if (seen_full) check_vector("rope.full_attention.inv_freq", c.global_head_dim / 2);
 }
 
 void FgmFile::compute_signature() {

@@ -51,6 +51,13 @@ log = logging.getLogger("splitgemma.gateway")
 
 # OpenAI's legacy completions endpoint generates 16 tokens unless told otherwise; chat runs to the context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: the workers take float32, in which a smaller
+# temperature's inverse overflows (1e-39 would sample garbage and report -inf logprobs). Likewise a top_p that
+# rounds to float32 0 would mean "no cut" there: the smallest positive top_p keeps the likeliest token only.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
+# OpenAI's (and vLLM's) logprob for a token of probability 0: JSON has no -Infinity.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -180,8 +187,10 @@ class Gateway:
     def sampling(req, index: int, logprobs: bool, top_logprobs: int) -> pb.SamplingParams:
         # With a seed, choice j samples with seed + j so that n choices differ but stay reproducible.
         seed = (req.seed + index) % (1 << 64) if req.seed is not None else secrets.randbits(64)
-        return pb.SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
-                                 top_k=max(0, req.top_k or 0), top_p=1.0 if req.top_p is None else req.top_p,
+        temperature = 1.0 if req.temperature is None else req.temperature
+        return pb.SamplingParams(temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
+                                 top_k=max(0, req.top_k or 0),
+                                 top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
                                  seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
 
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
@@ -189,13 +198,14 @@ class Gateway:
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid(f"{len(prompts)} prompts × n={req.n} is more than {MAX_CHOICES} choices per request",
                           param="n", code="invalid_value")
+        stop_token_ids = self._check_ids(list(req.stop_token_ids or []), "stop_token_ids")
         out = []
         for p_index, ids in enumerate(prompts):
             for j in range(req.n):
                 index = p_index * req.n + j
                 out.append(ChoiceSpec(index=index, prompt_ids=ids, max_tokens=max_tokens,
                                       sampling=self.sampling(req, index, logprobs, top_logprobs),
-                                      stop=req.stop_list, stop_token_ids=list(req.stop_token_ids or []),
+                                      stop=req.stop_list, stop_token_ids=stop_token_ids,
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                                       prompt_param=param))
         return out
@@ -409,8 +419,9 @@ class _Renderer:
         out = []
         for t in tokens:
             text = self.gw.token_text(t.token_id)
-            tops = [(self.gw.token_text(a.token_id), a.logprob) for a in t.top_logprobs[:self.top_logprobs]]
-            out.append((text, t.logprob, tops, t.text))
+            tops = [(self.gw.token_text(a.token_id), max(a.logprob, MIN_LOGPROB))
+                    for a in t.top_logprobs[:self.top_logprobs]]
+            out.append((text, max(t.logprob, MIN_LOGPROB), tops, t.text))
         return out
 
     def _chat_logprobs(self, entries) -> dict:
@@ -635,9 +646,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
-        log.exception("unexpected error")
-        err = ApiError(500, f"internal error: {type(e).__name__}: {e}")
-        return JSONResponse(err.body(), status_code=500)
+        # The exception's text can hold server paths and internals: it goes to the log, under the request id the
+        # client is given to quote, never into the body.
+        rid = _request_id(request)
+        log.exception("unexpected error", extra={"request_id": rid})
+        err = ApiError(500, f"internal server error (request id {rid})")
+        return JSONResponse(err.body(), status_code=500, headers={"X-Request-Id": rid})
 
     def check_model(name: str) -> None:
         if name != config.model_name:

@@ -5,20 +5,34 @@ conversion) and every failure becomes `{"error": {"message", "type", "param", "c
 FastAPI's 422. Fields OpenAI defines that this server does not implement are rejected with a 400 naming them when
 they ask for something (tools, response_format other than text, echo, penalties, logit_bias, best_of > n) rather
 than silently ignored; unknown fields are ignored, as vLLM does.
+
+The body itself is held to strict JSON before any field is looked at (RFC 8259; Python's json module is more
+lenient): UTF-8 only, no NaN/Infinity, no number that overflows a double, no integer longer than Python converts,
+no duplicate keys (two parsers may pick different ones), no lone surrogate escapes (they cannot be encoded again
+nor tokenized), and nesting at most MAX_DEPTH deep (the chat template walks what it is given recursively).
+Integer fields are bounded by what the workers' proto fields hold, so nothing valid here fails to serialise there.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from splitgemma.serving.chat_template import RESERVED_VARIABLES
 
 MAX_N = 16               # choices per prompt
 MAX_CHOICES = 64         # choices per request (prompts × n)
 MAX_STOP = 16            # stop strings per request
 MAX_TOP_LOGPROBS = 20    # as the workers' SamplingParams.top_logprobs
 MAX_TOKENS_LIMIT = 1 << 20
+MAX_STOP_CHARS = 1024    # per stop string: the decode worker holds back text that may begin one
+MAX_DEPTH = 32           # JSON nesting (arrays and objects) anywhere in a body
+INT32_MAX = (1 << 31) - 1
+UINT32_MAX = (1 << 32) - 1
 
 
 class ApiError(Exception):
@@ -30,6 +44,9 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  retry_after: float | None = None, type_: str | None = None):
+        # Messages quote the client's input, which may hold text that cannot be encoded (a lone surrogate in a
+        # URL path): the error must still be sendable.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -71,10 +88,12 @@ class _SamplingRequest(_Strict):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None          # extension (vLLM, llama-server); -1 or 0 = no cut
+    # extension (vLLM, llama-server); -1 or 0 = no cut; the workers' SamplingParams.top_k is an int32
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP)] | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
+        Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP)] | None = None
     ignore_eos: bool = False                                   # extension: for benchmarks
     skip_special_tokens: bool = True                           # extension (vLLM): drop <unk>, <bos>… from text
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -110,7 +129,8 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     # A string, a list of strings (a batch: one set of choices per prompt), a list of token ids, or a list of
     # lists of token ids. Order matters for the union: strict mode keeps each shape to its own member.
-    prompt: Union[str, list[str], list[Annotated[int, Field(ge=0)]], list[list[Annotated[int, Field(ge=0)]]]]
+    prompt: Union[str, list[str], list[Annotated[int, Field(ge=0, le=UINT32_MAX)]],
+                  list[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -175,6 +195,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @model_validator(mode="after")
     def _chat_checks(self):
+        taken = sorted(RESERVED_VARIABLES.intersection(self.chat_template_kwargs or {}))
+        if taken:
+            # `tools` here would put tool definitions into the prompt that the tools field is refused for.
+            raise _Unsupported("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(taken)}: the "
+                               "chat template receives those from the request itself", code="invalid_value")
         if self.top_logprobs and not self.logprobs:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true", code="invalid_value")
         if self.tools:
@@ -207,18 +232,99 @@ class _Unsupported(ValueError):
 
 def parse_request(model: type[BaseModel], raw: bytes) -> tuple[BaseModel, dict]:
     """The validated request and the decoded JSON object, or ApiError(400) for malformed JSON and bad fields."""
-    try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise invalid("the request body is not valid UTF-8") from None
-    except json.JSONDecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
-    if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    data = parse_json_body(raw)
     try:
         return model.model_validate(data), data
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+class _BodyError(ValueError):
+    """Raised from the JSON decoder's hooks; becomes a 400."""
+
+
+def _no_constants(name: str):
+    raise _BodyError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BodyError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise _BodyError(f"the key {json.dumps(dup)[:80]} appears twice in one object")
+    return out
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite_float, parse_constant=_no_constants, object_pairs_hook=_unique_keys)
+# A \uD800-\uDFFF escape: the only way a lone surrogate gets into a strictly decoded body. Rare, so the (slower)
+# search for one that is not half of a pair runs only when the text has such an escape at all.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The body as a JSON object, held to strict JSON (see the module docstring), or ApiError(400)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = _DECODER.decode(text)
+    except json.JSONDecodeError as e:
+        raise invalid(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+    except _BodyError as e:
+        raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid(f"the request body is nested too deeply (the limit is {MAX_DEPTH} levels)") from None
+    except ValueError:
+        # The only other ValueError the decoder raises: an integer longer than int() converts (sys.int_info).
+        raise invalid("the request body has an integer with too many digits") from None
+    if not isinstance(data, dict):
+        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+    bad = _first_bad_value(data, _SURROGATE_ESCAPE.search(text) is not None)
+    if bad is not None:
+        path, problem = bad
+        raise invalid(f"invalid value for '{path}': {problem}", param=path, code="invalid_value")
+    return data
+
+
+def _first_bad_value(data: dict, surrogates: bool) -> tuple[str, str] | None:
+    """(parameter path, problem) of the first value nested more than MAX_DEPTH deep or (when `surrogates`) holding a
+    lone surrogate, else None. Iterative: the point is to refuse what would make recursive code overflow."""
+    stack: list[tuple[Any, tuple, int]] = [(data, (), 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return _param_path(list(path)), f"nested more than {MAX_DEPTH} levels deep"
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        if surrogates:
+            items = list(items)
+            for k, v in items:
+                if isinstance(k, str) and _has_surrogate(k) or isinstance(v, str) and _has_surrogate(v):
+                    return _param_path([*path, str(k)]), ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                                                          "which is not text")
+        if isinstance(value, list) and not surrogates and _CONTAINERS.isdisjoint(map(type, value)):
+            continue  # e.g. a prompt of token ids: no per-item Python work
+        stack.extend((v, (*path, str(k)), depth + 1) for k, v in items if type(v) in _CONTAINERS)
+    return None
+
+
+_CONTAINERS = frozenset((dict, list))
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _validation_error(e: ValidationError) -> ApiError:

@@ -53,7 +53,9 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   thread_local std::vector<int> idx;
   SampleResult res;
 
-  if (p.temperature == 0) {
+  // A temperature so small that its inverse overflows float (the scans below take it as one) is greedy: sampling
+  // with an infinite scale would multiply 0 by infinity.
+  if (p.temperature == 0 || !std::isfinite(float(1.0 / p.temperature))) {
     res.token = int(std::find(x, x + n, mx) - x);
     const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, -1, nullptr));
     res.logprob = float(double(x[res.token]) - mx - log_z);

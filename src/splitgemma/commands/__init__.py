@@ -8,7 +8,15 @@ belong inside ``func`` so that ``splitgemma --help`` stays quick.
 """
 
 import argparse
+import math
 import re
+
+# Integer options end up as C++ ints in the native core, int32/uint32 proto fields or buffer sizes: every one has
+# an upper bound, so that a typo (--max-context 2147483648) is an argparse error rather than a traceback or an
+# allocation of the machine's memory.
+INT_MAX = (1 << 31) - 1
+MAX_CONTEXT = 1 << 20    # positions per KV slot (Gemma 4 E2B was trained for 128 Ki)
+MAX_THREADS = 4096
 
 
 class CommandError(Exception):
@@ -23,34 +31,66 @@ def add_kv_dtype_option(p) -> None:
                         "f16)")
 
 
-def _int_at_least(text: str, minimum: int) -> int:
+def _int_in(text: str, minimum: int, maximum: int) -> int:
     try:
-        v = int(text)
+        # A length check first: int() of a few thousand digits raises its own ValueError (sys.int_info), and no
+        # option takes a number that long.
+        v = int(text) if len(text) <= 40 else None
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not an integer") from None
+        v = None
+    if v is None:
+        raise argparse.ArgumentTypeError(f"invalid value {text[:40]!r}: not an integer")
     if v < minimum:
         raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least {minimum}")
+    if v > maximum:
+        raise argparse.ArgumentTypeError(f"invalid value {v}: must be at most {maximum}")
     return v
 
 
 def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1 (counts, sizes, threads)."""
-    return _int_at_least(text, 1)
+    """argparse type: an integer of at least 1 (counts, sizes), at most INT_MAX."""
+    return _int_in(text, 1, INT_MAX)
 
 
 def non_negative_int(text: str) -> int:
-    """argparse type: an integer of at least 0 (limits where 0 switches something off)."""
-    return _int_at_least(text, 0)
+    """argparse type: an integer of at least 0 (limits where 0 switches something off), at most INT_MAX."""
+    return _int_in(text, 0, INT_MAX)
+
+
+def context_length(text: str) -> int:
+    """argparse type: positions per KV slot (or a prefill chunk), 1..MAX_CONTEXT."""
+    return _int_in(text, 1, MAX_CONTEXT)
+
+
+def thread_count(text: str) -> int:
+    """argparse type: compute threads, 1..MAX_THREADS."""
+    return _int_in(text, 1, MAX_THREADS)
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535 (0 = any free port)."""
+    return _int_in(text, 0, 65535)
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number above 0 (durations)."""
+    """argparse type: a finite number above 0 (durations)."""
     try:
         v = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: not a number") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"invalid value {text}: must be positive")
+        raise argparse.ArgumentTypeError(f"invalid value {text[:40]!r}: not a number") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"invalid value {text}: must be a positive (finite) number")
+    return v
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number of at least 0 (durations where 0 means at once)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid value {text[:40]!r}: not a number") from None
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"invalid value {text}: must be a finite number >= 0")
     return v
 
 

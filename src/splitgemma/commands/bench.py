@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from splitgemma.commands import positive_int
+from splitgemma.commands import context_length, positive_int
 
 LOAD_FACTOR = 0.5  # refuse when the 1-minute load average exceeds this × CPUs (fastgemma's bench used 0.35)
 _LAYER = re.compile(r"l(\d+)\.")
@@ -63,13 +63,13 @@ def register(subparsers) -> None:
                    help="prefill prompt lengths (default: 512,1024,8192)")
     p.add_argument("--batches", type=int_list, default=[1, 8, 32], metavar="B,B,…",
                    help="decode batch sizes (default: 1,8,32)")
-    p.add_argument("--context", type=positive_int, default=1024, metavar="C",
+    p.add_argument("--context", type=context_length, default=1024, metavar="C",
                    help="positions each sequence holds when decode is timed (default: 1024)")
     p.add_argument("--steps", type=positive_int, default=32, metavar="N",
                    help="decode steps timed per repeat (default: 32)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported "
                                                                    "(default: 3)")
-    p.add_argument("--chunk", type=positive_int, default=256, help="prefill rows per pass (default: 256)")
+    p.add_argument("--chunk", type=context_length, default=256, help="prefill rows per pass (default: 256)")
     p.add_argument("--ignore-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {LOAD_FACTOR} × CPUs (figures are "
                         f"then lower bounds)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import positive_int
+from splitgemma.commands import thread_count
 
 WEIGHT_HELP = """weight format: 'dual' = FFN int4 plus int8 twins (decode reads int4, prefill int8;
 fastgemma's --weights both), 'int4' = FFN int4 only (smallest file), 'int8' = FFN int8 only, 'int8g' = every
@@ -70,7 +70,7 @@ def register(subparsers) -> None:
     p.add_argument("src", metavar="SRC", help="checkpoint directory (with config.json), or a .gguf file")
     p.add_argument("out", metavar="OUT.fgm", help="output file (replaced if it exists)")
     add_weight_options(p, per_source=True)
-    p.add_argument("--threads", type=positive_int, metavar="N",
+    p.add_argument("--threads", type=thread_count, metavar="N",
                    help="worker threads (default: the usable CPUs, at most 8); the output is the same")
     p.set_defaults(func=run)
 

@@ -64,8 +64,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import asyncio
 
-    from splitgemma.commands.prefill import check_worker_options
     from splitgemma.services.decode.server import serve
 
-    check_worker_options(args)
     return asyncio.run(serve(args))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import CommandError, positive_float, positive_int
+from splitgemma.commands import CommandError, port_number, positive_float, positive_int
 
 
 
@@ -25,7 +25,7 @@ def register(subparsers) -> None:
     p.add_argument("--prefill", required=True, metavar="HOST:PORT[,...]", help="prefill worker addresses")
     p.add_argument("--decode", required=True, metavar="HOST:PORT[,...]", help="decode worker addresses")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: 8000)")
     p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",

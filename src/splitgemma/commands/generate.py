@@ -11,7 +11,7 @@ import math
 import sys
 import time
 
-from splitgemma.commands import add_kv_dtype_option, positive_int
+from splitgemma.commands import add_kv_dtype_option, context_length, positive_int, thread_count
 
 SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the gateway's seed does
 
@@ -19,7 +19,7 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the ga
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """--model, --threads, --weights, --backend: how to open the engine."""
     p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
-    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
                    help="compute threads (default: FGM_THREADS, else every CPU this process may use)")
     p.add_argument("--weights", default=None, metavar="POLICY",
                    help="int4, int8 or auto:M: which copy of the FFN weights with an int8 twin to use (default: "
@@ -113,19 +113,19 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json (default: <model>.tokenizer.json or tokenizer.json beside the model)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's stop tokens")
-    p.add_argument("--max-context", type=positive_int, default=4096, metavar="C",
+    p.add_argument("--max-context", type=context_length, default=4096, metavar="C",
                    help="positions the sequence may use, prompt included (default: 4096)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of the text")
     p.set_defaults(func=run)
 
 
 def _check_sampling(args, vocab_size: int) -> None:
-    from splitgemma.commands import CommandError
+    from splitgemma.commands import INT_MAX, CommandError
 
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise CommandError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.top_k < 0:
-        raise CommandError(f"--top-k must be >= 0, got {args.top_k}")
+    if not 0 <= args.top_k <= INT_MAX:
+        raise CommandError(f"--top-k must be in [0, {INT_MAX}], got {args.top_k}")
     if not (0 < args.top_p <= 1):
         raise CommandError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not 0 <= args.logprobs <= vocab_size:

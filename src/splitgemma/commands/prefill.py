@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import add_kv_dtype_option, byte_count, positive_float, positive_int
+from splitgemma.commands import (add_kv_dtype_option, byte_count, context_length, non_negative_float, port_number,
+                                 positive_float, positive_int, thread_count)
 
 # The prefill scheduler's policies (services/prefill/scheduler.py); defined here so that --help loads no service.
 POLICIES = ("rr", "srf", "fifo")
@@ -14,27 +15,17 @@ DEFAULT_POLICY = "srf"  # the best time to first token measured (docs/scheduling
 DEFAULT_PORT = 50051
 
 
-def port_number(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {v}")
-    return v
-
-
 def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_weights: str) -> None:
     """The options of both workers: the model, its slot geometry and threads, the addresses, the arena folder."""
     p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=default_port,
                    help=f"gRPC port (default: {default_port}; 0 = any free port, logged at start)")
-    p.add_argument("--max-context", type=positive_int, default=4096, metavar="C",
+    p.add_argument("--max-context", type=context_length, default=4096, metavar="C",
                    help="positions per KV slot (default: 4096); prefill and decode workers must agree")
-    p.add_argument("--chunk", type=positive_int, default=256, metavar="N",
+    p.add_argument("--chunk", type=context_length, default=256, metavar="N",
                    help="prefill rows per pass, part of the slot layout (default: 256); workers must agree")
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="compute threads (default: FGM_THREADS, else every CPU this process may use)")
     p.add_argument("--weights", default=default_weights,
                    help=f"int4, int8 or auto:M: which copy of the FFN weights with an int8 twin to use "
@@ -47,15 +38,9 @@ def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_we
                         "(default: /dev/shm)")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--drain-seconds", type=float, default=30.0,
+    p.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
                    help="on SIGTERM, how long the work in flight may take to finish (default: 30)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-
-
-def check_worker_options(args) -> None:
-    from splitgemma.commands import CommandError
-    if args.drain_seconds < 0:
-        raise CommandError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
 
 
 def register(subparsers) -> None:
@@ -102,5 +87,4 @@ def run(args) -> int:
 
     from splitgemma.services.prefill.server import serve
 
-    check_worker_options(args)
     return asyncio.run(serve(args))

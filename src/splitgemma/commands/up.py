@@ -12,7 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float, positive_int
+from splitgemma.commands import (CommandError, add_kv_dtype_option, context_length, non_negative_int, port_number,
+                                 positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, add_capacity_options
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 
@@ -32,7 +33,7 @@ def register(subparsers) -> None:
                         "use into the cache: see splitgemma/default_model.py)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the file name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
+    p.add_argument("--port", type=port_number, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside the model)")
     p.add_argument("--chat-template", metavar="FILE.jinja", help="chat template (default: beside the model)")
     add_capacity_options(p)
@@ -48,17 +49,17 @@ def register(subparsers) -> None:
     p.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
                    help="the longest a request waits for a slot before it gets 503 "
                         f"(default: {DEFAULT_QUEUE_TIMEOUT:g})")
-    p.add_argument("--max-context", type=int, default=4096, metavar="C", help="positions per slot (default: 4096)")
-    p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill rows per pass (default: 256)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--max-context", type=context_length, default=4096, metavar="C", help="positions per slot (default: 4096)")
+    p.add_argument("--chunk", type=context_length, default=256, metavar="N", help="prefill rows per pass (default: 256)")
+    p.add_argument("--threads", type=thread_count, default=None,
                    help="compute threads per worker (default: the workers' own default)")
     add_kv_dtype_option(p)
     add_prefix_cache_option(p)
     add_scheduler_options(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
-    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on stop, how long requests in flight may finish (default: 30)")
-    p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
+    p.add_argument("--start-timeout", type=positive_float, default=300.0, metavar="S",
                    help="how long to wait for the gateway to become ready (default: 300)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.set_defaults(func=run)

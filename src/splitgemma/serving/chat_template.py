@@ -34,6 +34,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from .files import read_regular_text
+
 # Unicode noncharacters: never meaningful in text, so stripping them from user strings loses nothing.
 _MARK_START = "\ufdd0"
 _MARK_END = "\ufdd1"
@@ -52,19 +54,19 @@ def find_chat_template(model_path: str | Path | None, explicit: str | Path | Non
     """(template source, where it came from) for the model, or ChatTemplateNotFound naming the places looked at."""
     if explicit is not None:
         p = Path(explicit)
-        if not p.is_file():
+        if not p.exists():
             raise ChatTemplateNotFound(f"chat template file {p} does not exist")
-        return p.read_text(encoding="utf-8"), p
+        return _read(p), p
     if model_path is None:
         raise ChatTemplateNotFound("no model path to look for a chat template beside; pass --chat-template FILE")
     model = Path(model_path)
     looked = [model.with_suffix(".chat_template.jinja"), model.parent / "chat_template.jinja"]
     for p in looked:
-        if p.is_file():
-            return p.read_text(encoding="utf-8"), p
+        if p.exists():
+            return _read(p), p
     config = model.parent / "tokenizer_config.json"
     looked.append(config)
-    if config.is_file():
+    if config.exists():
         template = _template_from_config(config)
         if template is not None:
             return template, config
@@ -72,10 +74,18 @@ def find_chat_template(model_path: str | Path | None, explicit: str | Path | Non
                                + "); pass --chat-template FILE")
 
 
-def _template_from_config(config: Path) -> str | None:
+def _read(path: Path) -> str:
     try:
-        data = json.loads(config.read_text(encoding="utf-8"))
+        return read_regular_text(path)
     except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+
+
+def _template_from_config(config: Path) -> str | None:
+    text = _read(config)
+    try:
+        data = json.loads(text)
+    except ValueError as e:
         raise ValueError(f"cannot read {config}: {e}") from e
     template = data.get("chat_template") if isinstance(data, dict) else None
     if isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
@@ -90,10 +100,11 @@ def special_token_strings(tokenizer: Tokenizer, model_path: str | Path | None = 
     found: dict[str, str] = {}
     if model_path is not None:
         config = Path(model_path).parent / "tokenizer_config.json"
-        if config.is_file():
+        if config.exists():
+            text = _read(config)
             try:
-                data = json.loads(config.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as e:
+                data = json.loads(text)
+            except ValueError as e:
                 raise ValueError(f"cannot read {config}: {e}") from e
             for key in _SPECIAL_TOKEN_KEYS:
                 value = data.get(key)
@@ -140,6 +151,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+# The variables the template is rendered with: chat_template_kwargs may not replace them (one would put tools into
+# the prompt that the request's own `tools` field is refused for, another the messages or the BOS token).
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", *_SPECIAL_TOKEN_KEYS,
+                                *_environment().globals})
 
 
 # Names a message's reasoning comes under; templates read different ones (Gemma 4: reasoning, reasoning_content).
@@ -190,6 +207,9 @@ class ChatTemplate:
     def _render(self, messages, tools, add_generation_prompt, kwargs, *, mark: bool) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatTemplateError("messages must be a list of objects")
+        taken = sorted(RESERVED_VARIABLES.intersection(kwargs))
+        if taken:
+            raise ChatTemplateError(f"template variables cannot be replaced: {', '.join(taken)}")
         messages = [_alias_reasoning(m) for m in messages]
         if mark:
             messages, tools, kwargs = self._mark(messages), self._mark(tools), self._mark(kwargs)

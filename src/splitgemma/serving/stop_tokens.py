@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .files import read_regular_text
+
 # <eos>, <turn|> (end of turn) and <|tool_response> (the model hands over to a tool): generation_config.json of the
 # released Gemma 4 checkpoints.
 GEMMA4_STOP_TOKENS = (1, 106, 50)
@@ -20,7 +22,7 @@ def model_stop_tokens(model_path: str) -> tuple[tuple[int, ...], str]:
     for name in ("generation_config.json", "config.json"):
         f = folder / name
         try:
-            cfg = json.loads(f.read_text())
+            cfg = json.loads(read_regular_text(f))
         except (OSError, ValueError):
             continue
         for c in (cfg, cfg.get("text_config") or {}):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from .files import read_regular_text
+
 
 class TokenizerNotFound(FileNotFoundError):
     pass
@@ -22,13 +24,13 @@ def find_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -
         p = Path(explicit)
         if p.is_dir():
             p = p / "tokenizer.json"
-        if not p.is_file():
+        if not p.exists():
             raise TokenizerNotFound(f"tokenizer file {p} does not exist")
         return p
     model = Path(model_path)
     candidates = [model.with_suffix(".tokenizer.json"), model.parent / "tokenizer.json"]
     for c in candidates:
-        if c.is_file():
+        if c.exists():  # not is_file(): a FIFO or folder there is an error worth naming (load_tokenizer does)
             return c
     raise TokenizerNotFound(
         "no tokenizer found for " + str(model) + " (looked for " + ", ".join(str(c) for c in candidates)
@@ -39,6 +41,10 @@ def find_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -
 def load_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -> Tokenizer:
     path = find_tokenizer(model_path, explicit)
     try:
-        return Tokenizer.from_file(str(path))
+        text = read_regular_text(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load tokenizer {path}: {e}") from e
+    try:
+        return Tokenizer.from_str(text)
     except Exception as e:  # the library raises plain Exception subclasses for malformed files
         raise ValueError(f"cannot load tokenizer {path}: {e}") from e
