@@ -193,9 +193,9 @@ class Stack:
     def __init__(self, folder: Path, env: dict | None = None, gateway_args: tuple = (), slots: int = SLOTS,
                  n_decode: int = 1, n_prefill: int = 1, chunk: int = CHUNK, worker_args: tuple = (),
                  prefill_args: tuple = (), decode_args: tuple = (),
-                 per_worker: dict[str, list[str]] | None = None):
+                 per_worker: dict[str, list[str]] | None = None, model: Path = MODEL):
         """worker_args go to every worker, prefill_args / decode_args to every worker of that kind, per_worker to
-        the one named (e.g. {"prefill": ["--max-prompts", "1"]})."""
+        the one named (e.g. {"prefill": ["--max-prompts", "1"]}); `model` is the .fgm all three load."""
         self.folder = folder
         self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -203,7 +203,7 @@ class Stack:
         self.procs: dict[str, LoggedProcess] = {}
         ports = free_ports(1 + n_decode + n_prefill)
         self.port = ports.pop()
-        common = ["--model", str(MODEL), "--max-context", str(MAX_CONTEXT), "--chunk", str(chunk),
+        common = ["--model", str(model), "--max-context", str(MAX_CONTEXT), "--chunk", str(chunk),
                   "--threads", "1", "--shm-dir", str(self.shm), *worker_args]
         self.addresses: dict[str, str] = {}
         for i in range(n_decode):
@@ -219,7 +219,7 @@ class Stack:
         self.decode_addr, self.prefill_addr = self.addresses["decode"], self.addresses["prefill"]
         joined = {kind: ",".join(a for n, a in self.addresses.items() if n.startswith(kind))
                   for kind in ("decode", "prefill")}
-        self.gateway_args = ["--model", str(MODEL), "--prefill", joined["prefill"], "--decode", joined["decode"],
+        self.gateway_args = ["--model", str(model), "--prefill", joined["prefill"], "--decode", joined["decode"],
                              "--port", str(self.port), *gateway_args]
         self._spawn("gateway", ["gateway", *self.gateway_args])
         self.url = f"http://127.0.0.1:{self.port}"

@@ -31,6 +31,8 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "splitgemma native core: .fgm reader, kernels and the Gemma 4 forward pass";
 
   static py::exception<sg::FgmError> fgm_error(m, "FgmError", PyExc_ValueError);
+  // The status a process exits with when a model file it has mapped is truncated under it (fgm_file.cpp).
+  m.attr("EXIT_MODEL_FILE_CHANGED") = sg::kExitModelFileChanged;
 
   py::class_<sg::FgmFile, std::shared_ptr<sg::FgmFile>>(m, "FgmFile",
                                                         "A validated, memory-mapped FASTGEM1 .fgm file (zero copy).")

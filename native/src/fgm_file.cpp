@@ -1,15 +1,18 @@
 #include "fgm_file.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 namespace sg {
@@ -35,6 +38,98 @@ bool parse_dtype(const std::string& s, DType* out) {
   for (const auto& e : table)
     if (s == e.first) { *out = e.second; return true; }
   return false;
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// A model file truncated (or replaced in place) while a process has it mapped: the next read of a page past the new
+// end raises SIGBUS, which would kill the worker with no word of why. It cannot be made impossible from here: a
+// private copy costs the file's size in RAM, and locking the file (flock) is advisory, so `truncate` or a converter
+// rewriting the file still goes ahead. So a SIGBUS handler looks at the faulting address: inside a mapped .fgm it
+// writes one line naming the file and ends the process with kExitModelFileChanged (an orderly exit: the status
+// says why, the supervisor restarts it, the next start sweeps its shared memory). A fault anywhere else goes on to
+// the handler that was there before (or the default action), as if this one did not exist.
+//
+// The handler may only use async-signal-safe calls, so the mappings live in a fixed table of atomics, written
+// under a mutex by the constructor and destructor and read lock-free by the handler.
+
+struct MappedRange {
+  std::atomic<uintptr_t> begin{0};
+  std::atomic<uintptr_t> end{0};
+  char path[480] = {};
+};
+constexpr int kMaxMapped = 64;  // more FgmFiles than this at once are not guarded (none of our processes has more than 2)
+MappedRange g_mapped[kMaxMapped];
+std::mutex g_mapped_mutex;
+struct sigaction g_previous_sigbus;
+std::once_flag g_sigbus_once;
+
+void write_all(const char* s, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(2, s, n);
+    if (w <= 0) return;
+    s += w;
+    n -= size_t(w);
+  }
+}
+
+void write_str(const char* s) { write_all(s, std::strlen(s)); }
+
+void on_sigbus(int sig, siginfo_t* info, void* context) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(info ? info->si_addr : nullptr);
+  for (const MappedRange& m : g_mapped) {
+    const uintptr_t b = m.begin.load(std::memory_order_acquire), e = m.end.load(std::memory_order_acquire);
+    if (b != 0 && addr >= b && addr < e) {
+      char offset[24];
+      int n = 0;
+      for (uintptr_t v = addr - b; n == 0 || v; v /= 10) offset[n++] = char('0' + v % 10);
+      write_str("splitgemma: fatal: the model file ");
+      write_str(m.path);
+      write_str(" was truncated or rewritten while this process had it mapped (SIGBUS reading offset ");
+      while (n) write_all(&offset[--n], 1);
+      write_str("); exiting. Replace a model file by renaming a new one over it, never in place.\n");
+      ::_exit(kExitModelFileChanged);
+    }
+  }
+  // Not ours: hand over to whoever was there before.
+  if (g_previous_sigbus.sa_flags & SA_SIGINFO) {
+    if (g_previous_sigbus.sa_sigaction) return g_previous_sigbus.sa_sigaction(sig, info, context);
+  } else if (g_previous_sigbus.sa_handler != SIG_DFL && g_previous_sigbus.sa_handler != SIG_IGN) {
+    return g_previous_sigbus.sa_handler(sig);
+  }
+  // Default action: re-arm it and return; the faulting access runs again and the kernel ends the process.
+  signal(SIGBUS, SIG_DFL);
+}
+
+void install_sigbus_handler() {
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGBUS, &sa, &g_previous_sigbus);
+}
+
+void guard_mapping(const void* base, uint64_t size, const std::string& path) {
+  std::call_once(g_sigbus_once, install_sigbus_handler);
+  std::lock_guard<std::mutex> lock(g_mapped_mutex);
+  for (MappedRange& m : g_mapped) {
+    if (m.begin.load(std::memory_order_relaxed) != 0) continue;
+    const size_t n = std::min(path.size(), sizeof m.path - 1);
+    std::memcpy(m.path, path.data(), n);
+    m.path[n] = '\0';
+    m.end.store(reinterpret_cast<uintptr_t>(base) + size, std::memory_order_release);
+    m.begin.store(reinterpret_cast<uintptr_t>(base), std::memory_order_release);
+    return;
+  }
+}
+
+void unguard_mapping(const void* base) {
+  std::lock_guard<std::mutex> lock(g_mapped_mutex);
+  for (MappedRange& m : g_mapped)
+    if (m.begin.load(std::memory_order_relaxed) == reinterpret_cast<uintptr_t>(base)) {
+      m.begin.store(0, std::memory_order_release);
+      m.end.store(0, std::memory_order_release);
+    }
 }
 
 }  // namespace
@@ -89,11 +184,13 @@ FgmFile::FgmFile(const std::string& path) : path_(path) {
     fail(std::string("mmap failed: ") + std::strerror(e));
   }
   base_ = static_cast<uint8_t*>(p);
+  guard_mapping(base_, size_, path_);
   try {
     parse_header();
     check_inventory();
     compute_signature();
   } catch (...) {
+    unguard_mapping(base_);
     munmap(base_, size_);
     ::close(fd_);
     base_ = nullptr;
@@ -103,7 +200,10 @@ FgmFile::FgmFile(const std::string& path) : path_(path) {
 }
 
 FgmFile::~FgmFile() {
-  if (base_) munmap(base_, size_);
+  if (base_) {
+    unguard_mapping(base_);
+    munmap(base_, size_);
+  }
   if (fd_ >= 0) ::close(fd_);
 }
 

@@ -19,6 +19,10 @@
 
 namespace sg {
 
+// The exit status of a process whose mapped model file was truncated or rewritten under it (fgm_file.cpp: the
+// SIGBUS guard). EX_IOERR of sysexits.h.
+constexpr int kExitModelFileChanged = 74;
+
 class FgmError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

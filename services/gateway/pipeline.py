@@ -127,6 +127,15 @@ class Pipelines:
         context = self.pool.known_context()
         for spec in specs:
             check_context(spec, context)
+        # The choices hold their slots while the later ones wait for theirs: more choices than the decode workers
+        # have slots (all of them, up or down) could only wait out the queue timeout, then fail. Known once every
+        # worker has reported.
+        workers = self.pool.decode
+        if workers and all(w.stats is not None for w in workers):
+            total = sum(w.stats.slots_total for w in workers)
+            if len(specs) > total:
+                raise ApiError(400, f"the request asks for {len(specs)} choices (prompts × n) but the decode "
+                               f"workers have {total} slots in all", param="n", code="invalid_value")
         runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
         try:
             for i, run in enumerate(runs):

@@ -46,11 +46,11 @@ class ApiError(Exception):
                  retry_after: float | None = None, type_: str | None = None):
         # Messages quote the client's input, which may hold text that cannot be encoded (a lone surrogate in a
         # URL path): the error must still be sendable.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        message = _sendable(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _sendable(param)
         self.code = code
         self.retry_after = retry_after
         self.type = type_ or self.TYPES.get(status, "server_error")
@@ -63,6 +63,10 @@ class ApiError(Exception):
             return {}
         # Retry-After takes whole seconds; round up so a client never comes back too early.
         return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
+
+
+def _sendable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -307,9 +311,10 @@ def _first_bad_value(data: dict, surrogates: bool) -> tuple[str, str] | None:
         if surrogates:
             items = list(items)
             for k, v in items:
-                if isinstance(k, str) and _has_surrogate(k) or isinstance(v, str) and _has_surrogate(v):
-                    return _param_path([*path, str(k)]), ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
-                                                          "which is not text")
+                if isinstance(k, str) and _has_surrogate(k):
+                    return _param_path(list(path)), _SURROGATE_MESSAGE.format("a key")
+                if isinstance(v, str) and _has_surrogate(v):
+                    return _param_path([*path, str(k)]), _SURROGATE_MESSAGE.format("the string")
         if isinstance(value, list) and not surrogates and _CONTAINERS.isdisjoint(map(type, value)):
             continue  # e.g. a prompt of token ids: no per-item Python work
         stack.extend((v, (*path, str(k)), depth + 1) for k, v in items if type(v) in _CONTAINERS)
@@ -317,6 +322,7 @@ def _first_bad_value(data: dict, surrogates: bool) -> tuple[str, str] | None:
 
 
 _CONTAINERS = frozenset((dict, list))
+_SURROGATE_MESSAGE = "{} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text"
 
 
 def _has_surrogate(s: str) -> bool:
@@ -328,7 +334,11 @@ def _has_surrogate(s: str) -> bool:
 
 
 def _validation_error(e: ValidationError) -> ApiError:
-    err = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # A value that fails a union fails every member; the member of its own shape says what is wrong with it (a token
+    # id out of range, a stop string too long) better than the first member's "should be a valid string".
+    err = next((x for x in errors if not x["type"].endswith("_type") and not x["type"].startswith("union")),
+               errors[0])
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, _Unsupported):
         return invalid(ctx_error.message, param=ctx_error.param, code=ctx_error.code)
@@ -345,7 +355,8 @@ def _validation_error(e: ValidationError) -> ApiError:
 
 def _is_union_tag(part) -> bool:
     # pydantic names union members in error locations ("str", "list[int]", "function-after[...]"); drop them.
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+    return isinstance(part, str) and ("[" in part or part.startswith("constrained-")
+                                      or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
 def _param_path(loc: list[str]) -> str:

@@ -221,7 +221,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template error: {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             # A message shape the template does not expect (e.g. content of the wrong type).
-            raise ChatTemplateError(f"chat template cannot render these messages: {type(e).__name__}: {e}") from e
+            # (The exception's own text, without its class: the client gets what is wrong, not our internals.)
+            raise ChatTemplateError(f"chat template cannot render these messages: {e}") from e
 
     def _mark(self, obj):
         if isinstance(obj, str):
