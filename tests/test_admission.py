@@ -192,7 +192,7 @@ def test_with_every_slot_busy_the_gateway_queues_at_the_shortest_queue(tmp_path)
 
 def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
     """One slot, a queue of one, two seconds of patience: a full queue is 429, a wait past the timeout is 503, both
-    with Retry-After; n choices that cannot all get a slot take none; a lease whose slot a prefill is writing does
+    with Retry-After; more choices than there are slots take none; a lease whose slot a prefill is writing does
     not expire; a draining worker answers its queue UNAVAILABLE."""
     s = Stack(tmp_path, slots=1, decode_args=("--max-queue", "1", "--queue-timeout", "2"))
     try:
@@ -215,13 +215,13 @@ def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
         assert (a.queued, a.refused_queue_full, a.refused_timeout) == (0, 1, 1)
         _release(s, held)
 
-        # n=2 on one slot: the first choice gets it, the second waits out the timeout, and the first is given back
-        # (released by the gateway, not expired).
+        # n=2 on one slot could only wait out the queue timeout while its first choice holds the slot: it is refused
+        # at once, before any slot is taken.
         expired = s.wait_idle().leases_expired
-        with pytest.raises(openai.InternalServerError) as both:
+        with pytest.raises(openai.BadRequestError) as both:
             _complete(client, "limit-n", n=2)
-        assert both.value.status_code == 503
-        assert _granted(s, "limit-n") == ["limit-n-0"]
+        assert both.value.status_code == 400 and both.value.body["param"] == "n"
+        assert _granted(s, "limit-n") == []
         assert s.wait_idle(HANG_GUARD).leases_expired == expired
 
         # A prefill holds the writer lock of the one slot (the test does, as a long prefill would) past the lease's
