@@ -35,8 +35,8 @@ from test_fgm_reader import split_file, write_with_header
 from test_gateway import MAX_CONTEXT, MODEL, MODEL_NAME, TEMPLATE, Stack
 from tools.procs import SPLITGEMMA, wait_until
 
-REQUEST_EXAMPLES = 150
-FGM_EXAMPLES = 80
+REQUEST_EXAMPLES = 500
+FGM_EXAMPLES = 200
 # What a body must never show a client: a traceback, a source path, an exception's class and text.
 LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|/usr/|site-packages|Error: |internal error:")
 

@@ -32,14 +32,14 @@ def add_kv_dtype_option(p) -> None:
 
 
 def _int_in(text: str, minimum: int, maximum: int) -> int:
+    if len(text) > 40 and text.strip().lstrip("+-").isdigit():
+        # int() of a few thousand digits raises its own ValueError (sys.int_info); no option takes one that long.
+        raise argparse.ArgumentTypeError(f"invalid value {text[:20]}… ({len(text)} characters): must lie in "
+                                         f"[{minimum}, {maximum}]")
     try:
-        # A length check first: int() of a few thousand digits raises its own ValueError (sys.int_info), and no
-        # option takes a number that long.
-        v = int(text) if len(text) <= 40 else None
+        v = int(text)
     except ValueError:
-        v = None
-    if v is None:
-        raise argparse.ArgumentTypeError(f"invalid value {text[:40]!r}: not an integer")
+        raise argparse.ArgumentTypeError(f"invalid value {text[:40]!r}: not an integer") from None
     if v < minimum:
         raise argparse.ArgumentTypeError(f"invalid value {v}: must be at least {minimum}")
     if v > maximum:
