@@ -141,12 +141,12 @@ def cpus(text: str) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The KV slot size, from docs/engine-api.md: a 64-byte header, then for every layer that owns K/V four arrays (K
+# The KV slot size, from docs/engine-api.md: a 128-byte header, then for every layer that owns K/V four arrays (K
 # codes, V codes: cap × n_kv_heads × head_dim int8; K scales, V scales: cap float32), each starting on 64 bytes.
 
 def kv_slot_bytes(config: dict, max_context: int, chunk: int) -> int:
     chunk = min(chunk, max_context)
-    total = 64
+    total = 128
     for i in range(config["first_shared_layer"]):
         full = config["layer_types"][i] == "full_attention"
         head_dim = config["global_head_dim"] if full else config["head_dim"]
@@ -171,7 +171,7 @@ def test_kv_slot_formula_equals_the_engine(max_context, chunk):
 def test_kv_slot_formula_for_e2b_matches_the_documented_example():
     # docs/engine-api.md: "3 full layers × 8192 × 2 × 512 B, plus 12 sliding layers × 768 × 2 × 256 B, plus scales"
     full, sliding = 8192 * 2 * 512 + 2 * 4 * 8192, 768 * 2 * 256 + 2 * 4 * 768
-    assert kv_slot_bytes(e2b_config(), 8192, 256) == 64 + 3 * full + 12 * sliding
+    assert kv_slot_bytes(e2b_config(), 8192, 256) == 128 + 3 * full + 12 * sliding
 
 
 # ---------------------------------------------------------------------------------------------------------------

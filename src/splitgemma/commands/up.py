@@ -13,7 +13,8 @@ import urllib.request
 from pathlib import Path
 
 from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float, positive_int
-from splitgemma.commands.decode import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, add_capacity_options
+from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
+                                        add_capacity_options, add_lease_options, check_lease_options)
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 
 CORE_RULES = ("shared", "split")
@@ -48,6 +49,7 @@ def register(subparsers) -> None:
     p.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
                    help="the longest a request waits for a slot before it gets 503 "
                         f"(default: {DEFAULT_QUEUE_TIMEOUT:g})")
+    add_lease_options(p)
     p.add_argument("--max-context", type=int, default=4096, metavar="C", help="positions per slot (default: 4096)")
     p.add_argument("--chunk", type=int, default=256, metavar="N", help="prefill rows per pass (default: 256)")
     p.add_argument("--threads", type=int, default=None,
@@ -126,6 +128,7 @@ def run(args) -> int:
     for name in ("max_context", "chunk"):
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    check_lease_options(args)
     decode_cpus = prefill_cpus = None
     if args.cores == "split":
         decode_cpus, prefill_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
@@ -146,7 +149,8 @@ def run(args) -> int:
         geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
-                         "--drain-seconds", str(args.drain_timeout)]
+                         "--drain-seconds", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
+                         "--max-lease-ms", str(args.max_lease_ms)]
     if args.slots:
         decode_argv += ["--slots", str(args.slots)]
     if args.kv_cache_bytes:
