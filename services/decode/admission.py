@@ -148,8 +148,8 @@ class Admission:
             self.refused_full += 1
             self._refused.labels(reason="queue_full").inc()
             ahead = len(self._queue)
-            # Nothing measured yet (a worker just started, or after a lull): come back soon; the refusal is cheap and
-            # the next one carries a measured hint. (Guessing the queue timeout sent clients away for that long while
+            # Nothing measured yet (fewer than two frees close together since the start): come back soon; the refusal
+            # is cheap and the next one carries a measured hint. (Guessing the queue timeout sent clients away for that long while
             # slots freed in a fraction of a second.)
             raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
                             f"{self.max_queue})", self.rate.retry_after(ahead + 1, time.monotonic(), RETRY_MIN_S))
