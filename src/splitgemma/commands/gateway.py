@@ -47,9 +47,9 @@ def register(subparsers) -> None:
 def add_api_key_options(p: argparse.ArgumentParser) -> None:
     """--api-key and --api-key-file, of the gateway and of `splitgemma up`."""
     p.add_argument("--api-key", action="append", metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on the API (repeatable; every other process of this "
-                        "user can read a command line: prefer --api-key-file or SPLITGEMMA_API_KEYS, "
-                        "comma-separated; all three add up; none = open)")
+                   help="require 'Authorization: Bearer KEY' on the API (repeatable; any local user can read a "
+                        "command line with ps: prefer --api-key-file or SPLITGEMMA_API_KEYS, comma-separated; all "
+                        "three add up; none = open)")
     p.add_argument("--api-key-file", action="append", metavar="FILE",
                    help="API keys, one a line (blank lines and # comments skipped; repeatable)")
 
