@@ -115,6 +115,10 @@ def test_workers_require_the_service_token(stack):
                 assert refused_code(lambda: stub.Stats(pb.StatsRequest(), timeout=10, metadata=metadata)) == \
                     grpc.StatusCode.UNAUTHENTICATED
             assert stub.Stats(pb.StatsRequest(), timeout=10, metadata=bearer).worker_id
+            # Without the token nobody learns which methods exist.
+            nope = channel.unary_unary(f"/splitgemma.v1.{name.capitalize()}/Nope")
+            assert refused_code(lambda: nope(b"", timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
+            assert refused_code(lambda: nope(b"", timeout=10, metadata=bearer)) == grpc.StatusCode.UNIMPLEMENTED
             # Reflection (a stream-stream call) maps the API: it needs the token too.
             reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
             ask = reflection_pb2.ServerReflectionRequest(list_services="")

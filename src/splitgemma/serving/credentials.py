@@ -121,18 +121,20 @@ def server_interceptors(token: str | None) -> list:
     class _RequireServiceToken(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation, details):
             handler = await continuation(details)
-            if handler is None or details.method.startswith(OPEN_METHODS_PREFIX):
+            if details.method.startswith(OPEN_METHODS_PREFIX):
                 return handler
             header = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
             if bearer_matches(header, digests):
                 return handler
+            # Unknown methods too: without the token, UNIMPLEMENTED would tell which methods exist.
             return _refusal_like(handler, "missing" if header is None else "wrong")
 
     return [_RequireServiceToken()]
 
 
 def _refusal_like(handler, why: str):
-    """A handler of the same call shape as `handler` that answers UNAUTHENTICATED without reading the request."""
+    """A handler of the same call shape as `handler` (unary for an unknown method, None) that answers
+    UNAUTHENTICATED without reading the request."""
     import grpc
 
     message = (f"{why} service credential: this worker requires 'authorization: Bearer <token>' metadata with its "
@@ -141,6 +143,8 @@ def _refusal_like(handler, why: str):
     async def refuse(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(refuse)
     shape = (handler.request_streaming, handler.response_streaming)
     make = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
