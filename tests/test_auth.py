@@ -24,7 +24,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 from test_gateway import MODEL, MODEL_NAME, TEMPLATE, Stack
 from test_up import _children, _start
-from tools.procs import SPLITGEMMA, LoggedProcess, free_ports, wait_until
+from tools.procs import SPLITGEMMA, LoggedProcess, free_ports, http_ready, wait_until
 
 TOKEN = secrets.token_urlsafe(32)
 KEYS = {"flag": "sk-flag-" + secrets.token_urlsafe(8), "file": "sk-file-" + secrets.token_urlsafe(8),
@@ -96,10 +96,11 @@ def test_a_wrong_or_missing_key_is_a_401_in_openais_shape(stack):
 def test_probes_and_metrics_stay_open(stack):
     assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
     assert httpx.get(stack.url + "/ready").status_code == 200
+    assert httpx.get(stack.url + "/v1/models").status_code == 401
     metrics = httpx.get(stack.url + "/metrics")
     assert metrics.status_code == 200
-    # The refusals above were counted like any other answer.
-    assert 'status="401"' in metrics.text
+    # The refusal was counted like any other answer.
+    assert 'splitgemma_gateway_requests_total{endpoint="/v1/models",status="401"}' in metrics.text
 
 
 def test_workers_require_the_service_token(stack):
@@ -166,6 +167,24 @@ def test_a_gateway_with_another_token_is_not_ready(stack, tmp_path):
         gw.send_signal(signal.SIGTERM)
         gw.wait(20)
     assert "no API key configured" not in gw.log(), "it listens on loopback: no warning"
+
+
+def test_metrics_auth(stack, tmp_path):
+    port, = free_ports(1)
+    env = {k: v for k, v in stack.env.items() if k != "SPLITGEMMA_API_KEYS"}
+    gw = LoggedProcess([*SPLITGEMMA, "gateway", "--model", str(MODEL), "--prefill", stack.prefill_addr,
+                        "--decode", stack.decode_addr, "--port", str(port), "--api-key", KEYS["flag"],
+                        "--metrics-auth"], tmp_path / "gateway.log", env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: http_ready(url), "the gateway", 30, watch={"gateway": gw})
+        assert httpx.get(url + "/metrics").status_code == 401
+        r = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEYS['flag']}"})
+        assert r.status_code == 200 and "splitgemma_gateway_" in r.text
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        gw.send_signal(signal.SIGTERM)
+        gw.wait(20)
 
 
 def test_an_open_api_beyond_loopback_is_logged(caplog):
