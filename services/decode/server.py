@@ -364,7 +364,8 @@ async def serve(args) -> int:
                                   max_lease_ms=args.max_lease_ms,
                                   tracer=tel.tracer, kv_cache_bytes=cap.budget)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
-                            lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv))
+                            lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv),
+                            token=args.service_token, tls=args.tls)
         start_metrics(args.metrics_port, args.host, registry)
         await server.server.start()
         batch.start()

@@ -24,8 +24,8 @@ MAX_TOKENS_LIMIT = 1 << 20
 class ApiError(Exception):
     """An error answered in the OpenAI envelope. `code` is a string or None, as OpenAI's own."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 502: "server_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "server_error",
              503: "service_unavailable_error", 504: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,

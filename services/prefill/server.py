@@ -335,7 +335,8 @@ async def serve(args) -> int:
                                max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes))
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
-                            lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv))
+                            lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv),
+                            token=args.service_token, tls=args.tls)
         start_metrics(args.metrics_port, args.host, registry)
         await server.server.start()
         await server.set_serving(True)

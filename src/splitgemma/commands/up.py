@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,7 +16,9 @@ from pathlib import Path
 from splitgemma.commands import CommandError, add_kv_dtype_option, non_negative_int, positive_float, positive_int
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
                                         add_capacity_options, add_lease_options, check_lease_options)
+from splitgemma.commands.gateway import add_api_key_options
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
+from splitgemma.serving.credentials import SERVICE_TOKEN_ENV
 
 CORE_RULES = ("shared", "split")
 
@@ -24,7 +27,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "up", help="start a decode worker, a prefill worker and a gateway for one model",
         description="Start the three splitgemma processes on loopback (free ports for the workers), wait until "
-                    "the gateway is ready, print its URL, and run until Ctrl-C or SIGTERM. Stopping is ordered: "
+                    "the gateway is ready, print its URL, and run until Ctrl-C or SIGTERM. The workers accept only "
+                    "the gateway: a service token made for this run reaches the three in their environment. API "
+                    "keys (--api-key, --api-key-file, SPLITGEMMA_API_KEYS) go to the gateway. Stopping is ordered: "
                     "the gateway first (it stops accepting and lets requests in flight finish), then the "
                     "workers. If any of the three exits on its own, the others are stopped and up fails.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -63,6 +68,7 @@ def register(subparsers) -> None:
     p.add_argument("--start-timeout", type=float, default=300.0, metavar="S",
                    help="how long to wait for the gateway to become ready (default: 300)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_api_key_options(p)
     p.set_defaults(func=run)
 
 
@@ -88,9 +94,10 @@ def _die_with_parent(cpus: list[int] | None = None) -> None:
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str], cpus: list[int] | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None = None):
         self.name = name
-        self.proc = subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(cpus), stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(cpus), stdin=subprocess.DEVNULL,
+                                     env=env)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -167,6 +174,16 @@ def run(args) -> int:
     for opt in ("model_name", "tokenizer", "chat_template"):
         if getattr(args, opt):
             gateway_argv += ["--" + opt.replace("_", "-"), getattr(args, opt)]
+    for path in args.api_key_file or ():
+        gateway_argv += ["--api-key-file", path]
+    # Secrets travel in the environment, which only this user can read (/proc/PID/environ), not on command lines,
+    # which every user can (ps). A new service token each run: the workers' ports are open to every local user.
+    from splitgemma.services.gateway.auth import API_KEYS_ENV, load_api_keys
+    env = {**os.environ, SERVICE_TOKEN_ENV: secrets.token_urlsafe(32)}
+    gateway_env = env
+    if args.api_key:
+        load_api_keys(args.api_key, None, {})  # a key that cannot be sent fails here, not in the gateway
+        gateway_env = {**env, API_KEYS_ENV: ",".join(filter(None, [env.get(API_KEYS_ENV, ""), *args.api_key]))}
 
     stop_requested: list[str] = []
 
@@ -177,9 +194,9 @@ def run(args) -> int:
     children: list[_Child] = []
     failure = None
     try:
-        children.append(_Child("decode worker", decode_argv, decode_cpus))
-        children.append(_Child("prefill worker", prefill_argv, prefill_cpus))
-        children.append(_Child("gateway", gateway_argv))
+        children.append(_Child("decode worker", decode_argv, env, decode_cpus))
+        children.append(_Child("prefill worker", prefill_argv, env, prefill_cpus))
+        children.append(_Child("gateway", gateway_argv, gateway_env))
         shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
         url = f"http://{shown_host}:{port}"
         deadline = time.monotonic() + args.start_timeout

@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitgemma.serving import telemetry
+from splitgemma.serving import credentials, telemetry
 from splitgemma.v1 import serving_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
@@ -92,13 +92,18 @@ def start_metrics(port: int | None, host: str, registry) -> None:
 
 
 class GrpcServer:
-    """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`."""
+    """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`; with a
+    service token, calls without it are refused (health excepted), and with `tls`, the port speaks TLS
+    (splitgemma/serving/credentials.py)."""
 
     def __init__(self, host: str, port: int, services: Sequence[str],
-                 add_servicers: Callable[[grpc.aio.Server], None]):
-        # SO_REUSEPORT is gRPC's default on Linux: a second worker started on a taken port would come up and share
-        # it, the kernel spreading calls over both. Off, the bind fails and the worker says so.
-        self.server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors(),
+                 add_servicers: Callable[[grpc.aio.Server], None], *, token: str | None = None,
+                 tls: credentials.TlsFiles | None = None):
+        # The token check first: a refused call costs no span. SO_REUSEPORT is gRPC's default on Linux: a second
+        # worker started on a taken port would come up and share it, the kernel spreading calls over both. Off, the
+        # bind fails and the worker says so.
+        self.server = grpc.aio.server(interceptors=[*credentials.server_interceptors(token),
+                                                    *telemetry.grpc_server_interceptors()],
                                       options=[("grpc.so_reuseport", 0)])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
@@ -107,7 +112,10 @@ class GrpcServer:
         reflection.enable_server_reflection([*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
+            if tls is not None and tls.enabled:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
         except RuntimeError:  # grpc reports a failed bind this way (older versions return port 0)
             self.port = 0
         if not self.port:
