@@ -23,7 +23,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from splitgemma.serving.shm_arena import SlotLocks
-from splitgemma.services.decode.admission import Admission, DrainRate
+from splitgemma.services.decode.admission import RETRY_MIN_S, Admission, DrainEstimate
 from splitgemma.services.decode.slots import SlotTable
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
@@ -208,9 +208,9 @@ def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
         assert full.value.status_code == 429 and full.value.code == "queue_full"
         assert late.value.status_code == 503 and late.value.code == "queue_timeout"
         # Nothing freed a slot yet: the hint for the timeout is the queue timeout (that long brought no slot); for the
-        # full queue, when its head times out (at most the queue timeout), in whole seconds rounded up.
+        # full queue the shortest, 1 s (nothing is measured to say more).
         assert late.value.response.headers["Retry-After"] == "2"
-        assert 1 <= int(full.value.response.headers["Retry-After"]) <= 2
+        assert full.value.response.headers["Retry-After"] == "1"
         a = s.stats().admission
         assert (a.queued, a.refused_queue_full, a.refused_timeout) == (0, 1, 1)
         _release(s, held)
@@ -265,7 +265,7 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
     a slot granted in the instant its caller goes away is passed on."""
     async def main():
         loop = asyncio.get_running_loop()
-        table = SlotTable(1, stamp=lambda slot, generation: None, revoke=lambda slot: True,
+        table = SlotTable(1, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
                           writing=lambda slot: False)
         queue = Admission(table, loop, CollectorRegistry(), max_queue=8, timeout_s=HANG_GUARD)
         table.on_free = queue.slot_freed
@@ -275,7 +275,7 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
             return s
 
         def give_back(s):
-            assert table.release(s.index, s.generation, s.request_id)
+            assert table.release(s.index, s.generation, s.request_id, s.secret)
 
         async def settle():  # let every callback and task step scheduled so far run
             for _ in range(8):
@@ -301,11 +301,28 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
     asyncio.run(main())
 
 
-def test_drain_rate():
-    r = DrainRate()
-    assert r.per_second(100.0) == 0
-    for t in (100.0, 100.5, 101.0, 102.0):
-        r.note(t)
-    assert r.per_second(102.0) == 4 / 2.0
-    assert r.per_second(104.0) == 4 / 4.0  # nothing freed since: the rate falls
-    assert r.per_second(100.0 + 60.5) == 3 / 60.0  # the oldest free is past the horizon
+def test_drain_estimate():
+    """Retry-After from given timestamps (no clock): the mean interval between frees, times the caller's position."""
+    r = DrainEstimate()
+    assert r.interval(100.0) is None and r.per_second(100.0) == 0
+    assert r.retry_after(3, 100.0, unmeasured=7.0) == 7.0  # nothing measured: the caller's fallback
+    r.note(100.0)
+    assert r.interval(100.0) is None  # one free is no interval yet
+    # Slots free every 0.4 s: the hint for the 5th in line is 2 s, not a default.
+    for i in range(1, 6):
+        r.note(100.0 + 0.4 * i)
+    assert abs(r.interval(102.0) - 0.4) < 1e-9 and abs(r.per_second(102.0) - 2.5) < 1e-9
+    assert abs(r.retry_after(5, 102.0, unmeasured=15.0) - 2.0) < 1e-9
+    assert r.retry_after(1, 102.0, unmeasured=15.0) == RETRY_MIN_S  # 0.4 s: Retry-After has whole seconds
+    # Nothing freed since: the open interval counts once it is longer than the mean.
+    assert r.interval(105.0) == 3.0 and r.retry_after(2, 105.0, unmeasured=15.0) == 6.0
+    # A lull longer than IDLE_GAP_S is not an interval of the drain: the estimate from before it stands and fast
+    # frees after it keep it fast.
+    r.note(200.0)
+    r.note(200.2)
+    assert r.interval(200.2) < 0.4
+    # A slower drain moves the mean towards it, weighted towards the newest intervals.
+    for i in range(1, 30):
+        r.note(200.2 + 2.0 * i)
+    assert 1.9 < r.interval(200.2 + 58.0) <= 2.0
+    assert r.retry_after(10_000, 300.0, unmeasured=1.0) == 3600.0  # capped

@@ -2,12 +2,14 @@
 
 There is no Docker engine here, so the files are checked in two ways:
 * statically: the Dockerfile's stages and user, the build context's allow-list, every service's healthcheck,
-  dependencies, telemetry variables and shared-memory settings (the /dev/shm size against the engine's KV slot
+  dependencies, credentials (compose secrets; the gateway published on loopback), telemetry variables and
+  shared-memory settings (the /dev/shm size against the engine's KV slot
   layout, whose formula is checked against the engine itself), the collector's pipelines; hadolint when installed;
 * by running it: each splitgemma service's `command` and `environment` taken from compose.yaml, variables
   substituted with test values, host names rewritten to 127.0.0.1 (the collector's address to an OTLP receiver in
   this process), started as local processes in dependency order behind the same healthchecks, then asked a chat and
-  a completion with the openai client, and stopped with SIGTERM as `docker compose down` would.
+  a completion with the openai client (with the API key; a wrong one is refused, as is a worker call without the
+  service token), and stopped with SIGTERM as `docker compose down` would.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -22,10 +25,14 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import grpc
 import httpx
 import openai
 import pytest
 import yaml
+
+from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pbg
 
 from tools.otlp_collector import OtlpCollector
 from tools.procs import LoggedProcess, free_ports, terminate, wait_until
@@ -141,12 +148,12 @@ def cpus(text: str) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The KV slot size, from docs/engine-api.md: a 64-byte header, then for every layer that owns K/V four arrays (K
+# The KV slot size, from docs/engine-api.md: a 128-byte header, then for every layer that owns K/V four arrays (K
 # codes, V codes: cap × n_kv_heads × head_dim int8; K scales, V scales: cap float32), each starting on 64 bytes.
 
 def kv_slot_bytes(config: dict, max_context: int, chunk: int) -> int:
     chunk = min(chunk, max_context)
-    total = 64
+    total = 128
     for i in range(config["first_shared_layer"]):
         full = config["layer_types"][i] == "full_attention"
         head_dim = config["global_head_dim"] if full else config["head_dim"]
@@ -171,7 +178,7 @@ def test_kv_slot_formula_equals_the_engine(max_context, chunk):
 def test_kv_slot_formula_for_e2b_matches_the_documented_example():
     # docs/engine-api.md: "3 full layers × 8192 × 2 × 512 B, plus 12 sliding layers × 768 × 2 × 256 B, plus scales"
     full, sliding = 8192 * 2 * 512 + 2 * 4 * 8192, 768 * 2 * 256 + 2 * 4 * 768
-    assert kv_slot_bytes(e2b_config(), 8192, 256) == 64 + 3 * full + 12 * sliding
+    assert kv_slot_bytes(e2b_config(), 8192, 256) == 128 + 3 * full + 12 * sliding
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -299,7 +306,8 @@ def test_build_context_holds_what_the_wheel_build_reads_and_nothing_else():
     assert not missing, f"left out of the build context: {missing[:10]}"
     for path in (".venv/bin/python", "build/dev/CMakeCache.txt", ".git/HEAD", "tests/test_docker.py",
                  "tests/fixtures/fastgemma/mini-e2b-tame/mini-e2b-tame.fgm", "models/g4e2b-dual.fgm",
-                 "src/splitgemma/model.fgm", "src/splitgemma/__pycache__/cli.cpython-311.pyc", "docker/compose.yaml"):
+                 "src/splitgemma/model.fgm", "src/splitgemma/__pycache__/cli.cpython-311.pyc", "docker/compose.yaml",
+                 "docker/secrets/service_token"):
         assert not in_build_context(path, patterns), path
 
 
@@ -374,6 +382,39 @@ def test_gateway_reaches_the_workers_by_service_name():
         assert host == kind and port == options(services[kind]["command"])["port"]
     published = services["gateway"]["ports"][0].rsplit(":", 1)[1]
     assert published == gw["port"]
+
+
+def test_gateway_is_published_on_loopback_unless_told():
+    for env, host in (({}, "127.0.0.1"), ({"SPLITGEMMA_BIND": "0.0.0.0"}, "0.0.0.0")):
+        [published] = compose(env)["services"]["gateway"]["ports"]
+        assert published.split(":")[0] == host
+    # Nothing else is published beyond loopback, and the workers not at all (the gateway reaches them inside).
+    for name, s in compose({"SPLITGEMMA_BIND": "0.0.0.0"})["services"].items():
+        if name != "gateway":
+            assert all(p.startswith("127.0.0.1:") for p in s.get("ports", [])), name
+    for kind in WORKERS:
+        assert "ports" not in compose()["services"][kind]
+
+
+def test_credentials_are_compose_secrets():
+    c = compose()
+    declared = c["secrets"]
+    assert set(declared) == {"service_token", "api_keys"}
+    for secret in declared.values():
+        assert set(secret) == {"file"}, "a file, mounted read-only at /run/secrets/NAME; never an env value"
+    for name in SPLITGEMMA_SERVICES:
+        s = c["services"][name]
+        opts = options(s["command"])
+        assert opts["service-token-file"] == "/run/secrets/service_token" and "service_token" in s["secrets"]
+        # No secret in a command line or in the environment (`docker inspect` shows both).
+        assert not any("TOKEN" in k or "API_KEY" in k for k in s["environment"])
+    gw = c["services"]["gateway"]
+    assert options(gw["command"])["api-key-file"] == "/run/secrets/api_keys" and "api_keys" in gw["secrets"]
+    for kind in WORKERS:
+        assert "api_keys" not in c["services"][kind]["secrets"], "only the gateway needs the API keys"
+    # The default files sit in docker/secrets/, which git and the image's build context both leave out.
+    assert (DOCKER / declared["service_token"]["file"]).resolve().parent == DOCKER / "secrets"
+    assert "/docker/secrets/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_workers_agree_on_the_slot_geometry_and_have_their_own_cores():
@@ -490,7 +531,8 @@ class LocalStack:
     """compose.yaml's splitgemma services as processes on loopback."""
 
     def __init__(self, variables: dict[str, str], collector_port: int, folder: Path):
-        self.services = compose(variables)["services"]
+        c = compose(variables)
+        self.services, self.secrets = c["services"], c["secrets"]
         self.folder = folder
         # Compose's service addresses → loopback; the collector's OTLP/gRPC port → the in-test receiver.
         collector = yaml.safe_load(COLLECTOR_CONFIG.read_text())
@@ -503,6 +545,8 @@ class LocalStack:
         names = "|".join(re.escape(n) for n in self.services)
         text = re.sub(rf"(?<![\w.-])({names}):(\d+)",
                       lambda m: "127.0.0.1:" + self.ports.get((m.group(1), m.group(2)), m.group(2)), text)
+        # A secret compose mounts at /run/secrets/NAME is its source file (relative to the compose file's folder).
+        text = re.sub(r"/run/secrets/(\w+)", lambda m: str(DOCKER / self.secrets[m.group(1)]["file"]), text)
         return text.replace("0.0.0.0", "127.0.0.1")
 
     def env(self, name: str) -> dict[str, str]:
@@ -511,6 +555,9 @@ class LocalStack:
         return env
 
     def argv(self, name: str) -> list[str]:
+        for arg in self.services[name]["command"]:
+            for secret in re.findall(r"/run/secrets/(\w+)", arg):
+                assert secret in self.services[name].get("secrets", []), f"{name} reads {secret} but mounts none"
         argv = [str(self.exe), *(self.rewrite(a) for a in self.services[name]["command"])]
         # The container's cpuset, where this machine has those CPUs (taskset execs the service: the pid stays its).
         cpuset = self.services[name].get("cpuset")
@@ -563,8 +610,13 @@ def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
     for src, name in ((MODEL, MODEL.name), (MODEL.parent / "tokenizer.json", "tokenizer.json"),
                       (TEMPLATE, "chat_template.jinja")):
         (models / name).symlink_to(src)
+    # The credentials as docs/deploy.md has them made.
+    api_key = "sk-" + secrets.token_urlsafe(16)
+    (tmp_path / "service_token").write_text(secrets.token_urlsafe(32) + "\n")
+    (tmp_path / "api_keys").write_text(api_key + "\n")
     variables = {"SPLITGEMMA_MODEL_DIR": str(models), "SPLITGEMMA_MODEL": str(models / MODEL.name),
-                 "SPLITGEMMA_SHM_DIR": str(shm_dir)}
+                 "SPLITGEMMA_SHM_DIR": str(shm_dir), "SPLITGEMMA_SERVICE_TOKEN_FILE": str(tmp_path / "service_token"),
+                 "SPLITGEMMA_API_KEYS_FILE": str(tmp_path / "api_keys")}
     port_vars = ("DECODE_PORT", "PREFILL_PORT", "GATEWAY_PORT", "DECODE_METRICS_PORT", "PREFILL_METRICS_PORT")
     variables.update(zip(port_vars, map(str, free_ports(len(port_vars)))))
     receiver = OtlpCollector("grpc")
@@ -573,9 +625,17 @@ def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
         stack.up()
         gateway = options(stack.services["gateway"]["command"])
         model_name = gateway["model-name"]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway['port']}/v1", api_key="unused", max_retries=0,
-                               timeout=30)
+        base_url = f"http://127.0.0.1:{gateway['port']}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base_url, api_key="sk-wrong", max_retries=0, timeout=30).models.list()
+        client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30)
         assert [m.id for m in client.models.list().data] == [model_name]
+        # The workers take calls from the gateway only (the healthchecks above passed without the token).
+        decode_port = options(stack.services["decode"]["command"])["port"]
+        with grpc.insecure_channel(f"127.0.0.1:{decode_port}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                pbg.DecodeStub(channel).Stats(pb.StatsRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "w5 w6 w7"}],
                                               max_tokens=6, temperature=0)
         assert chat.model == model_name and chat.choices[0].finish_reason in ("stop", "length")

@@ -500,7 +500,7 @@ def test_kv_layout_is_defined_by_config_and_geometry():
     assert [e["layer"] for e in lay["layers"]] == [0, 1, 2, 3]
     assert [e["cap"] for e in lay["layers"]] == [WINDOW + 8, WINDOW + 8, 100, WINDOW + 8]
     assert [e["row_bytes"] for e in lay["layers"]] == [64, 64, 128, 64]
-    assert lay["header_bytes"] == 64 and lay["slot_bytes"] == m.kv_slot_bytes
+    assert lay["header_bytes"] == 128 and lay["slot_bytes"] == m.kv_slot_bytes
     for e in lay["layers"]:
         assert all(e[k] % 64 == 0 for k in ("k_off", "v_off", "ks_off", "vs_off"))
     offs = sorted((e[k], e["cap"] * (e["row_bytes"] if k in ("k_off", "v_off") else 4))

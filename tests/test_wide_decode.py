@@ -207,7 +207,7 @@ def test_a_failing_row_ends_alone(ref_model):
         prompts = [prompt_of(700 + i, 9) for i in range(3)]
         firsts = [sample(ref_model.prefill(arena, i, p), temperature=0) for i, p in enumerate(prompts)]
         metrics = _Metrics()
-        loop = BatchLoop(ref_model, arena, SlotTable(3, stamp=lambda s, g: None, revoke=lambda s: True,
+        loop = BatchLoop(ref_model, arena, SlotTable(3, stamp=lambda s, g, secret: None, revoke=lambda s: True,
                                                      writing=lambda s: False),
                          asyncio.get_running_loop(), metrics)
         seqs = [Sequence(request_id=f"row-{i}", slot=i, prompt_tokens=9, first=firsts[i] if i else Sample(1, 0, 0, []),

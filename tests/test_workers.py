@@ -585,7 +585,7 @@ def test_slots_run_out(pair):
     assert not waiting.done()
     assert pair.decode.Release(pb.ReleaseRequest(request_id="full-3", lease=leases[3]), timeout=RPC_TIMEOUT).released
     granted = waiting.result(RPC_TIMEOUT)
-    assert granted.slot == leases[3].slot and granted.generation > leases[3].generation
+    assert granted.slot == leases[3].slot and granted.generation != leases[3].generation
     st = pair.stats().admission
     assert st.queued == 0 and st.queued_total == before.queued_total + 1
     leases[3] = granted

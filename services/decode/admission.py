@@ -7,8 +7,8 @@ decode worker then share one order of arrival, and a slot that frees is handed o
   slot that frees goes to the head. A newcomer takes a free slot at once only when no one is waiting, so it never
   jumps the queue (a slot may be free for an instant while its hand-over to the head is still on its way here).
 * Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull); a caller that waited
-  `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: the rate at
-  which slots have freed up recently and how many callers would be served first.
+  `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
+  slot has freed lately (DrainEstimate) times how many callers would be served first.
 * A caller that goes away (its call is cancelled) leaves the queue at once; the callers behind it move up.
 * Draining: every waiter is refused (Draining) and no one else is queued.
 
@@ -28,10 +28,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .slots import Slot, SlotTable
 
-# How far back the drain rate looks: the last RATE_EVENTS frees, none older than RATE_HORIZON_S.
-RATE_EVENTS = 32
-RATE_HORIZON_S = 60.0
-RETRY_MIN_S, RETRY_MAX_S = 0.1, 3600.0
+# The drain estimate (DrainEstimate): the weight of the newest interval between two frees in their moving mean, and
+# the longest interval that counts (a longer one is a lull with nobody to serve, not a measure of the drain).
+INTERVAL_WEIGHT = 0.25
+IDLE_GAP_S = 60.0
+# Retry-After has whole seconds, so a hint under 1 s could only be rounded up to 1 by the gateway anyway.
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 3600.0
 _WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 
 
@@ -55,22 +57,39 @@ class Draining(Exception):
     pass
 
 
-class DrainRate:
-    """Slots freed per second: k frees seen since the oldest of the last RATE_EVENTS (within RATE_HORIZON_S) make
-    k / (now - oldest). Time since the last free counts, so a worker that stopped draining shows a falling rate."""
+class DrainEstimate:
+    """How often a slot frees: an exponentially weighted mean of the intervals between consecutive frees (the newest
+    weighs INTERVAL_WEIGHT), so a few fast frees are enough to say that slots free fast, however slow the worker was
+    a minute ago. An interval longer than IDLE_GAP_S spans a lull, not a drain, and does not count. The interval
+    still open counts once it is longer than the mean, so a worker that stopped draining gives longer hints as time
+    goes on. Nothing measured (fewer than two frees close together): no estimate."""
 
     def __init__(self):
-        self._times: deque[float] = deque(maxlen=RATE_EVENTS)
+        self._last: float | None = None
+        self._mean: float | None = None
 
     def note(self, now: float) -> None:
-        self._times.append(now)
+        if self._last is not None and now - self._last <= IDLE_GAP_S:
+            gap = now - self._last
+            self._mean = gap if self._mean is None else INTERVAL_WEIGHT * gap + (1 - INTERVAL_WEIGHT) * self._mean
+        self._last = now
+
+    def interval(self, now: float) -> float | None:
+        """Seconds between two frees, as observed; None before any interval was measured."""
+        if self._mean is None:
+            return None
+        return max(self._mean, now - self._last)
 
     def per_second(self, now: float) -> float:
-        while self._times and now - self._times[0] > RATE_HORIZON_S:
-            self._times.popleft()
-        if not self._times:
-            return 0.0
-        return len(self._times) / max(now - self._times[0], 1e-3)
+        interval = self.interval(now)
+        return 0.0 if interval is None else 1 / max(interval, 1e-3)
+
+    def retry_after(self, position: int, now: float, unmeasured: float) -> float:
+        """Seconds until `position` more slots have freed at the observed pace (`unmeasured` without an estimate),
+        within RETRY_MIN_S … RETRY_MAX_S."""
+        interval = self.interval(now)
+        guess = unmeasured if interval is None else position * interval
+        return min(max(guess, RETRY_MIN_S), RETRY_MAX_S)
 
 
 @dataclass(eq=False)
@@ -90,7 +109,7 @@ class Admission:
         self.loop = loop
         self.max_queue = max_queue
         self.timeout_s = timeout_s
-        self.rate = DrainRate()
+        self.rate = DrainEstimate()
         self.draining = False
         self._queue: deque[_Waiter] = deque()
         self.queued_total = self.refused_full = self.refused_timeout = self.cancelled = 0
@@ -116,13 +135,6 @@ class Admission:
         """SlotTable's on_free: any thread, with the table's lock held, so only schedule."""
         self.loop.call_soon_threadsafe(self._on_free)
 
-    def retry_after(self, position: int, idle_guess: float) -> float:
-        """Seconds until `position` more slots have freed at the observed rate; `idle_guess` when nothing has
-        freed lately."""
-        rate = self.rate.per_second(time.monotonic())
-        guess = position / rate if rate > 0 else idle_guess
-        return min(max(guess, RETRY_MIN_S), RETRY_MAX_S)
-
     async def reserve(self, request_id: str, max_tokens: int, lease_s: float) -> tuple[Slot, float]:
         """A slot (a copy of its lease) and the seconds waited for it. Raises QueueFull, QueueTimeout, Draining;
         cancelling the caller's task takes it out of the queue (or gives back a slot granted at that instant)."""
@@ -136,10 +148,11 @@ class Admission:
             self.refused_full += 1
             self._refused.labels(reason="queue_full").inc()
             ahead = len(self._queue)
-            # Nothing draining: the queue has room at the latest when its head times out.
-            head_left = self._queue[0].since + self.timeout_s - time.monotonic() if self._queue else self.timeout_s
+            # Nothing measured yet (fewer than two frees close together since the start): come back soon; the refusal
+            # is cheap and the next one carries a measured hint. (Guessing the queue timeout sent clients away for that long while
+            # slots freed in a fraction of a second.)
             raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
-                            f"{self.max_queue})", self.retry_after(ahead + 1, head_left))
+                            f"{self.max_queue})", self.rate.retry_after(ahead + 1, time.monotonic(), RETRY_MIN_S))
         w = _Waiter(request_id, max_tokens, lease_s, self.loop.create_future(), time.monotonic())
         w.timer = self.loop.call_later(self.timeout_s, self._time_out, w)
         self._queue.append(w)
@@ -151,7 +164,7 @@ class Admission:
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
                 # Granted in the same instant the caller went away: the slot goes back (and on to the next).
                 s = w.future.result()
-                self.table.release(s.index, s.generation, s.request_id)
+                self.table.release(s.index, s.generation, s.request_id, s.secret)
             elif w in self._queue:
                 self._queue.remove(w)
                 w.timer.cancel()
@@ -208,4 +221,6 @@ class Admission:
         self._refused.labels(reason="timeout").inc()
         w.future.set_exception(QueueTimeout(
             f"no KV slot freed for this request within the queue timeout of {self.timeout_s:g} s (it was "
-            f"number {position} in the queue)", self.retry_after(position, self.timeout_s)))
+            f"number {position} in the queue)",
+            # Nothing measured: the whole queue timeout brought no slot, so at least that long.
+            self.rate.retry_after(position, time.monotonic(), self.timeout_s)))

@@ -21,15 +21,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from splitgemma.services.decode import capacity
 from splitgemma.services.decode.admission import Admission, Draining, QueueFull, QueueTimeout
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
-from splitgemma.services.decode.slots import Claim, SlotTable
+from splitgemma.services.decode.slots import Claim, ForgedLease, SlotTable
 from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.serving.shm_arena import ShmArena, request_key
+from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
 from splitgemma.serving.stop_tokens import model_stop_tokens
-from splitgemma.serving.worker import (MAX_LEASE_MS, GrpcServer, InvalidRequest, gen_ai_request_attributes,
-                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
-                                       worker_id)
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
+                                       sampling_kwargs, serve_until_signalled, setup_logging, start_metrics, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
@@ -76,8 +75,8 @@ class DecodeMetrics:
 
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, *, model, arena: ShmArena, table: SlotTable, admission: Admission, batch: BatchLoop,
-                 metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, tracer,
-                 kv_cache_bytes: int | None):
+                 metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, max_lease_ms: int,
+                 tracer, kv_cache_bytes: int | None):
         self.model = model
         self.shm = arena
         self.table = table
@@ -88,6 +87,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         self.tokenizer = tokenizer
         self.stop_tokens = frozenset(stop_tokens)
         self.lease_ms = lease_ms
+        self.max_lease_ms = max_lease_ms
         self.tracer = tracer
         self.kv_cache_bytes = kv_cache_bytes
         self.model_name = Path(model.path).stem
@@ -109,10 +109,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"prompt_tokens {request.prompt_tokens} + max_tokens {request.max_tokens} exceeds "
                                 f"the slot context {ctx}")
-        if request.lease_ms > MAX_LEASE_MS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"lease_ms {request.lease_ms} exceeds the maximum {MAX_LEASE_MS}")
-        lease_ms = request.lease_ms or self.lease_ms
+        # Clamped, not refused: a caller asking for more (a gateway covering later choices' queue waits) still gets a
+        # lease, and its deadline_unix_ms says how long; no caller holds a slot unclaimed for longer than this.
+        lease_ms = min(request.lease_ms or self.lease_ms, self.max_lease_ms)
         rid = request.request_id
         try:
             s, waited = await self.admission.reserve(rid, request.max_tokens, lease_ms / 1000)
@@ -136,13 +135,31 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.Lease(worker_id=self.worker_id, arena_path=self.shm.path, slot=s.index, generation=s.generation,
                         deadline_unix_ms=int(s.deadline * 1000), layout_signature=self.model.layout_signature,
                         n_slots=self.shm.n_slots, slot_bytes=self.shm.slot_bytes,
-                        max_context=self.model.max_context, chunk=self.model.chunk)
+                        max_context=self.model.max_context, chunk=self.model.chunk, secret=s.secret)
+
+    async def _check_secret(self, lease, context) -> None:
+        if len(lease.secret) != LEASE_SECRET_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the lease's secret must be {LEASE_SECRET_BYTES} bytes, got {len(lease.secret)} (a "
+                                "lease from Reserve carries one; forward it unchanged)")
+
+    async def _forged(self, lease, context) -> None:
+        self.admissions_refused += 1
+        self.metrics.requests.labels(outcome="refused").inc()
+        log.warning("forged lease refused", extra={"slot": lease.slot, "generation": lease.generation})
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                            f"the secret presented is not the secret of the lease on slot {lease.slot}; the lease "
+                            "was left alone")
 
     async def Release(self, request, context):
         lease = request.lease
+        await self._check_secret(lease, context)
         if lease.worker_id != self.worker_id or lease.slot >= self.table.n_slots:
             return pb.ReleaseResponse(released=False)
-        released = self.table.release(lease.slot, lease.generation, request.request_id)
+        try:
+            released = self.table.release(lease.slot, lease.generation, request.request_id, lease.secret)
+        except ForgedLease:
+            await self._forged(lease, context)
         log.info("release", extra={"request_id": request.request_id, "slot": lease.slot, "released": released})
         return pb.ReleaseResponse(released=released)
 
@@ -152,6 +169,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         a = self.admission
         admission = pb.AdmissionStats(queued=a.depth, max_queue=a.max_queue,
                                       queue_timeout_ms=round(a.timeout_s * 1000), lease_ms=self.lease_ms,
+                                      max_lease_ms=self.max_lease_ms,
                                       queued_total=a.queued_total, refused_queue_full=a.refused_full,
                                       refused_timeout=a.refused_timeout, cancelled=a.cancelled,
                                       slots_freed_per_second=a.rate.per_second(time.monotonic()),
@@ -213,7 +231,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if lease.slot >= self.table.n_slots:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"slot {lease.slot} out of range (0..{self.table.n_slots - 1})")
-            verdict, slot = self.table.claim(lease.slot, lease.generation, rid, time.time())
+            await self._check_secret(lease, context)
+            verdict, slot = self.table.claim(lease.slot, lease.generation, rid, lease.secret, time.time())
+            if verdict is Claim.FORGED:
+                await self._forged(lease, context)
             if verdict is Claim.UNKNOWN:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"no live lease on slot {lease.slot} with generation {lease.generation} for "
@@ -340,9 +361,11 @@ async def serve(args) -> int:
         servicer = DecodeServicer(model=model, arena=shm, table=table, admission=admission, batch=batch,
                                   metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
+                                  max_lease_ms=args.max_lease_ms,
                                   tracer=tel.tracer, kv_cache_bytes=cap.budget)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
-                            lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv))
+                            lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv),
+                            token=args.service_token, tls=args.tls)
         start_metrics(args.metrics_port, args.host, registry)
         await server.server.start()
         batch.start()

@@ -1,11 +1,15 @@
 """The decode worker's slot leases: which KV slot is free, leased (reserved, waiting for its prefill and
 Generate), running (in the decode batch) or quarantined.
 
-A lease is (slot, generation). Every reservation takes a new generation from one counter that starts at a random
-value per process, so a lease from an earlier reservation of the slot, or from an earlier run of a worker with
-the same id, never matches.
+A lease is (slot, generation, secret), a capability: whoever presents it may write the slot (Prefill), run it
+(Generate) and give it back (Release), and nobody else. Every reservation draws both at random (`secrets`): the
+generation (64 bits, never 0, never the slot's previous one) names the reservation, so a lease from an earlier
+reservation of the slot, or from an earlier run of a worker with the same id, does not match; the secret (256 bits)
+is what authorises. Neither is derived from anything another caller sees, so one's own leases (or any number of
+them) tell nothing about another's; compared with hmac.compare_digest.
 
-The arena records which lease may write a slot (`stamp`, when it is leased). A slot whose lease ends without a
+The arena records which lease may write a slot (`stamp`, when it is leased: the generation and a keyed digest of
+the secret, shm_arena.lease_digest, never the secret itself). A slot whose lease ends without a
 verified handoff (released, expired, refused) may still have a prefill writing into it: the prefill worker notices
 a cancellation or the lease deadline only between chunks. Every slot whose lease ends is taken back with `revoke`,
 which succeeds only when no prefill holds the slot's writer lock, and clears the stamp so that none can start
@@ -24,11 +28,14 @@ tells (from any thread: the batch thread frees finished sequences' slots).
 from __future__ import annotations
 
 import enum
+import hmac
 import secrets
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES
 
 
 class State(enum.Enum):
@@ -43,6 +50,11 @@ class Claim(enum.Enum):
     UNKNOWN = "unknown"  # no such live lease (never issued, released, finished)
     EXPIRED = "expired"
     MISMATCH = "mismatch"  # the slot is leased or running under another generation or request id
+    FORGED = "forged"  # the live lease's generation and request id, presented with another secret
+
+
+class ForgedLease(Exception):
+    """A live lease presented with the wrong secret: nothing was done."""
 
 
 @dataclass
@@ -51,6 +63,7 @@ class Slot:
     state: State = State.FREE
     generation: int = 0
     request_id: str = ""
+    secret: bytes = field(default=b"", repr=False)  # the lease's capability (Lease.secret)
     deadline: float = 0.0  # unix seconds: the lease is revoked after this unless claimed
     max_tokens: int = 0  # as reserved
     lease_s: float = 0.0  # the lease length: how far ahead of a writing prefill the deadline is kept
@@ -64,9 +77,9 @@ _EXPIRED_MEMORY = 4096  # expired leases remembered, to answer DEADLINE_EXCEEDED
 
 
 class SlotTable:
-    def __init__(self, n_slots: int, stamp: Callable[[int, int], None], revoke: Callable[[int], bool],
+    def __init__(self, n_slots: int, stamp: Callable[[int, int, bytes], None], revoke: Callable[[int], bool],
                  writing: Callable[[int], bool]):
-        """stamp(slot, generation): let that lease's prefill write the slot. revoke(slot): True once no prefill
+        """stamp(slot, generation, secret): let that lease's prefill write the slot. revoke(slot): True once no prefill
         writes the slot and none can start; False, at once, while one still does. writing(slot): does a prefill hold
         the slot's writer lock (looking only)?"""
         self._stamp, self._revoke, self._writing = stamp, revoke, writing
@@ -77,7 +90,6 @@ class SlotTable:
         self._slots = [Slot(i) for i in range(n_slots)]
         # Free slots in the order they were freed: the longest-free is leased first.
         self._free = deque(range(n_slots))
-        self._generation = secrets.randbits(48)
         self._expired: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.leases_expired = 0
         self.leases_extended = 0
@@ -92,18 +104,24 @@ class SlotTable:
             if not self._free:
                 return None
             s = self._slots[self._free.popleft()]
-            self._generation += 1
-            self._stamp(s.index, self._generation)
-            s.state, s.generation, s.request_id = State.LEASED, self._generation, request_id
+            generation = secrets.randbits(64)
+            while generation in (0, s.generation):  # 0 is the revoked stamp
+                generation = secrets.randbits(64)
+            secret = secrets.token_bytes(LEASE_SECRET_BYTES)
+            self._stamp(s.index, generation, secret)
+            s.state, s.generation, s.request_id, s.secret = State.LEASED, generation, request_id, secret
             s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
             s.lease_s, s.granted_deadline, s.extended = lease_s, s.deadline, False
             return Slot(**vars(s))
 
-    def claim(self, slot: int, generation: int, request_id: str, now: float) -> tuple[Claim, Slot | None]:
+    def claim(self, slot: int, generation: int, request_id: str, secret: bytes,
+              now: float) -> tuple[Claim, Slot | None]:
         """Move a live lease to RUNNING for its Generate. Returns the verdict and a copy of the slot."""
         with self._lock:
             s = self._slots[slot]
             if s.state is State.LEASED and s.generation == generation and s.request_id == request_id:
+                if not hmac.compare_digest(s.secret, secret):
+                    return Claim.FORGED, None
                 if now > s.deadline:
                     self._expire(s)
                     return Claim.EXPIRED, None
@@ -123,23 +141,23 @@ class SlotTable:
             if s.released:
                 sequence.cancel()
 
-    def release(self, slot: int, generation: int, request_id: str) -> bool:
+    def release(self, slot: int, generation: int, request_id: str, secret: bytes) -> bool:
         """Give a lease back. A running sequence is cancelled (the batch loop frees its slot). False when the
-        lease is not live."""
+        lease is not live; ForgedLease when it is, but `secret` is not its secret."""
         with self._lock:
             s = self._slots[slot]
-            if s.generation != generation or s.request_id != request_id:
+            live = s.state in (State.LEASED, State.RUNNING)
+            if not live or s.generation != generation or s.request_id != request_id:
                 return False
+            if not hmac.compare_digest(s.secret, secret):
+                raise ForgedLease(f"slot {slot}: the secret presented is not the lease's")
             if s.state is State.LEASED:
                 self._retire(s)
-                return True
-            if s.state is State.RUNNING:
-                if s.sequence is not None:
-                    s.sequence.cancel()
-                else:
-                    s.released = True
-                return True
-            return False
+            elif s.sequence is not None:
+                s.sequence.cancel()
+            else:
+                s.released = True
+            return True
 
     def refuse(self, slot: int) -> None:
         """A claimed slot whose Generate was refused (bad header or request): quarantine it."""

@@ -6,6 +6,8 @@
   GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
   GET  /metrics  Prometheus
 
+With API keys configured every path but /health, /ready (and /metrics unless metrics_auth) needs one (auth.py).
+
 Client disconnects (the vLLM pattern): a request's handler runs beside a task that waits for the ASGI
 http.disconnect message, and is cancelled when it arrives; a streaming response listens the same way while it
 streams. Cancelling cancels the in-flight gRPC calls, so the decode worker frees the slot.
@@ -39,8 +41,10 @@ from tokenizers import Tokenizer
 
 from splitgemma.serving import telemetry
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError
+from splitgemma.serving.credentials import TlsFiles
 from splitgemma.v1 import serving_pb2 as pb
 
+from .auth import ApiKeyMiddleware
 from .metrics import GatewayMetrics
 from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
@@ -72,6 +76,10 @@ class GatewayConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     probe_interval: float = 0.5
     vocab_size: int | None = None   # the model's (from its file); else the tokenizer's bounds token-id prompts
+    api_keys: list[str] = field(default_factory=list)   # none: the API is open (auth.py)
+    metrics_auth: bool = False                          # /metrics needs a key too
+    service_token: str | None = None                    # sent to the workers (splitgemma/serving/credentials.py)
+    worker_tls: TlsFiles | None = None
 
 
 class _RequestState:
@@ -125,7 +133,8 @@ class Gateway:
         self.tracer = tel.tracer
         self.genai = telemetry.GenAiServerMetrics(tel.meter)
         self.pool = WorkerPool(config.prefill, config.decode, interval=config.probe_interval,
-                               on_stats=self.metrics.take_decode_stats)
+                               on_stats=self.metrics.take_decode_stats, service_token=config.service_token,
+                               tls=config.worker_tls)
         self.pipelines = Pipelines(self.pool, config.timeouts, self.metrics)
         self.created = int(time.time())
         self.vocab_size = config.vocab_size or config.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -631,6 +640,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app = FastAPI(title="splitgemma gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, **extra)
     app.state.gateway = gw
+    # Inside the observer: refused requests are counted and traced like any other.
+    app.add_middleware(ApiKeyMiddleware, keys=config.api_keys, metrics_auth=config.metrics_auth)
     app.add_middleware(_ObserveMiddleware, gateway=gw)
 
     @app.exception_handler(ApiError)

@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-from splitgemma.serving.worker import MAX_LEASE_MS
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import ApiError
@@ -163,7 +162,8 @@ class Pipelines:
                 want = 1  # this worker's context is not known before its first lease, which is checked below
             queue_timeout, lease_ms = w.queue_timeout, 0
             if later and w.stats is not None and w.stats.admission.lease_ms:
-                lease_ms = min(MAX_LEASE_MS, w.stats.admission.lease_ms + later * round(queue_timeout * 1000))
+                # The worker grants at most its --max-lease-ms.
+                lease_ms = w.stats.admission.lease_ms + later * round(queue_timeout * 1000)
             w.reserving += 1
             try:
                 # Cancelled when the client goes away: the decode worker takes the call out of its queue.

@@ -38,8 +38,8 @@ UINT32_MAX = (1 << 32) - 1
 class ApiError(Exception):
     """An error answered in the OpenAI envelope. `code` is a string or None, as OpenAI's own."""
 
-    TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             429: "rate_limit_error", 500: "server_error", 502: "server_error",
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 502: "server_error",
              503: "service_unavailable_error", 504: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
@@ -97,7 +97,8 @@ class _SamplingRequest(_Strict):
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | \
         Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]], Field(max_length=MAX_STOP)] | \
+        None = None
     ignore_eos: bool = False                                   # extension: for benchmarks
     skip_special_tokens: bool = True                           # extension (vLLM): drop <unk>, <bos>… from text
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
     special_token_strings
+from splitgemma.serving.credentials import TlsFiles
 from splitgemma.serving.tokenizer import load_tokenizer
 
 from .app import GatewayConfig, create_app
+from .auth import warn_if_open
 from .pipeline import Timeouts
 
 log = logging.getLogger("splitgemma.gateway")
@@ -29,6 +31,7 @@ class ServeOptions:
     port: int
     drain_timeout: float = 30.0
     log_level: str = "INFO"
+    tls: TlsFiles | None = None     # HTTPS with this certificate and key
 
 
 def parse_addresses(text: str, option: str) -> list[str]:
@@ -43,7 +46,9 @@ def parse_addresses(text: str, option: str) -> list[str]:
 
 
 def build_config(*, model_name: str | None, model: str | None, tokenizer: str | None, chat_template: str | None,
-                 prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None) -> GatewayConfig:
+                 prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None,
+                 api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
+                 worker_tls: TlsFiles | None = None) -> GatewayConfig:
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
     if model_name is None:
@@ -70,18 +75,25 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
     return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
-                         max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts())
+                         max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],
+                         metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:
     import uvicorn
 
     app = create_app(config)
+    tls = options.tls if options.tls is not None and options.tls.enabled else None
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level.lower(), access_log=False,
-        timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None))
+        timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None,
+        ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None))
     log.info("gateway starting", extra={"host": options.host, "port": options.port, "model": config.model_name,
-                                        "prefill": config.prefill, "decode": config.decode})
+                                        "prefill": config.prefill, "decode": config.decode,
+                                        "api_keys": len(config.api_keys), "https": tls is not None,
+                                        "service_token": config.service_token is not None,
+                                        "worker_tls": config.worker_tls is not None and config.worker_tls.enabled})
+    warn_if_open(options.host, config.api_keys)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain), then re-raises the signal to the handler it
     # found at start. A no-op handler there makes a drained shutdown end with status 0 instead of death by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

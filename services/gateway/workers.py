@@ -1,8 +1,9 @@
 """The gateway's view of its prefill and decode workers: channels, health, load, and which one to use next.
 
-A monitor task asks every worker for its grpc.health.v1 status (and every decode worker for its Stats) each
-`interval` seconds. A worker is usable while it answers SERVING; a call that fails with UNAVAILABLE marks it
-unusable at once, so a dead worker drops out of routing (and /ready) without waiting for the next probe.
+A monitor task asks every worker for its grpc.health.v1 status and its Stats each `interval` seconds. A worker is
+usable while it answers SERVING and its Stats (which, unlike health, needs the service credential); a call that
+fails with UNAVAILABLE marks it unusable at once, so a dead worker drops out of routing (and /ready) without
+waiting for the next probe.
 
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
 made since), else the one with the shortest Reserve queue (the larger of its last Stats' count and this gateway's
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitgemma.serving import telemetry
+from splitgemma.serving import credentials, telemetry
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 
@@ -103,13 +104,15 @@ class Worker:
 
 class WorkerPool:
     def __init__(self, prefill: list[str], decode: list[str], *, interval: float = 0.5, probe_timeout: float = 1.0,
-                 on_stats=None):
+                 on_stats=None, service_token: str | None = None, tls: credentials.TlsFiles | None = None):
         if not prefill or not decode:
             raise ValueError("the gateway needs at least one prefill and one decode worker address")
         self.interval = interval
         self.probe_timeout = probe_timeout
         self.on_stats = on_stats          # callback(worker) after each decode Stats (metrics)
         self._addresses = {"prefill": prefill, "decode": decode}
+        self._token = service_token
+        self._tls = tls
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
         self._rr = itertools.count()
@@ -117,10 +120,15 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Open the channels (inside the serving event loop) and start the monitor."""
-        interceptors = telemetry.grpc_client_interceptors()
+        interceptors = [*telemetry.grpc_client_interceptors(), *credentials.client_interceptors(self._token)]
+        tls = self._tls.channel_credentials() if self._tls is not None and self._tls.enabled else None
         for kind, addresses in self._addresses.items():
             for address in addresses:
-                channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=interceptors)
+                if tls is None:
+                    channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS, interceptors=interceptors)
+                else:
+                    channel = grpc.aio.secure_channel(address, tls, options=_CHANNEL_OPTIONS,
+                                                      interceptors=interceptors)
                 stub = pbg.PrefillStub(channel) if kind == "prefill" else pbg.DecodeStub(channel)
                 getattr(self, kind).append(Worker(kind, address, channel, stub, health_pb2_grpc.HealthStub(channel)))
         self._monitor = asyncio.create_task(self._monitor_loop(), name="worker-monitor")
@@ -152,9 +160,12 @@ class WorkerPool:
                                         timeout=self.probe_timeout)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
             w.status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-            if serving and w.kind == "decode":
+            if serving:
+                # Health answers without the service token; Stats needs it, so a worker that refuses this
+                # gateway's credential shows as down in /ready (UNAUTHENTICATED) instead of failing every request.
                 stats = await w.stub.Stats(pb.StatsRequest(), timeout=self.probe_timeout)
-                self._take_stats(w, stats)
+                if w.kind == "decode":
+                    self._take_stats(w, stats)
         except grpc.aio.AioRpcError as e:
             serving = False
             w.status = f"{e.code().name}: {e.details()}"

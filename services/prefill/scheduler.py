@@ -101,13 +101,8 @@ class PrefillJob:
         return None
 
     def start(self, step: int) -> None:
-        """Before the first chunk, under the slot's writer lock: is the slot still this lease's? (The decode worker
-        clears the stamp under the same lock when it takes a slot back.) Then restore the prompt's cached prefix into
-        the slot and start after it."""
-        if self.view.arena.header(self.lease.slot)["generation"] != self.lease.generation:
-            raise Stopped(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"slot {self.lease.slot} is not leased to generation {self.lease.generation} (the lease "
-                          "was revoked: released or expired, or was never issued); nothing was written")
+        """Before the first chunk (the caller checked the slot's lease stamp when it took the writer lock, which it
+        still holds): restore the prompt's cached prefix into the slot and start after it."""
         self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.lease.slot, self.tokens)
         self.started = time.monotonic()
         self.first_step = step

@@ -17,6 +17,7 @@ prompt's cached prefix into the slot in the job's first step and keeps the full 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import threading
@@ -29,7 +30,8 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
-from splitgemma.serving.shm_arena import ArenaError, ArenaMissing, MappedArena, open_shared_arena
+from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
+                                          open_shared_arena)
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
                                        sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
                                        token_message, worker_id)
@@ -73,6 +75,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         layout = model.kv_layout
         scale_bytes = 8 if layout["kv_dtype"] == "int8" else 0  # an f16 cache has no per-position scales
         self._kv_layers = [(L["cap"], 2 * L["row_bytes"] + scale_bytes) for L in layout["layers"]]
+        self._header_bytes = layout["header_bytes"]
         self.requests = 0
         self.prompt_tokens = 0
         self.busy_seconds = 0.0
@@ -149,10 +152,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             sampling = sampling_kwargs(request.sampling)
             tokens = self._check(request)
+            digest = lease_digest(lease.worker_id, lease.slot, lease.generation, lease.secret)
             view = self._arena(lease)
         except ArenaMissing as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except (InvalidRequest, ArenaError) as e:
+        except (InvalidRequest, InvalidLease, ArenaError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if time.time() * 1000 > lease.deadline_unix_ms:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -172,8 +176,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self._drop(job)  # cancelled while waiting: it holds nothing
             raise
         try:
+            _check_stamp(job, digest)
             self.scheduler.submit(job)
-        except Stopped as e:  # the worker is stopping
+        except Stopped as e:  # not this lease's slot, or the worker is stopping
             self._release(job)
             await context.abort(e.code, str(e))
         try:
@@ -300,7 +305,23 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def _kv_bytes(self, n: int) -> int:
         """Bytes of K/V (codes and scales) and header this prompt left in the slot."""
-        return 64 + sum(min(cap, n) * per_position for cap, per_position in self._kv_layers)
+        return self._header_bytes + sum(min(cap, n) * per_position for cap, per_position in self._kv_layers)
+
+
+def _check_stamp(job: PrefillJob, digest: bytes) -> None:
+    """Under the slot's writer lock, before anything is written: is the slot leased to the job's lease? The decode
+    worker stamps the generation and the digest of the lease's secret when it leases the slot and clears both, under
+    the same lock, when it takes the slot back; so while this call holds the lock the answer cannot change."""
+    lease = job.lease
+    header = job.view.arena.header(lease.slot)
+    if header["generation"] != lease.generation:
+        raise Stopped(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"slot {lease.slot} is not leased to generation {lease.generation} (the lease was revoked: "
+                      "released or expired, or was never issued); nothing was written")
+    if not hmac.compare_digest(header["lease_digest"], digest):
+        raise Stopped(grpc.StatusCode.PERMISSION_DENIED,
+                      f"the lease's secret does not match the one slot {lease.slot} is leased with (a forged "
+                      "lease); nothing was written")
 
 
 async def serve(args) -> int:
@@ -314,7 +335,8 @@ async def serve(args) -> int:
                                max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes))
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
-                            lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv))
+                            lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv),
+                            token=args.service_token, tls=args.tls)
         start_metrics(args.metrics_port, args.host, registry)
         await server.server.start()
         await server.set_serving(True)

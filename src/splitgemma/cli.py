@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from splitgemma.fgm.errors import ConversionError
-    errors: list[type[BaseException]] = [CommandError, ConversionError, OSError]
+    from splitgemma.serving.credentials import CredentialError
+    errors: list[type[BaseException]] = [CommandError, ConversionError, CredentialError, OSError]
     try:
         from splitgemma._native import FgmError
         errors.append(FgmError)

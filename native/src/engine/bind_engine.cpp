@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -84,6 +85,7 @@ py::dict header_dict(const sg::KvArena& a, int slot) {
   d["n_tokens"] = a.n_tokens(slot);
   d["request_id"] = h->request_id;
   d["generation"] = h->generation;
+  d["lease_digest"] = py::bytes(reinterpret_cast<const char*>(h->lease_digest), sg::kLeaseDigestBytes);
   d["sealed"] = bool(h->flags & sg::kSlotSealed) && a.header_matches(slot);
   d["checksum"] = h->checksum;
   d["model_signature"] = h->model_signature;
@@ -285,12 +287,18 @@ void bind_engine(py::module_& m) {
            "Forget the slot's contents (zero its header).")
       .def(
           "stamp_lease",
-          [](PyKvArena& a, int64_t slot, uint64_t generation) {
-            a.arena->stamp_lease(int_arg(slot, "slot"), generation);
+          [](PyKvArena& a, int64_t slot, uint64_t generation, const py::bytes& digest) {
+            const std::string d = digest;
+            if (d.size() != sg::kLeaseDigestBytes)
+              throw py::value_error("stamp_lease: the lease digest must be " + std::to_string(sg::kLeaseDigestBytes) +
+                                    " bytes, got " + std::to_string(d.size()));
+            uint8_t raw[sg::kLeaseDigestBytes];
+            std::memcpy(raw, d.data(), sg::kLeaseDigestBytes);
+            a.arena->stamp_lease(int_arg(slot, "slot"), generation, raw);
           },
-          py::arg("slot"), py::arg("generation"),
-          "The slot owner's record of which lease may write the slot (header generation; 0: none). Survives the "
-          "writes; seal() stamps the same value.")
+          py::arg("slot"), py::arg("generation"), py::arg("lease_digest"),
+          "The slot owner's record of which lease may write the slot: its generation and the digest of its secret "
+          "(0 and zeros: none). Survives the writes; seal() stamps the same generation.")
       .def(
           "copy_slot",
           [](PyKvArena& a, int64_t slot, const PyKvArena& src, int64_t src_slot) {

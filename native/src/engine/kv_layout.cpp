@@ -159,8 +159,11 @@ void KvArena::mark_written(int s, uint32_t n_tokens) {
   SlotHeader* h = header(s);
   if (!header_matches(s)) {
     const uint64_t lease = h->generation;
+    uint8_t digest[kLeaseDigestBytes];
+    std::memcpy(digest, h->lease_digest, kLeaseDigestBytes);
     std::memset(h, 0, sizeof(SlotHeader));
     h->generation = lease;
+    std::memcpy(h->lease_digest, digest, kLeaseDigestBytes);
     std::memcpy(h->magic, kSlotMagic, 8);
     h->model_signature = layout_.model_signature();
     h->max_context = uint32_t(layout_.max_context());
@@ -230,9 +233,10 @@ void KvArena::verify(int s, uint64_t request_id, uint64_t generation, bool check
   if (kv_checksum(s) != h->checksum) throw std::invalid_argument(where + "K/V checksum mismatch (torn or overwritten)");
 }
 
-void KvArena::stamp_lease(int s, uint64_t generation) {
+void KvArena::stamp_lease(int s, uint64_t generation, const uint8_t (&digest)[kLeaseDigestBytes]) {
   check_slot(s);
   header(s)->generation = generation;
+  std::memcpy(header(s)->lease_digest, digest, kLeaseDigestBytes);
 }
 
 void KvArena::reset(int s) {
@@ -245,8 +249,14 @@ void KvArena::copy_slot(int s, const KvArena& src, int src_slot) {
   src.check_slot(src_slot);
   if (!src.layout_.same_as(layout_))
     throw std::invalid_argument("copy_slot: the source arena has a different model or slot geometry");
+  SlotHeader* h = header(s);
+  const uint64_t lease = h->generation;
+  uint8_t digest[kLeaseDigestBytes];
+  std::memcpy(digest, h->lease_digest, kLeaseDigestBytes);
   if (src.slot(src_slot) != slot(s)) std::memmove(slot(s), src.slot(src_slot), layout_.slot_bytes());
-  header(s)->flags &= ~kSlotSealed;
+  h->generation = lease;
+  std::memcpy(h->lease_digest, digest, kLeaseDigestBytes);
+  h->flags &= ~kSlotSealed;
 }
 
 void KvArena::check_export(int s, int begin, int end) const {

@@ -3,8 +3,8 @@
 // A slot is a flat byte range holding only offsets (no pointers), so two processes that map the same shared memory
 // and the same .fgm agree on it: the prefill worker writes a prompt's K/V into a slot, the decode worker reads it.
 //
-//   [0, 64)            SlotHeader (magic, model layout signature, geometry, request id, generation, token count,
-//                      checksum of the written K/V)
+//   [0, 128)           SlotHeader (magic, model layout signature, geometry, request id, generation, token count,
+//                      checksum of the written K/V, the live lease's digest)
 //   per KV layer i (only layers < first_shared_layer store K/V; the shared layers read their producer's):
 //     K codes   int8 [cap_i][nkv * hd_i]   post-norm, post-RoPE keys, row = position slot
 //     V codes   int8 [cap_i][nkv * hd_i]   post-norm values
@@ -32,8 +32,10 @@
 
 namespace sg {
 
-// '2': K/V rotated (an older slot's codes would be misread, so its magic no longer matches).
-constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '2'};
+// '2': K/V rotated (an older slot's codes would be misread, so its magic no longer matches). '3': 128-byte header
+// with the lease digest.
+constexpr char kSlotMagic[8] = {'S', 'G', 'K', 'V', 'S', 'L', 'T', '3'};
+constexpr size_t kLeaseDigestBytes = 32;
 constexpr uint32_t kSlotSealed = 1u;  // SlotHeader::flags: checksum matches the K/V as written
 
 // The K/V element type; SlotHeader::flags bits 8-15 record it.
@@ -41,7 +43,8 @@ enum class KvDtype : uint8_t { Int8 = 0, F16 = 1 };
 const char* kv_dtype_name(KvDtype d);
 KvDtype kv_dtype_from_name(const std::string& name);  // "int8" | "f16"; throws std::invalid_argument
 
-// Little-endian, 64 bytes, no padding; written by whoever writes the slot's K/V.
+// Little-endian, 128 bytes, no padding; written by whoever writes the slot's K/V, except generation and
+// lease_digest, which are the slot owner's (stamp_lease) and survive every write.
 struct SlotHeader {
   char magic[8];
   uint64_t model_signature;  // FgmFile::layout_signature() of the model that wrote the K/V
@@ -53,8 +56,12 @@ struct SlotHeader {
   uint32_t flags;            // kSlotSealed | KvDtype << 8
   uint64_t checksum;         // kv_checksum() at seal time
   uint64_t slot_bytes;
+  // A keyed digest of the live lease's secret (splitgemma/serving/shm_arena.py lease_digest), stamped with the
+  // generation: a prefill writes only when the secret it was given yields it. Zeros when no lease may write.
+  uint8_t lease_digest[kLeaseDigestBytes];
+  uint8_t reserved[32];
 };
-static_assert(sizeof(SlotHeader) == 64, "SlotHeader must stay 64 bytes");
+static_assert(sizeof(SlotHeader) == 128, "SlotHeader must stay 128 bytes");
 
 struct KvLayerLayout {
   int layer = -1;    // -1: this layer stores nothing
@@ -124,9 +131,10 @@ class KvArena {
   // Called after K/V for positions up to n_tokens-1 were written: stamps the layout, clears the seal. The lease
   // generation stamp survives (a writer checks it before writing: services/decode/slots.py).
   void mark_written(int s, uint32_t n_tokens);
-  // The slot's owner (the decode worker) records which lease may write it: the generation of the live lease, or 0
-  // when none may (revoked). A prefill checks it, under the slot's writer lock, before it writes anything.
-  void stamp_lease(int s, uint64_t generation);
+  // The slot's owner (the decode worker) records which lease may write it: the generation of the live lease and the
+  // digest of its secret, or 0 and zeros when none may (revoked). A prefill checks both, under the slot's writer
+  // lock, before it writes anything.
+  void stamp_lease(int s, uint64_t generation, const uint8_t (&digest)[kLeaseDigestBytes]);
 
   // 64-bit checksum of the live K/V (for every layer the last min(cap, n_tokens) positions, in position order).
   uint64_t kv_checksum(int s) const;
@@ -134,8 +142,8 @@ class KvArena {
   // Throws std::invalid_argument naming the first mismatch (layout, ids, unsealed, checksum).
   void verify(int s, uint64_t request_id, uint64_t generation, bool check_ids) const;
   void reset(int s);  // zero the header: the slot holds nothing
-  // Copies slot src_slot of src (same layout; may be this arena) into slot s, header included but unsealed: the
-  // copy holds the same positions and can be extended from there (prefix reuse).
+  // Copies slot src_slot of src (same layout; may be this arena) into slot s, header included but unsealed and with
+  // s's own lease stamp kept: the copy holds the same positions and can be extended from there (prefix reuse).
   void copy_slot(int s, const KvArena& src, int src_slot);
   // Writes the K/V of positions [begin, end) into out (count * layout().position_bytes() bytes, packed as
   // PackedPositions). Throws std::invalid_argument unless the slot holds every one of them in every layer (end <=

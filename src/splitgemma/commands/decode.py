@@ -6,6 +6,10 @@ import argparse
 DEFAULT_PORT = 50052
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_QUEUE_TIMEOUT = 120.0
+DEFAULT_LEASE_MS = 30000
+# The longest a reservation may hold a slot unclaimed (a prefill writing it keeps it alive regardless): a caller that
+# reserves every slot locks the others out for this long at most.
+DEFAULT_MAX_LEASE_MS = 60000
 # Rows per pass over the weights. The engine sizes its scratch for, and decodes per pass, max(chunk, max_batch) rows
 # (docs/engine-api.md), so at the default --chunk 256 this bound costs nothing and binds only with a smaller chunk.
 DEFAULT_MAX_BATCH = 64
@@ -21,6 +25,23 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
                         "--shm-dir, (available RAM - the model file) / 2); services/decode/capacity.py)")
     g.add_argument("--slots", type=positive_int, default=None,
                    help="KV slots in the arena = concurrent sequences, instead of a memory budget")
+
+
+def add_lease_options(p: argparse.ArgumentParser) -> None:
+    """--lease-ms and --max-lease-ms (up passes them on)."""
+    from splitgemma.commands import positive_int
+    p.add_argument("--lease-ms", type=positive_int, default=DEFAULT_LEASE_MS,
+                   help="how long a reserved slot waits for its Generate when the Reserve asks for no length; while "
+                        f"a prefill is writing the slot the lease does not expire (default: {DEFAULT_LEASE_MS})")
+    p.add_argument("--max-lease-ms", type=positive_int, default=DEFAULT_MAX_LEASE_MS,
+                   help="the longest lease granted: a Reserve asking for more gets this long (its lease's deadline "
+                        f"says so), so no caller holds slots unclaimed for longer (default: {DEFAULT_MAX_LEASE_MS})")
+
+
+def check_lease_options(args) -> None:
+    from splitgemma.commands import CommandError
+    if args.lease_ms > args.max_lease_ms:
+        raise CommandError(f"--lease-ms {args.lease_ms} exceeds --max-lease-ms {args.max_lease_ms}")
 
 
 def register(subparsers) -> None:
@@ -43,9 +64,7 @@ def register(subparsers) -> None:
                    help="decode rows per forward pass; a larger batch runs in several passes. The engine's "
                         "scratch holds max(--chunk, --max-batch) rows, so up to --chunk rows cost no memory "
                         f"(default: {DEFAULT_MAX_BATCH})")
-    p.add_argument("--lease-ms", type=positive_int, default=30000,
-                   help="how long a reserved slot waits for its Generate; while a prefill is writing the slot "
-                        "the lease does not expire (default: 30000)")
+    add_lease_options(p)
     p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="Reserve calls that may wait for a slot when all are taken; one more is refused at once "
                         "(RESOURCE_EXHAUSTED, the gateway's 429) with a retry-after from the observed rate at "
@@ -64,6 +83,9 @@ def register(subparsers) -> None:
 def run(args) -> int:
     import asyncio
 
+    from splitgemma.commands.prefill import check_worker_options
     from splitgemma.services.decode.server import serve
 
+    check_worker_options(args)
+    check_lease_options(args)
     return asyncio.run(serve(args))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from splitgemma.commands import CommandError, port_number, positive_float, positive_int
-
+from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
 
 
 def register(subparsers) -> None:
@@ -31,20 +31,51 @@ def register(subparsers) -> None:
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on SIGTERM, how long requests in flight may finish before they are cancelled (default: 30)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_api_key_options(p)
+    p.add_argument("--metrics-auth", action="store_true",
+                   help="/metrics needs an API key too (default: open like /health and /ready, so that a "
+                        "scraper needs no secret; it shows counts and latencies, no request content)")
+    add_tls_options(p, "--tls", cert_help="serve HTTPS with this PEM certificate chain (default: plain HTTP)",
+                    ca_help=None)
+    add_service_token_option(p)
+    add_tls_options(p, "--worker-tls", cert_help="a PEM client certificate to present to the workers (mTLS)",
+                    ca_help="talk to the workers over TLS, verifying their certificates with this PEM CA (default: "
+                            "plaintext; with only --worker-tls-cert/--worker-tls-key, the system's CAs)")
     p.set_defaults(func=run)
+
+
+def add_api_key_options(p: argparse.ArgumentParser) -> None:
+    """--api-key and --api-key-file, of the gateway and of `splitgemma up`."""
+    p.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on the API (repeatable; any local user can read a "
+                        "command line with ps: prefer --api-key-file or SPLITGEMMA_API_KEYS, comma-separated; all "
+                        "three add up; none = open)")
+    p.add_argument("--api-key-file", action="append", metavar="FILE",
+                   help="API keys, one a line (blank lines and # comments skipped; repeatable)")
 
 
 def run(args) -> int:
     from splitgemma.serving.worker import setup_logging, worker_id
     from splitgemma.services.gateway.server import ServeOptions, build_config, serve
 
+    from splitgemma.services.gateway.auth import load_api_keys
+
     setup_logging("splitgemma-gateway", worker_id("gateway"), args.log_level)
+    # Credentials first: a bad file fails at once, before the tokenizer and template load.
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    service_token = load_service_token(args.service_token_file)
+    https, worker_tls = tls_files(args, "tls"), tls_files(args, "worker_tls")
+    if https.enabled:
+        https.check(server=True)
+    if worker_tls.enabled:
+        worker_tls.check(server=False)
     try:
         config = build_config(model_name=args.model_name, model=args.model, tokenizer=args.tokenizer,
                               chat_template=args.chat_template, prefill=args.prefill, decode=args.decode,
-                              max_body_bytes=args.max_body_bytes)
+                              max_body_bytes=args.max_body_bytes, api_keys=api_keys, metrics_auth=args.metrics_auth,
+                              service_token=service_token, worker_tls=worker_tls)
     except ValueError as e:  # a missing tokenizer or template is an OSError, which the CLI reports itself
         raise CommandError(str(e)) from None
     serve(config, ServeOptions(host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-                               log_level=args.log_level))
+                               log_level=args.log_level, tls=https))
     return 0

@@ -7,6 +7,7 @@ import argparse
 
 from splitgemma.commands import (add_kv_dtype_option, byte_count, context_length, non_negative_float, port_number,
                                  positive_float, positive_int, thread_count)
+from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
 
 # The prefill scheduler's policies (services/prefill/scheduler.py); defined here so that --help loads no service.
 POLICIES = ("rr", "srf", "fifo")
@@ -41,6 +42,17 @@ def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_we
     p.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
                    help="on SIGTERM, how long the work in flight may take to finish (default: 30)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_service_token_option(p)
+    add_tls_options(p, "--tls", cert_help="serve gRPC over TLS with this PEM certificate chain (default: plaintext)",
+                    ca_help="with --tls-cert: require client certificates signed by this PEM CA (mTLS)")
+
+
+def check_worker_options(args) -> None:
+    """The credentials, read and checked before the model loads (args.service_token)."""
+    args.service_token = load_service_token(args.service_token_file)
+    args.tls = tls_files(args, "tls")
+    if args.tls.enabled:
+        args.tls.check(server=True)
 
 
 def register(subparsers) -> None:
@@ -87,4 +99,5 @@ def run(args) -> int:
 
     from splitgemma.services.prefill.server import serve
 
+    check_worker_options(args)
     return asyncio.run(serve(args))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -14,8 +15,11 @@ from pathlib import Path
 
 from splitgemma.commands import (CommandError, add_kv_dtype_option, context_length, non_negative_int, port_number,
                                  positive_float, positive_int, thread_count)
-from splitgemma.commands.decode import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, add_capacity_options
+from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
+                                        add_capacity_options, add_lease_options, check_lease_options)
+from splitgemma.commands.gateway import add_api_key_options
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
+from splitgemma.serving.credentials import SERVICE_TOKEN_ENV
 
 CORE_RULES = ("shared", "split")
 
@@ -24,7 +28,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "up", help="start a decode worker, a prefill worker and a gateway for one model",
         description="Start the three splitgemma processes on loopback (free ports for the workers), wait until "
-                    "the gateway is ready, print its URL, and run until Ctrl-C or SIGTERM. Stopping is ordered: "
+                    "the gateway is ready, print its URL, and run until Ctrl-C or SIGTERM. The workers accept only "
+                    "the gateway: a service token made for this run reaches the three in their environment. API "
+                    "keys (--api-key, --api-key-file, SPLITGEMMA_API_KEYS) go to the gateway. Stopping is ordered: "
                     "the gateway first (it stops accepting and lets requests in flight finish), then the "
                     "workers. If any of the three exits on its own, the others are stopped and up fails.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,7 +39,8 @@ def register(subparsers) -> None:
                         "use into the cache: see splitgemma/default_model.py)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the file name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
-    p.add_argument("--port", type=port_number, default=8000, help="gateway HTTP port (default: 8000; 0 = any free port)")
+    p.add_argument("--port", type=port_number, default=8000,
+                   help="gateway HTTP port (default: 8000; 0 = any free port)")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside the model)")
     p.add_argument("--chat-template", metavar="FILE.jinja", help="chat template (default: beside the model)")
     add_capacity_options(p)
@@ -49,8 +56,11 @@ def register(subparsers) -> None:
     p.add_argument("--queue-timeout", type=positive_float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
                    help="the longest a request waits for a slot before it gets 503 "
                         f"(default: {DEFAULT_QUEUE_TIMEOUT:g})")
-    p.add_argument("--max-context", type=context_length, default=4096, metavar="C", help="positions per slot (default: 4096)")
-    p.add_argument("--chunk", type=context_length, default=256, metavar="N", help="prefill rows per pass (default: 256)")
+    add_lease_options(p)
+    p.add_argument("--max-context", type=context_length, default=4096, metavar="C",
+                   help="positions per slot (default: 4096)")
+    p.add_argument("--chunk", type=context_length, default=256, metavar="N",
+                   help="prefill rows per pass (default: 256)")
     p.add_argument("--threads", type=thread_count, default=None,
                    help="compute threads per worker (default: the workers' own default)")
     add_kv_dtype_option(p)
@@ -62,6 +72,7 @@ def register(subparsers) -> None:
     p.add_argument("--start-timeout", type=positive_float, default=300.0, metavar="S",
                    help="how long to wait for the gateway to become ready (default: 300)")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_api_key_options(p)
     p.set_defaults(func=run)
 
 
@@ -87,9 +98,10 @@ def _die_with_parent(cpus: list[int] | None = None) -> None:
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str], cpus: list[int] | None = None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], cpus: list[int] | None = None):
         self.name = name
-        self.proc = subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(cpus), stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, preexec_fn=lambda: _die_with_parent(cpus), stdin=subprocess.DEVNULL,
+                                     env=env)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -127,6 +139,7 @@ def run(args) -> int:
     for name in ("max_context", "chunk"):
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
+    check_lease_options(args)
     decode_cpus = prefill_cpus = None
     if args.cores == "split":
         decode_cpus, prefill_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
@@ -147,7 +160,8 @@ def run(args) -> int:
         geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
-                         "--drain-seconds", str(args.drain_timeout)]
+                         "--drain-seconds", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
+                         "--max-lease-ms", str(args.max_lease_ms)]
     if args.slots:
         decode_argv += ["--slots", str(args.slots)]
     if args.kv_cache_bytes:
@@ -164,6 +178,16 @@ def run(args) -> int:
     for opt in ("model_name", "tokenizer", "chat_template"):
         if getattr(args, opt):
             gateway_argv += ["--" + opt.replace("_", "-"), getattr(args, opt)]
+    for path in args.api_key_file or ():
+        gateway_argv += ["--api-key-file", path]
+    # Secrets travel in the environment, which only this user can read (/proc/PID/environ), not on command lines,
+    # which every user can (ps). A new service token each run: the workers' ports are open to every local user.
+    from splitgemma.services.gateway.auth import API_KEYS_ENV, load_api_keys
+    env = {**os.environ, SERVICE_TOKEN_ENV: secrets.token_urlsafe(32)}
+    gateway_env = env
+    if args.api_key:
+        load_api_keys(args.api_key, None, {})  # a key that cannot be sent fails here, not in the gateway
+        gateway_env = {**env, API_KEYS_ENV: ",".join(filter(None, [env.get(API_KEYS_ENV, ""), *args.api_key]))}
 
     stop_requested: list[str] = []
 
@@ -174,9 +198,9 @@ def run(args) -> int:
     children: list[_Child] = []
     failure = None
     try:
-        children.append(_Child("decode worker", decode_argv, decode_cpus))
-        children.append(_Child("prefill worker", prefill_argv, prefill_cpus))
-        children.append(_Child("gateway", gateway_argv))
+        children.append(_Child("decode worker", decode_argv, env, decode_cpus))
+        children.append(_Child("prefill worker", prefill_argv, env, prefill_cpus))
+        children.append(_Child("gateway", gateway_argv, gateway_env))
         shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "") else args.host
         url = f"http://{shown_host}:{port}"
         deadline = time.monotonic() + args.start_timeout

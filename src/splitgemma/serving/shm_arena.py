@@ -27,7 +27,8 @@ directly in the directory it was told to trust, must not be a symlink, and its s
 
 Who may write a slot (SlotLocks): a prefill holds the slot's writer lock — an open-file-description lock on the
 slot's first byte of the arena file — for as long as it writes, and writes only if the slot header's lease stamp
-(KvArena.stamp_lease, set by the decode worker when it leases the slot) is its lease's generation. The decode
+(KvArena.stamp_lease, set by the decode worker when it leases the slot) is its lease's generation and the digest of
+its lease's secret (lease_digest: the header never holds a secret, see there). The decode
 worker hands a slot out again only after taking that lock itself (without waiting) and clearing the stamp. So a
 prefill whose lease was released or expired either finishes the chunk it is writing before the slot changes hands,
 or finds the stamp cleared and writes nothing; there is no window in which a late chunk can land in the next
@@ -75,10 +76,38 @@ class ArenaMissing(ArenaError):
     """The arena file named by a lease does not exist (its decode worker has gone)."""
 
 
+class InvalidLease(ValueError):
+    """A lease without a well-formed secret: message only (the RPC answers INVALID_ARGUMENT)."""
+
+
 def request_key(request_id: str) -> int:
     """The u64 stamped into the slot header for a request id string: the first 8 bytes (little-endian) of
     BLAKE2b-64 over its UTF-8 bytes. Prefill seals with it, decode verifies with it."""
     return int.from_bytes(hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+LEASE_SECRET_BYTES = 32  # Lease.secret: 256 random bits per reservation (secrets.token_bytes)
+_LEASE_PERSON = b"splitgemma-lease"  # BLAKE2b personalisation: these digests mean nothing elsewhere
+
+
+def lease_digest(worker_id: str, slot: int, generation: int, secret: bytes) -> bytes:
+    """What the decode worker stamps into a leased slot's header, and what a prefill worker recomputes from the lease
+    it was given: BLAKE2b-256 keyed with the lease's secret over the worker id, slot and generation.
+
+    Why a keyed digest and not the secret itself: every process that maps the arena can read the header (each prefill
+    worker, anything sharing the /dev/shm), and the secret also authorises Generate and Release at the decode worker.
+    A header holding the secret would hand that capability to every reader; the digest proves a presented secret
+    without revealing it (finding a secret that yields a given 256-bit digest is a preimage search). Keying it with
+    the secret over (worker id, slot, generation) binds the secret to that one lease: the same secret under another
+    slot or generation yields another digest. Raises InvalidLease for a secret of the wrong size."""
+    if len(secret) != LEASE_SECRET_BYTES:
+        raise InvalidLease(f"the lease's secret must be {LEASE_SECRET_BYTES} bytes, got {len(secret)} (a lease from "
+                           "Decode.Reserve carries one; forward it unchanged)")
+    message = struct.pack("<IQ", slot, generation) + worker_id.encode("utf-8")
+    return hashlib.blake2b(message, key=secret, digest_size=32, person=_LEASE_PERSON).digest()
+
+
+NO_LEASE = bytes(32)  # the digest stamped with generation 0: no lease may write the slot
 
 
 def arena_path(directory: str, worker_id: str) -> str:
@@ -263,9 +292,10 @@ def _space_message(directory: str, need: int, free: int, n_slots: int, slot_byte
 class ShmArena:
     """The decode worker's arena: create with ShmArena.create(...), use .arena (a KvArena), close() at the end."""
 
-    def __init__(self, path: str, n_slots: int, slot_bytes: int, buf: mmap.mmap, arena: KvArena, owner_fd: int,
-                 locks: SlotLocks):
+    def __init__(self, path: str, worker_id: str, n_slots: int, slot_bytes: int, buf: mmap.mmap, arena: KvArena,
+                 owner_fd: int, locks: SlotLocks):
         self.path = path
+        self.worker_id = worker_id
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self.arena = arena
@@ -273,9 +303,10 @@ class ShmArena:
         self._buf = buf
         self._owner_fd = owner_fd
 
-    def stamp_lease(self, slot: int, generation: int) -> None:
-        """Let the prefill of lease `generation` write the slot (only a free slot, which no one writes, is stamped)."""
-        self.arena.stamp_lease(slot, generation)
+    def stamp_lease(self, slot: int, generation: int, secret: bytes) -> None:
+        """Let the prefill of the lease (generation, secret) write the slot (only a free slot, which no one writes, is
+        stamped)."""
+        self.arena.stamp_lease(slot, generation, lease_digest(self.worker_id, slot, generation, secret))
 
     def revoke(self, slot: int) -> bool:
         """Take the slot back from its lease: True once no prefill writes it and none can start (the stamp is
@@ -283,7 +314,7 @@ class ShmArena:
         if not self.locks.try_lock(slot):
             return False
         try:
-            self.arena.stamp_lease(slot, 0)
+            self.arena.stamp_lease(slot, 0, NO_LEASE)
         finally:
             self.locks.unlock(slot)
         return True
@@ -344,7 +375,7 @@ class ShmArena:
         log.info("created KV arena", extra={"path": path, "slots": n_slots, "slot_bytes": slot_bytes,
                                             "bytes": size})
         # The owner lock stays on owner_fd; fd carries the slots' writer locks (SlotLocks).
-        return cls(path, n_slots, slot_bytes, buf, arena, owner_fd, SlotLocks(fd, slot_bytes))
+        return cls(path, worker_id, n_slots, slot_bytes, buf, arena, owner_fd, SlotLocks(fd, slot_bytes))
 
     def close(self) -> None:
         """Unlink the arena and its owner record (idempotent). The memory stays mapped until the last user drops

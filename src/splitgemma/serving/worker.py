@@ -11,6 +11,7 @@ import math
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +20,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitgemma.serving import telemetry
+from splitgemma.serving import credentials, telemetry
 from splitgemma.v1 import serving_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
-MAX_LEASE_MS = 3_600_000  # the longest lease a decode worker grants (ReserveRequest.lease_ms); gateways ask within it
 
 log = logging.getLogger("splitgemma.worker")
 
@@ -92,11 +92,19 @@ def start_metrics(port: int | None, host: str, registry) -> None:
 
 
 class GrpcServer:
-    """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`."""
+    """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`; with a
+    service token, calls without it are refused (health excepted), and with `tls`, the port speaks TLS
+    (splitgemma/serving/credentials.py)."""
 
     def __init__(self, host: str, port: int, services: Sequence[str],
-                 add_servicers: Callable[[grpc.aio.Server], None]):
-        self.server = grpc.aio.server(interceptors=telemetry.grpc_server_interceptors())
+                 add_servicers: Callable[[grpc.aio.Server], None], *, token: str | None = None,
+                 tls: credentials.TlsFiles | None = None):
+        # The token check first: a refused call costs no span. SO_REUSEPORT is gRPC's default on Linux: a second
+        # worker started on a taken port would come up and share it, the kernel spreading calls over both. Off, the
+        # bind fails and the worker says so.
+        self.server = grpc.aio.server(interceptors=[*credentials.server_interceptors(token),
+                                                    *telemetry.grpc_server_interceptors()],
+                                      options=[("grpc.so_reuseport", 0)])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -104,14 +112,36 @@ class GrpcServer:
         reflection.enable_server_reflection([*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                             self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as e:  # grpc reports a failed bind this way
-            raise OSError(f"cannot listen on {host}:{port} ({e})") from None
+            if tls is not None and tls.enabled:
+                self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+            else:
+                self.port = self.server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:  # grpc reports a failed bind this way (older versions return port 0)
+            self.port = 0
+        if not self.port:
+            raise OSError(f"cannot listen on {host}:{port}: {_bind_error(host, port)}; is another process (a worker "
+                          f"already running?) on port {port}? Choose another --port")
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.services):
             await self.health.set(name, status)
+
+
+def _bind_error(host: str, port: int) -> str:
+    """Why host:port cannot be bound, in the OS's words (gRPC's error says only that the bind failed)."""
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"cannot resolve {host!r} ({e.strerror})"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no conflict
+            try:
+                probe.bind(address)
+            except OSError as e:
+                return e.strerror.lower()
+    return "gRPC could not bind it"
 
 
 def on_signals(loop: asyncio.AbstractEventLoop, callback: Callable[[str], None]) -> None:

@@ -1,0 +1,101 @@
+"""API keys on the gateway's HTTP API (docs/security.md).
+
+Keys come from --api-key KEY (repeatable), --api-key-file FILE (one key a line; blank lines and lines starting
+with # are skipped) and the SPLITGEMMA_API_KEYS variable (comma-separated), all together. With at least one key,
+every request but /health, /ready (probes) and /metrics (unless --metrics-auth) needs `Authorization: Bearer <key>`
+matching one of them, else 401 in OpenAI's error envelope; OpenAI's own answers are matched: no key gives code
+null, a wrong one code "invalid_api_key", both of type invalid_request_error (the openai client raises
+AuthenticationError for either). With no key the API is open, as before, and a gateway listening beyond loopback
+says so in its log at start.
+
+vLLM's VLLM_API_KEY is not read: a variable meant for another server, inherited from a shell or an orchestrator's
+environment, would silently lock this one (or, emptied, open it).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+
+from starlette.responses import JSONResponse
+
+from splitgemma.serving.credentials import CredentialError, bearer_matches, check_token_text, read_secret_file, \
+    token_digest
+
+from .protocol import ApiError
+
+log = logging.getLogger("splitgemma.gateway")
+
+API_KEYS_ENV = "SPLITGEMMA_API_KEYS"
+OPEN_PATHS = frozenset({"/health", "/ready"})
+
+
+def load_api_keys(keys: list[str] | None, files: list[str] | None, environ: dict[str, str] | None = None) \
+        -> list[str]:
+    """Every key of --api-key, --api-key-file and SPLITGEMMA_API_KEYS (duplicates once), or CredentialError naming
+    the option, file line or variable of a key that cannot travel in an Authorization header."""
+    env = os.environ if environ is None else environ
+    found: list[tuple[str, str]] = [(k.strip(), "--api-key") for k in keys or ()]
+    for path in files or ():
+        try:
+            text = read_secret_file(path, "--api-key-file").decode("utf-8")
+        except UnicodeDecodeError:
+            raise CredentialError(f"--api-key-file {path}: not UTF-8 text") from None
+        for n, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if line and not line.startswith("#"):
+                found.append((line, f"--api-key-file {path} line {n}"))
+    for i, item in enumerate(env.get(API_KEYS_ENV, "").split(","), 1):
+        if item.strip():
+            found.append((item.strip(), f"{API_KEYS_ENV} item {i}"))
+    out: list[str] = []
+    for key, source in found:
+        check_token_text(key, source)
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost, or "" (every interface)
+
+
+def warn_if_open(host: str, keys: list[str]) -> None:
+    if not keys and not is_loopback(host):
+        log.warning("no API key configured and listening on %s: anyone who can reach this port can use the API "
+                    "(set --api-key-file or %s; docs/security.md)", host or "every interface", API_KEYS_ENV,
+                    extra={"host": host})
+
+
+def _refusal(header: bytes | None) -> JSONResponse:
+    if header is None:
+        err = ApiError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+                            "(Authorization: Bearer YOUR_KEY).")
+    else:  # never echoed, not even in part: the body may end up in a log
+        err = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    # RFC 9110 §11.6.1: a 401 names the scheme the client should use.
+    return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: the key check above, before any route runs (so an unknown path without a key is a 401, not
+    a map of which paths exist)."""
+
+    def __init__(self, app, keys: list[str], metrics_auth: bool = False):
+        self.app = app
+        self.digests = [token_digest(k) for k in keys]
+        self.open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.digests or scope["path"] in self.open_paths:
+            return await self.app(scope, receive, send)
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if bearer_matches(header, self.digests):
+            return await self.app(scope, receive, send)
+        await _refusal(header)(scope, receive, send)
