@@ -20,9 +20,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 from splitgemma._native import EXIT_MODEL_FILE_CHANGED, FgmError, FgmFile
 from test_fgm_reader import split_file, write_with_header
-from test_gateway import MAX_CONTEXT, MODEL, MODEL_NAME, TEMPLATE, Stack
-from tools.procs import SPLITGEMMA, wait_until
+from test_gateway import MODEL, MODEL_NAME, TEMPLATE, Stack
+from tools.procs import SPLITGEMMA, LoggedProcess, free_ports, http_ready, wait_until
 
 REQUEST_EXAMPLES = 500
 FGM_EXAMPLES = 200
@@ -382,8 +382,7 @@ def test_the_server_still_answers_after_the_fuzzing(http, stack):
 # ---------------------------------------------------------------------------------------------------------------
 # Fuzzing .fgm headers and tensor tables against the reader
 
-TAME = MODEL
-_FGM = split_file(TAME)
+_FGM = split_file(MODEL)  # (bytes, header) of the mini model every stack here serves
 _CONFIG_KEYS = sorted(_FGM[1]["config"])
 _TENSORS = sorted(_FGM[1]["tensors"])
 _ENTRY_KEYS = ["dtype", "shape", "offset", "nbytes", "meta"]
@@ -565,3 +564,28 @@ def test_a_model_truncated_under_a_running_stack_ends_it_with_a_clear_message(tm
             assert f"the model file {model} was truncated or rewritten" in s.log(name)
     finally:
         s.stop()
+
+
+def test_an_unexpected_error_is_a_500_that_says_nothing_but_the_request_id(stack, tmp_path):
+    """A second gateway on the same workers whose (operator-supplied) chat template recurses forever: a fault of
+    the server, not of the request, so a 500; its body names the request id and nothing else, the traceback is in
+    the log under that id."""
+    template = tmp_path / "recursive.jinja"
+    template.write_text("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+    (port,) = free_ports(1)
+    p = LoggedProcess([*SPLITGEMMA, "gateway", "--model", str(MODEL), "--port", str(port), "--chat-template",
+                       str(template), "--prefill", stack.prefill_addr, "--decode", stack.decode_addr],
+                      tmp_path / "gw.log", env=stack.env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: http_ready(url), "the second gateway", 30, watch={"gateway": p})
+        r = httpx.post(url + CHAT, json=chat(), headers={"X-Request-Id": "req-boom"}, timeout=60)
+        assert r.status_code == 500 and r.headers["X-Request-Id"] == "req-boom"
+        assert r.json() == {"error": {"message": "internal server error (request id req-boom)",
+                                      "type": "server_error", "param": None, "code": None}}
+        assert httpx.post(url + C, json=completion(), timeout=60).status_code == 200  # and it goes on serving
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(20) == 0
+    logged = [json.loads(line) for line in p.log().splitlines() if line.startswith("{")]
+    assert any(rec.get("request_id") == "req-boom" and "RecursionError" in rec.get("exc", "") for rec in logged)
