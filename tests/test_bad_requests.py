@@ -386,6 +386,8 @@ _FGM = split_file(MODEL)  # (bytes, header) of the mini model every stack here s
 _CONFIG_KEYS = sorted(_FGM[1]["config"])
 _TENSORS = sorted(_FGM[1]["tensors"])
 _ENTRY_KEYS = ["dtype", "shape", "offset", "nbytes", "meta"]
+_SCALE_KEYS = ["rms_norm_eps", "final_logit_softcapping", "embed_scale", "attention_scale", "ple_embed_scale",
+               "ple_model_projection_scale", "ple_input_scale"]
 _NUMBERS = (st.integers(min_value=-(2**64), max_value=2**64) | st.floats() | st.sampled_from(
     [0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 1e-300, 1e300, 5e-324, -0.0, 1e-45, 1e39]))
 _FGM_VALUE = _NUMBERS | _json_values(4) | st.sampled_from(["f32", "f16", "q4g", "q8c", "q4r", "q8r", "q8g", "bf16"])
@@ -394,7 +396,10 @@ _FGM_VALUE = _NUMBERS | _json_values(4) | st.sampled_from(["f32", "f16", "q4g", 
 @st.composite
 def _header_change(draw):
     """(where, new value): a config key, a tensor entry's field, one element of a shape, or a tensor dropped."""
-    kind = draw(st.sampled_from(["config", "config", "entry", "shape", "drop", "meta"]))
+    kind = draw(st.sampled_from(["config", "config", "scale", "scale", "entry", "shape", "drop", "meta"]))
+    if kind == "scale":  # a float the engine multiplies by, around and inside the accepted ranges
+        value = draw(st.floats(min_value=1e-40, max_value=1e40) | st.sampled_from([1e-30, 1e-6, 0.01, 1.0, 1e6]))
+        return ("config", draw(st.sampled_from(_SCALE_KEYS)), None), value
     if kind == "config":
         return ("config", draw(st.sampled_from(_CONFIG_KEYS)), None), draw(_FGM_VALUE)
     name = draw(st.sampled_from(_TENSORS))
@@ -459,8 +464,14 @@ def test_fuzzed_fgm_headers_load_or_raise_fgm_error(tmp_path_factory, changes):
         event("refused")
         return
     event("accepted")
-    # Accepted: then a forward pass gives finite logits (a configuration value cannot make NaN).
-    assert _finite_logits(path), changes
+    # Accepted: then the engine either refuses it with a clean ValueError (a geometry it cannot run) or a forward
+    # pass gives finite logits (a configuration value cannot make NaN).
+    try:
+        finite = _finite_logits(path)
+    except ValueError:
+        event("accepted, engine refused")
+        return
+    assert finite, changes
 
 
 def test_fuzzed_tensor_bytes_of_the_small_vectors_are_refused_when_not_finite(tmp_path):
@@ -589,3 +600,14 @@ def test_an_unexpected_error_is_a_500_that_says_nothing_but_the_request_id(stack
         assert p.wait(20) == 0
     logged = [json.loads(line) for line in p.log().splitlines() if line.startswith("{")]
     assert any(rec.get("request_id") == "req-boom" and "RecursionError" in rec.get("exc", "") for rec in logged)
+
+
+@pytest.mark.parametrize("key", _SCALE_KEYS)
+def test_the_ends_of_every_accepted_range_give_finite_logits(tmp_path, key):
+    data, header = _FGM
+    ranges = {"rms_norm_eps": (1e-30, 1.0), "final_logit_softcapping": (1e-2, 1e6)}
+    for value in ranges.get(key, (1e-6, 1e6)):
+        h = json.loads(json.dumps(header))
+        h["config"][key] = value
+        path = write_with_header(tmp_path, data, h, f"{key}-{value}.fgm")
+        assert _finite_logits(path), (key, value)
