@@ -229,13 +229,14 @@ def _checked_layer_types(layer_types, layers: int, problems: list[str]) -> list[
 def _eps_and_softcap(d: dict, problems: list[str]) -> tuple[float, float | None]:
     """``rms_norm_eps`` and ``final_logit_softcapping`` (an invalid value is recorded as a problem, so the
     placeholder returned for it is never used)."""
+    # The ranges the .fgm reader accepts (docs/fgm-extensions.md, "Ranges"): refused here rather than written.
     eps = d.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        problems.append(f"rms_norm_eps must be a positive number, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 1e-30 <= eps <= 1:
+        problems.append(f"rms_norm_eps must be a number in [1e-30, 1], got {eps!r}")
         eps = 1.0
     cap = d.get("final_logit_softcapping")
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
-        problems.append(f"final_logit_softcapping must be a positive number or null, got {cap!r}")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 1e-2 <= cap <= 1e6):
+        problems.append(f"final_logit_softcapping must be a number in [0.01, 1e6] or null, got {cap!r}")
         cap = None
     return float(eps), None if cap is None else float(cap)
 
