@@ -17,8 +17,9 @@ import hashlib
 import hmac
 import os
 import ssl
-import stat
 from dataclasses import dataclass
+
+from .files import FileTooLarge, NotRegularFile, read_regular
 
 SERVICE_TOKEN_ENV = "SPLITGEMMA_SERVICE_TOKEN"
 MIN_TOKEN_CHARS = 16           # a token_urlsafe(12); `up` makes 32 random bytes (43 characters)
@@ -32,23 +33,17 @@ class CredentialError(ValueError):
 
 
 def read_secret_file(path: str, what: str) -> bytes:
-    """The bytes of a small regular file holding a secret. Opened non-blocking and checked with fstat, so a FIFO or
-    a device given by mistake is refused instead of hanging the process in open() or read()."""
+    """The bytes of a small regular file holding a secret: a FIFO or a device given by mistake is refused instead of
+    hanging the process in open() or read() (splitgemma.serving.files)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return read_regular(path, MAX_SECRET_FILE_BYTES)
+    except NotRegularFile:
+        raise CredentialError(f"{what} {path}: not a regular file") from None
+    except FileTooLarge as e:
+        raise CredentialError(f"{what} {path}: {e.size} bytes; a credential file holds at most "
+                              f"{MAX_SECRET_FILE_BYTES}") from None
     except OSError as e:
         raise CredentialError(f"{what} {path}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CredentialError(f"{what} {path}: not a regular file")
-        if st.st_size > MAX_SECRET_FILE_BYTES:
-            raise CredentialError(f"{what} {path}: {st.st_size} bytes; a credential file holds at most "
-                                  f"{MAX_SECRET_FILE_BYTES}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read(MAX_SECRET_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
 
 
 def check_token_text(token: str, source: str) -> str:

@@ -18,16 +18,27 @@ class NotRegularFile(OSError):
     """The path exists but is not a regular file (a FIFO, a device, a directory, a socket)."""
 
 
-def read_regular(path: str | Path) -> bytes:
-    """The bytes of the regular file at `path` (symlinks followed); NotRegularFile or another OSError otherwise."""
+class FileTooLarge(OSError):
+    """The file is larger than the caller's limit (its size in `size`)."""
+
+    def __init__(self, message: str, size: int):
+        super().__init__(message)
+        self.size = size
+
+
+def read_regular(path: str | Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (symlinks followed), at most `max_bytes` when given; NotRegularFile,
+    FileTooLarge or another OSError otherwise."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(f"{path} is not a regular file ({_kind(mode)})")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file ({_kind(st.st_mode)})")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise FileTooLarge(f"{path}: {st.st_size} bytes, more than {max_bytes}", st.st_size)
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
+            return f.read() if max_bytes is None else f.read(max_bytes + 1)
     finally:
         os.close(fd)
 
