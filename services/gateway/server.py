@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
@@ -18,6 +18,7 @@ from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound,
 from splitgemma.serving.tokenizer import load_tokenizer
 
 from .app import GatewayConfig, create_app
+from .limits import HttpLimits, RequestLimits, ensure_fd_limit, uvicorn_settings
 from .pipeline import Timeouts
 
 log = logging.getLogger("splitgemma.gateway")
@@ -29,6 +30,7 @@ class ServeOptions:
     port: int
     drain_timeout: float = 30.0
     log_level: str = "INFO"
+    http: HttpLimits = field(default_factory=HttpLimits)
 
 
 def parse_addresses(text: str, option: str) -> list[str]:
@@ -43,7 +45,9 @@ def parse_addresses(text: str, option: str) -> list[str]:
 
 
 def build_config(*, model_name: str | None, model: str | None, tokenizer: str | None, chat_template: str | None,
-                 prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None) -> GatewayConfig:
+                 prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None,
+                 limits: RequestLimits | None = None, render_threads: int = 2,
+                 render_queue: int = 4) -> GatewayConfig:
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
     if model_name is None:
@@ -70,16 +74,20 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
     return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
-                         max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts())
+                         max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(),
+                         limits=limits or RequestLimits(), render_threads=render_threads,
+                         render_queue=render_queue)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:
     import uvicorn
 
+    ensure_fd_limit(options.http)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level.lower(), access_log=False,
-        timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None))
+        timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None,
+        **uvicorn_settings(options.http)))
     log.info("gateway starting", extra={"host": options.host, "port": options.port, "model": config.model_name,
                                         "prefill": config.prefill, "decode": config.decode})
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, drain), then re-raises the signal to the handler it
