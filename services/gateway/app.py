@@ -2,7 +2,8 @@
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
   GET  /v1/models, /v1/models/{id}
-  GET  /health   liveness: answers as long as the event loop runs (inference never runs on it)
+  GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
+                 rendering or tokenizing a prompt: offload.py; slow and idle clients are bounded: limits.py)
   GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
   GET  /metrics  Prometheus
 
