@@ -37,6 +37,9 @@ log = logging.getLogger("splitgemma.gateway")
 
 # File descriptors the gateway needs besides its HTTP connections (worker channels, logs, the listening socket).
 FD_RESERVE = 256
+# The listen backlog (uvicorn's default). asyncio accepts up to this many connections in one go before their
+# protocols run, so for a moment that many more than max_connections can be open: the file limit allows for it.
+BACKLOG = 2048
 
 
 @dataclass(frozen=True)
@@ -141,14 +144,14 @@ def guarded_protocol(limits: HttpLimits) -> type[GuardedH11Protocol]:
 
 def uvicorn_settings(limits: HttpLimits) -> dict:
     """uvicorn.Config keywords for the limits uvicorn has itself, and the guarded protocol for the others."""
-    return {"http": guarded_protocol(limits), "timeout_keep_alive": limits.keep_alive_timeout,
+    return {"http": guarded_protocol(limits), "backlog": BACKLOG, "timeout_keep_alive": limits.keep_alive_timeout,
             "h11_max_incomplete_event_size": limits.max_header_bytes}
 
 
 def ensure_fd_limit(limits: HttpLimits) -> None:
-    """Raise this process's soft file-descriptor limit so that max_connections fit beside FD_RESERVE; ValueError
-    when the hard limit does not allow it."""
-    need = limits.max_connections + FD_RESERVE
+    """Raise this process's soft file-descriptor limit so that max_connections fit beside BACKLOG and FD_RESERVE;
+    ValueError when the hard limit does not allow it."""
+    need = limits.max_connections + BACKLOG + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
         try:
