@@ -1,9 +1,9 @@
 """One generation through the workers: Decode.Reserve → Prefill.Prefill(lease) → Decode.Generate(lease) stream.
 
 A request with n choices (or several prompts) runs one pipeline per choice. Admission is all or nothing: the
-choices reserve their slots one by one, each waiting in the decode worker's queue if it must (docs/scheduling.md),
-and if one is refused the leases already taken are released and the request is answered 429 (queue full) or 503
-(waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
+choices reserve their slots together on one decode worker (Decode.ReserveGroup, which grants them all at once,
+waiting in the worker's queue if it must: docs/scheduling.md), and if that is refused the request is answered 429
+(queue full) or 503 (waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
 timeout); the Generate stream has an idle deadline between events, so a stalled worker turns into an error instead
 of a hang. Whatever ends a pipeline (an error, the client going away, cancellation), its lease is released or its
 Generate call cancelled, which frees the slot.
@@ -128,40 +128,46 @@ class Pipelines:
             check_context(spec, context)
         runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
         try:
-            for i, run in enumerate(runs):
-                await self._reserve(run, later=len(runs) - 1 - i)
+            await self._reserve(runs)
         except BaseException:
             self.release_all(runs)
             raise
         return runs
 
-    async def _reserve(self, run: Run, later: int) -> None:
-        """Lease a slot for one choice, waiting in the chosen decode worker's queue if it must. `later` choices
-        of the same request reserve after this one: the lease is asked to outlive their queue waits."""
-        spec = run.spec
+    async def _reserve(self, runs: list[Run]) -> None:
+        """Lease a slot for every choice on one decode worker, all at once, waiting in its queue if it must."""
         candidates = self.pool.decode_candidates()
         if not candidates:
             self.metrics.rejections.labels(reason="no_decode_worker").inc()
             raise ApiError(503, "no decode worker is available", retry_after=1.0)
+        # A group larger than a worker's slots could only wait out its queue timeout there.
+        fitting = [w for w in candidates if w.stats is None or w.stats.slots_total >= len(runs)]
+        if not fitting:
+            most = max(w.stats.slots_total for w in candidates)
+            raise ApiError(400, f"the request asks for {len(runs)} choices (prompts × n) but a decode worker has at "
+                           f"most {most} slots", param="n", code="invalid_value")
         full_hint = None
         unavailable = 0
-        for w in candidates:
-            if w.max_context:
-                check_context(spec, w.max_context)
-                want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
-            else:
-                want = 1  # this worker's context is not known before its first lease, which is checked below
-            queue_timeout, lease_ms = w.queue_timeout, 0
-            if later and w.stats is not None and w.stats.admission.lease_ms:
-                # The worker grants at most its --max-lease-ms.
-                lease_ms = w.stats.admission.lease_ms + later * round(queue_timeout * 1000)
+        for w in fitting:
+            members = []
+            for run in runs:
+                spec = run.spec
+                if w.max_context:
+                    check_context(spec, w.max_context)
+                    want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
+                else:
+                    want = 1  # this worker's context is not known before its first lease, which is checked below
+                members.append(pb.ReserveRequest(request_id=run.request_id, prompt_tokens=len(spec.prompt_ids),
+                                                 max_tokens=want))
             w.reserving += 1
             try:
                 # Cancelled when the client goes away: the decode worker takes the call out of its queue.
-                lease = await w.stub.Reserve(pb.ReserveRequest(request_id=run.request_id,
-                                                               prompt_tokens=len(spec.prompt_ids),
-                                                               max_tokens=want, lease_ms=lease_ms),
-                                             timeout=queue_timeout + self.timeouts.reserve)
+                timeout = w.queue_timeout + self.timeouts.reserve
+                if len(members) == 1:
+                    leases = [await w.stub.Reserve(members[0], timeout=timeout)]
+                else:
+                    leases = list((await w.stub.ReserveGroup(pb.ReserveGroupRequest(members=members),
+                                                             timeout=timeout)).leases)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -175,25 +181,24 @@ class Pipelines:
                     raise ApiError(503, f"no decode slot became free in time: {e.details()}",
                                    retry_after=_retry_after(e), code="queue_timeout") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ApiError(400, e.details() or "the decode worker rejected the request",
-                                   param=spec.prompt_param,
-                                   code="context_length_exceeded" if "context" in (e.details() or "") else None)
+                    details = e.details() or "the decode worker rejected the request"
+                    raise ApiError(400, details, param="n" if "group" in details else runs[0].spec.prompt_param,
+                                   code="context_length_exceeded" if "context" in details else None)
                 self.pool.mark_failed(w, e)
                 unavailable += 1
                 continue
             finally:
                 w.reserving -= 1
-            w.pending_reserves += 1
-            run.decode, run.lease = w, lease
-            if lease.max_context and lease.max_context != w.max_context:
-                w.max_context = lease.max_context
-            try:
-                check_context(spec, lease.max_context)
-            except ApiError:
-                self.release(run)
-                raise
-            run.max_tokens = spec.max_tokens if spec.max_tokens is not None else \
-                lease.max_context - len(spec.prompt_ids)
+            w.pending_reserves += len(leases)
+            for run, lease in zip(runs, leases):
+                run.decode, run.lease = w, lease
+            max_context = leases[0].max_context
+            if max_context and max_context != w.max_context:
+                w.max_context = max_context
+            for run in runs:  # an ApiError here: admit releases every lease
+                check_context(run.spec, max_context)
+                run.max_tokens = run.spec.max_tokens if run.spec.max_tokens is not None else \
+                    max_context - len(run.spec.prompt_ids)
             return
         if full_hint is not None:
             self.metrics.rejections.labels(reason="queue_full").inc()
