@@ -123,6 +123,27 @@ def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
     assert _metric(stack.decode_metrics, waits) == granted_before + n
 
 
+def test_requests_with_n_choices_get_their_slots_together(stack):
+    """Two requests of n = 3 on four slots, queued while every slot is held: taken one by one, each could hold some
+    slots and wait for the rest, both running out the queue timeout. As groups, the first gets three slots at once,
+    the second waits (the one free slot is not enough) until the first is done, and both are answered."""
+    stack.wait_idle()
+    held = _hold(stack, SLOTS, "group")
+    client = stack.client()
+    with ThreadPoolExecutor(2) as ex:
+        try:
+            first = ex.submit(_complete, client, "group-a", n=3)
+            _wait_queued(stack, 1)
+            second = ex.submit(_complete, client, "group-b", n=3)
+            _wait_queued(stack, 2)
+        finally:
+            _release(stack, held)
+        results = [first.result(HANG_GUARD), second.result(HANG_GUARD)]
+    assert all(len(r.choices) == 3 for r in results)
+    assert _granted(stack, "group-") == [f"group-{x}-{i}" for x in "ab" for i in range(3)]
+    assert stack.wait_idle().admission.queued == 0
+
+
 def _raw_request(port: int, rid: str) -> socket.socket:
     """A completion request on a raw connection, so that the test decides when the client goes away."""
     body = json.dumps({"model": MODEL_NAME, "prompt": "w5", "max_tokens": 2}).encode()
@@ -271,7 +292,7 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
         table.on_free = queue.slot_freed
 
         async def ask(rid):
-            s, _ = await queue.reserve(rid, 1, 30.0)
+            (s,), _ = await queue.reserve([(rid, 1)], 30.0)
             return s
 
         def give_back(s):
@@ -297,6 +318,38 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
         assert d.cancelled() and queue.cancelled == 2
         assert (await asyncio.wait_for(e, HANG_GUARD)).request_id == "e"  # d's slot, passed on
         assert queue.depth == 0 and table.counts()["leased"] == 1
+
+    asyncio.run(main())
+
+
+def test_a_group_gets_all_its_slots_at_once_and_holds_its_place():
+    """ReserveGroup's queueing, in process over a real SlotTable of three slots: a group of two waits while only
+    one slot is free (it takes none of them), a single Reserve behind it waits too rather than take that slot,
+    and the group is granted both slots in the instant a second one frees; the single then gets the next."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = SlotTable(3, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
+                          writing=lambda slot: False)
+        queue = Admission(table, loop, CollectorRegistry(), max_queue=8, timeout_s=HANG_GUARD)
+        table.on_free = queue.slot_freed
+
+        async def settle():
+            for _ in range(8):
+                await asyncio.sleep(0)
+
+        (a, b), _ = await queue.reserve([("a", 1), ("b", 1)], 30.0)
+        group = asyncio.ensure_future(queue.reserve([("g-0", 1), ("g-1", 1)], 30.0))
+        single = asyncio.ensure_future(queue.reserve([("s", 1)], 30.0))
+        await settle()
+        assert queue.depth == 2 and table.counts()["free"] == 1 and not (group.done() or single.done())
+        assert table.release(a.index, a.generation, a.request_id, a.secret)
+        await settle()
+        granted, _ = group.result()
+        assert [s.request_id for s in granted] == ["g-0", "g-1"] and not single.done()
+        assert table.release(b.index, b.generation, b.request_id, b.secret)
+        assert [s.request_id for s in (await asyncio.wait_for(single, HANG_GUARD))[0]] == ["s"]
+        with pytest.raises(ValueError):
+            await queue.reserve([(f"x-{i}", 1) for i in range(4)], 30.0)  # more than the table has
 
     asyncio.run(main())
 

@@ -6,6 +6,11 @@ decode worker then share one order of arrival, and a slot that frees is handed o
 * First come, first served. A Reserve that finds no free slot, or finds others already waiting, joins the tail; a
   slot that frees goes to the head. A newcomer takes a free slot at once only when no one is waiting, so it never
   jumps the queue (a slot may be free for an instant while its hand-over to the head is still on its way here).
+* A group (ReserveGroup: the choices of one request, n > 1 or several prompts) is granted all its slots at once or
+  waits, at its place in the queue, until as many are free. Granting them one by one would let two groups each
+  hold part of what they need and wait for the rest until both time out; and a group's first lease would have to
+  outlive the queue waits of the others. The head of the queue is served strictly: a single Reserve behind a
+  waiting group waits too, so a group is never starved by the singles that keep arriving.
 * Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull); a caller that waited
   `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
   slot has freed lately (DrainEstimate) times how many callers would be served first.
@@ -94,8 +99,7 @@ class DrainEstimate:
 
 @dataclass(eq=False)
 class _Waiter:
-    request_id: str
-    max_tokens: int
+    members: list[tuple[str, int]]  # (request_id, max_tokens) of each slot wanted
     lease_s: float
     future: asyncio.Future
     since: float  # monotonic
@@ -135,15 +139,19 @@ class Admission:
         """SlotTable's on_free: any thread, with the table's lock held, so only schedule."""
         self.loop.call_soon_threadsafe(self._on_free)
 
-    async def reserve(self, request_id: str, max_tokens: int, lease_s: float) -> tuple[Slot, float]:
-        """A slot (a copy of its lease) and the seconds waited for it. Raises QueueFull, QueueTimeout, Draining;
-        cancelling the caller's task takes it out of the queue (or gives back a slot granted at that instant)."""
+    async def reserve(self, members: list[tuple[str, int]], lease_s: float) -> tuple[list[Slot], float]:
+        """A slot for each (request_id, max_tokens) member, all at once (copies of their leases), and the seconds
+        waited for them. The caller checks that the table has that many slots. Raises QueueFull, QueueTimeout,
+        Draining; cancelling the caller's task takes it out of the queue (or gives back slots granted at that
+        instant)."""
+        if not 0 < len(members) <= self.table.n_slots:
+            raise ValueError(f"{len(members)} slots wanted of a table of {self.table.n_slots}")
         if self.draining:
             raise Draining()
         if not self._queue:
-            s = self.table.reserve(request_id, max_tokens, lease_s, time.time())
-            if s is not None:
-                return s, 0.0
+            slots = self.table.reserve(members, lease_s, time.time())
+            if slots is not None:
+                return slots, 0.0
         if len(self._queue) >= self.max_queue:
             self.refused_full += 1
             self._refused.labels(reason="queue_full").inc()
@@ -153,18 +161,18 @@ class Admission:
             # slots freed in a fraction of a second.)
             raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
                             f"{self.max_queue})", self.rate.retry_after(ahead + 1, time.monotonic(), RETRY_MIN_S))
-        w = _Waiter(request_id, max_tokens, lease_s, self.loop.create_future(), time.monotonic())
+        w = _Waiter(members, lease_s, self.loop.create_future(), time.monotonic())
         w.timer = self.loop.call_later(self.timeout_s, self._time_out, w)
         self._queue.append(w)
         self.queued_total += 1
         self._grant()  # a slot may have freed with its notice still on its way here
         try:
-            s = await w.future
+            slots = await w.future
         except asyncio.CancelledError:
             if w.future.done() and not w.future.cancelled() and w.future.exception() is None:
-                # Granted in the same instant the caller went away: the slot goes back (and on to the next).
-                s = w.future.result()
-                self.table.release(s.index, s.generation, s.request_id, s.secret)
+                # Granted in the same instant the caller went away: the slots go back (and on to the next).
+                for s in w.future.result():
+                    self.table.release(s.index, s.generation, s.request_id, s.secret)
             elif w in self._queue:
                 self._queue.remove(w)
                 w.timer.cancel()
@@ -179,7 +187,7 @@ class Admission:
             raise
         waited = time.monotonic() - w.since
         self._wait.labels(outcome="granted").observe(waited)
-        return s, waited
+        return slots, waited
 
     def drain(self) -> None:
         """Stop queueing: every waiter is answered Draining."""
@@ -197,7 +205,7 @@ class Admission:
         self._grant()
 
     def _grant(self) -> None:
-        """Free slots to the head of the queue, in order, as long as there are both."""
+        """Free slots to the head of the queue, in order, as long as the head's wants are free."""
         while self._queue:
             w = self._queue[0]
             if w.future.done():
@@ -205,12 +213,12 @@ class Admission:
                 self._queue.popleft()
                 w.timer.cancel()
                 continue
-            s = self.table.reserve(w.request_id, w.max_tokens, w.lease_s, time.time())
-            if s is None:
+            slots = self.table.reserve(w.members, w.lease_s, time.time())
+            if slots is None:
                 return
             self._queue.popleft()
             w.timer.cancel()
-            w.future.set_result(s)
+            w.future.set_result(slots)
 
     def _time_out(self, w: _Waiter) -> None:
         if w.future.done():  # cancelled in this same instant: its caller takes it out

@@ -98,38 +98,58 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     # --------------------------------------------------------------------------------------------------------
 
     async def Reserve(self, request, context):
+        (s,) = await self._reserve([request], request.lease_ms, context)
+        return self._lease(s)
+
+    async def ReserveGroup(self, request, context):
+        if not request.members:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the group has no members")
+        if len(request.members) > self.table.n_slots:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the group wants {len(request.members)} slots; this worker has {self.table.n_slots}")
+        if len({m.request_id for m in request.members}) < len(request.members):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the members' request ids are not distinct")
+        slots = await self._reserve(request.members, request.lease_ms, context)
+        return pb.LeaseGroup(leases=[self._lease(s) for s in slots])
+
+    async def _reserve(self, members, lease_ms: int, context) -> list:
+        """Leases for every member (ReserveRequests) at once, waiting in the admission queue if need be."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
         ctx = self.model.max_context
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if request.prompt_tokens < 1:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be at least 1")
-        if request.prompt_tokens + request.max_tokens > ctx:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt_tokens {request.prompt_tokens} + max_tokens {request.max_tokens} exceeds "
-                                f"the slot context {ctx}")
-        # Clamped, not refused: a caller asking for more (a gateway covering later choices' queue waits) still gets a
-        # lease, and its deadline_unix_ms says how long; no caller holds a slot unclaimed for longer than this.
-        lease_ms = min(request.lease_ms or self.lease_ms, self.max_lease_ms)
-        rid = request.request_id
+        for m in members:
+            if not m.request_id:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+            if m.prompt_tokens < 1:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_tokens must be at least 1")
+            if m.prompt_tokens + m.max_tokens > ctx:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"prompt_tokens {m.prompt_tokens} + max_tokens {m.max_tokens} exceeds the slot "
+                                    f"context {ctx}")
+        # Clamped, not refused: its deadline_unix_ms tells the caller what was granted; no caller holds a slot
+        # unclaimed for longer than this.
+        lease_ms = min(lease_ms or self.lease_ms, self.max_lease_ms)
+        rid = members[0].request_id
         try:
-            s, waited = await self.admission.reserve(rid, request.max_tokens, lease_ms / 1000)
+            slots, waited = await self.admission.reserve([(m.request_id, m.max_tokens) for m in members],
+                                                         lease_ms / 1000)
         except (QueueFull, QueueTimeout) as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else \
                 grpc.StatusCode.DEADLINE_EXCEEDED
             retry_ms = max(1, round(e.retry_after * 1000))
             counts = self.table.counts()
-            log.info("reserve refused", extra={"request_id": rid, "reason": code.name, "retry_after_ms": retry_ms})
+            log.info("reserve refused", extra={"request_id": rid, "slots": len(members), "reason": code.name,
+                                               "retry_after_ms": retry_ms})
             await context.abort(code, f"{e} ({counts['leased']} leased, {counts['running']} running, "
                                       f"{counts['quarantine']} quarantined of {self.table.n_slots} slots); "
                                       f"retry-after-ms={retry_ms}",
                                 trailing_metadata=(("retry-after-ms", str(retry_ms)),))
         except Draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
-        log.info("reserved", extra={"request_id": rid, "slot": s.index, "generation": s.generation,
-                                    "queued_seconds": round(waited, 4)})
-        return self._lease(s)
+        for s in slots:
+            log.info("reserved", extra={"request_id": s.request_id, "slot": s.index, "generation": s.generation,
+                                        "queued_seconds": round(waited, 4)})
+        return slots
 
     def _lease(self, s) -> pb.Lease:
         return pb.Lease(worker_id=self.worker_id, arena_path=self.shm.path, slot=s.index, generation=s.generation,

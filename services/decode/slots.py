@@ -98,21 +98,25 @@ class SlotTable:
     def n_slots(self) -> int:
         return len(self._slots)
 
-    def reserve(self, request_id: str, max_tokens: int, lease_s: float, now: float) -> Slot | None:
-        """Lease the longest-free slot; a copy of its lease, or None when every slot is taken."""
+    def reserve(self, members: list[tuple[str, int]], lease_s: float, now: float) -> list[Slot] | None:
+        """Lease one slot per (request_id, max_tokens) member, all or none: copies of the leases (the longest-free
+        slots), or None when fewer slots than members are free."""
         with self._lock:
-            if not self._free:
+            if len(self._free) < len(members):
                 return None
-            s = self._slots[self._free.popleft()]
+            return [self._lease(self._slots[self._free.popleft()], rid, max_tokens, lease_s, now)
+                    for rid, max_tokens in members]
+
+    def _lease(self, s: Slot, request_id: str, max_tokens: int, lease_s: float, now: float) -> Slot:
+        generation = secrets.randbits(64)
+        while generation in (0, s.generation):  # 0 is the revoked stamp
             generation = secrets.randbits(64)
-            while generation in (0, s.generation):  # 0 is the revoked stamp
-                generation = secrets.randbits(64)
-            secret = secrets.token_bytes(LEASE_SECRET_BYTES)
-            self._stamp(s.index, generation, secret)
-            s.state, s.generation, s.request_id, s.secret = State.LEASED, generation, request_id, secret
-            s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
-            s.lease_s, s.granted_deadline, s.extended = lease_s, s.deadline, False
-            return Slot(**vars(s))
+        secret = secrets.token_bytes(LEASE_SECRET_BYTES)
+        self._stamp(s.index, generation, secret)
+        s.state, s.generation, s.request_id, s.secret = State.LEASED, generation, request_id, secret
+        s.deadline, s.max_tokens, s.sequence, s.released = now + lease_s, max_tokens, None, False
+        s.lease_s, s.granted_deadline, s.extended = lease_s, s.deadline, False
+        return Slot(**vars(s))
 
     def claim(self, slot: int, generation: int, request_id: str, secret: bytes,
               now: float) -> tuple[Claim, Slot | None]:

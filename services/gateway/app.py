@@ -2,7 +2,8 @@
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
   GET  /v1/models, /v1/models/{id}
-  GET  /health   liveness: answers as long as the event loop runs (inference never runs on it)
+  GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
+                 rendering or tokenizing a prompt: offload.py; slow and idle clients are bounded: limits.py)
   GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
   GET  /metrics  Prometheus
 
@@ -24,6 +25,7 @@ import inspect
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,12 +42,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
 from splitgemma.serving import telemetry
-from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError
+from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError, RenderBudget, RenderTooLarge
 from splitgemma.serving.credentials import TlsFiles
 from splitgemma.v1 import serving_pb2 as pb
 
 from .auth import ApiKeyMiddleware
+from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
+from .offload import Offload
 from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
@@ -73,6 +77,9 @@ class GatewayConfig:
     chat_template: ChatTemplate | None = None
     no_chat_template_reason: str = "this model has no chat template"
     max_body_bytes: int = 4 << 20
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    render_threads: int = 2         # per lane of Offload
+    render_queue: int = 4           # expensive prompts that may wait for a render thread
     timeouts: Timeouts = field(default_factory=Timeouts)
     probe_interval: float = 0.5
     vocab_size: int | None = None   # the model's (from its file); else the tokenizer's bounds token-id prompts
@@ -136,10 +143,17 @@ class Gateway:
                                on_stats=self.metrics.take_decode_stats, service_token=config.service_token,
                                tls=config.worker_tls)
         self.pipelines = Pipelines(self.pool, config.timeouts, self.metrics)
+        self.offload = Offload(self.metrics, config.render_threads, config.render_queue)
         self.created = int(time.time())
         self.vocab_size = config.vocab_size or config.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    # -- tokenization ----------------------------------------------------------------------------------------
+    # -- parsing and tokenization (in Offload's threads) --------------------------------------------------------
+
+    async def parse(self, model, raw: bytes):
+        """parse_request; a large body in the heavy lane (pydantic takes about a second for 4 MiB of messages)."""
+        if Offload.is_light(len(raw)):
+            return parse_request(model, raw)
+        return await self.offload.run(False, lambda cancelled: parse_request(model, raw))
 
     @lru_cache(maxsize=65536)
     def token_text(self, token_id: int) -> str:
@@ -175,15 +189,18 @@ class Gateway:
                           code="invalid_value")
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict]) -> list[int]:
+    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict],
+                    cancelled: threading.Event | None = None) -> list[int]:
         ct = self.config.chat_template
         if ct is None:
             raise invalid(f"the chat endpoint is not available: {self.config.no_chat_template_reason}; use "
                           "/v1/completions or start the gateway with --chat-template", param="messages",
                           code="chat_template_missing")
         try:
-            ids = ct.encode(raw_messages, add_generation_prompt=req.add_generation_prompt,
-                            **(req.chat_template_kwargs or {}))
+            ids = ct.encode(raw_messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
+                            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        except RenderTooLarge as e:
+            raise invalid(str(e), param="messages", code="string_above_max_length") from None
         except ChatTemplateError as e:
             raise invalid(str(e), param="messages") from None
         if not ids:
@@ -555,20 +572,6 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
     return task.result()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise ApiError(413, f"the request body is {int(length)} bytes; the limit is {limit}",
-                       code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is larger than the limit of {limit} bytes",
-                           code="request_too_large")
-    return bytes(body)
-
-
 _TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
 
 
@@ -629,6 +632,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         finally:
             await gw.pipelines.drain()
             await gw.pool.close()
+            gw.offload.close()
             telemetry.setup_telemetry("splitgemma-gateway").shutdown()
 
     extra = {}
@@ -647,6 +651,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+
+    @app.exception_handler(ClientGoneError)
+    async def client_gone(request: Request, e: ClientGoneError):
+        return Response(status_code=499)  # nobody is listening; for the metrics only
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -671,14 +679,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        raw = await _read_body(request, config.max_body_bytes)
-        req, _ = parse_request(CompletionRequest, raw)
-        check_model(req.model)
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         rid = _request_id(request)
 
         async def work():
+            req, _ = await gw.parse(CompletionRequest, raw)
+            check_model(req.model)
             state = _RequestState(gw, "text_completion", rid)
-            prompts = await asyncio.to_thread(gw.completion_prompts, req)
+            prompts = await gw.offload.run(Offload.is_light(len(raw)),
+                                           lambda cancelled: gw.completion_prompts(req))
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             top = req.logprobs or 0
             specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None, top, "prompt")
@@ -690,14 +699,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        raw = await _read_body(request, config.max_body_bytes)
-        req, data = parse_request(ChatCompletionRequest, raw)
-        check_model(req.model)
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         rid = _request_id(request)
 
         async def work():
+            req, data = await gw.parse(ChatCompletionRequest, raw)
+            check_model(req.model)
+            messages = data["messages"]
+            check_messages(messages, config.limits)
             state = _RequestState(gw, "chat", rid)
-            ids = await asyncio.to_thread(gw.chat_prompt, req, data["messages"])
+            ids = await gw.offload.run(Offload.is_light(len(raw), len(messages)),
+                                       lambda cancelled: gw.chat_prompt(req, messages, cancelled))
             top = req.top_logprobs or 0
             specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages")
             render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,

@@ -41,6 +41,11 @@ class GatewayMetrics:
         self.kv_slots_in_use = Gauge(p + "kv_slots_in_use",
                                      "KV slots not free on a decode worker (leased, running or quarantined)",
                                      ["worker"], registry=r)
+        self.prompt_jobs = Gauge(p + "prompt_jobs", "Requests being parsed, rendered or tokenized (running or "
+                                 "waiting for a thread), by lane (services/gateway/offload.py)", ["lane"], registry=r)
+        self.prompt_jobs_abandoned = Counter(p + "prompt_jobs_abandoned",
+                                             "Prompt jobs dropped unfinished because their client went away",
+                                             registry=r)
         self.worker_up = Gauge(p + "worker_up", "1 while a worker answers its health check SERVING",
                                ["kind", "worker"], registry=r)
 

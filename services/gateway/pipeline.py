@@ -1,9 +1,9 @@
 """One generation through the workers: Decode.Reserve → Prefill.Prefill(lease) → Decode.Generate(lease) stream.
 
 A request with n choices (or several prompts) runs one pipeline per choice. Admission is all or nothing: the
-choices reserve their slots one by one, each waiting in the decode worker's queue if it must (docs/scheduling.md),
-and if one is refused the leases already taken are released and the request is answered 429 (queue full) or 503
-(waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
+choices reserve their slots together on one decode worker (Decode.ReserveGroup, which grants them all at once,
+waiting in the worker's queue if it must: docs/scheduling.md), and if that is refused the request is answered 429
+(queue full) or 503 (waited too long) before any compute is spent. Every RPC has a deadline (Reserve's covers the worker's queue
 timeout); the Generate stream has an idle deadline between events, so a stalled worker turns into an error instead
 of a hang. Whatever ends a pipeline (an error, the client going away, cancellation), its lease is released or its
 Generate call cancelled, which frees the slot.
@@ -126,51 +126,48 @@ class Pipelines:
         context = self.pool.known_context()
         for spec in specs:
             check_context(spec, context)
-        # The choices hold their slots while the later ones wait for theirs: more choices than the decode workers
-        # have slots (all of them, up or down) could only wait out the queue timeout, then fail. Known once every
-        # worker has reported.
-        workers = self.pool.decode
-        if workers and all(w.stats is not None for w in workers):
-            total = sum(w.stats.slots_total for w in workers)
-            if len(specs) > total:
-                raise ApiError(400, f"the request asks for {len(specs)} choices (prompts × n) but the decode "
-                               f"workers have {total} slots in all", param="n", code="invalid_value")
         runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
         try:
-            for i, run in enumerate(runs):
-                await self._reserve(run, later=len(runs) - 1 - i)
+            await self._reserve(runs)
         except BaseException:
             self.release_all(runs)
             raise
         return runs
 
-    async def _reserve(self, run: Run, later: int) -> None:
-        """Lease a slot for one choice, waiting in the chosen decode worker's queue if it must. `later` choices
-        of the same request reserve after this one: the lease is asked to outlive their queue waits."""
-        spec = run.spec
+    async def _reserve(self, runs: list[Run]) -> None:
+        """Lease a slot for every choice on one decode worker, all at once, waiting in its queue if it must."""
         candidates = self.pool.decode_candidates()
         if not candidates:
             self.metrics.rejections.labels(reason="no_decode_worker").inc()
             raise ApiError(503, "no decode worker is available", retry_after=1.0)
+        # A group larger than a worker's slots could only wait out its queue timeout there.
+        fitting = [w for w in candidates if w.stats is None or w.stats.slots_total >= len(runs)]
+        if not fitting:
+            most = max(w.stats.slots_total for w in candidates)
+            raise ApiError(400, f"the request asks for {len(runs)} choices (prompts × n) but a decode worker has at "
+                           f"most {most} slots", param="n", code="invalid_value")
         full_hint = None
         unavailable = 0
-        for w in candidates:
-            if w.max_context:
-                check_context(spec, w.max_context)
-                want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
-            else:
-                want = 1  # this worker's context is not known before its first lease, which is checked below
-            queue_timeout, lease_ms = w.queue_timeout, 0
-            if later and w.stats is not None and w.stats.admission.lease_ms:
-                # The worker grants at most its --max-lease-ms.
-                lease_ms = w.stats.admission.lease_ms + later * round(queue_timeout * 1000)
+        for w in fitting:
+            members = []
+            for run in runs:
+                spec = run.spec
+                if w.max_context:
+                    check_context(spec, w.max_context)
+                    want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
+                else:
+                    want = 1  # this worker's context is not known before its first lease, which is checked below
+                members.append(pb.ReserveRequest(request_id=run.request_id, prompt_tokens=len(spec.prompt_ids),
+                                                 max_tokens=want))
             w.reserving += 1
             try:
                 # Cancelled when the client goes away: the decode worker takes the call out of its queue.
-                lease = await w.stub.Reserve(pb.ReserveRequest(request_id=run.request_id,
-                                                               prompt_tokens=len(spec.prompt_ids),
-                                                               max_tokens=want, lease_ms=lease_ms),
-                                             timeout=queue_timeout + self.timeouts.reserve)
+                timeout = w.queue_timeout + self.timeouts.reserve
+                if len(members) == 1:
+                    leases = [await w.stub.Reserve(members[0], timeout=timeout)]
+                else:
+                    leases = list((await w.stub.ReserveGroup(pb.ReserveGroupRequest(members=members),
+                                                             timeout=timeout)).leases)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -184,25 +181,24 @@ class Pipelines:
                     raise ApiError(503, f"no decode slot became free in time: {e.details()}",
                                    retry_after=_retry_after(e), code="queue_timeout") from None
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ApiError(400, e.details() or "the decode worker rejected the request",
-                                   param=spec.prompt_param,
-                                   code="context_length_exceeded" if "context" in (e.details() or "") else None)
+                    details = e.details() or "the decode worker rejected the request"
+                    raise ApiError(400, details, param="n" if "group" in details else runs[0].spec.prompt_param,
+                                   code="context_length_exceeded" if "context" in details else None)
                 self.pool.mark_failed(w, e)
                 unavailable += 1
                 continue
             finally:
                 w.reserving -= 1
-            w.pending_reserves += 1
-            run.decode, run.lease = w, lease
-            if lease.max_context and lease.max_context != w.max_context:
-                w.max_context = lease.max_context
-            try:
-                check_context(spec, lease.max_context)
-            except ApiError:
-                self.release(run)
-                raise
-            run.max_tokens = spec.max_tokens if spec.max_tokens is not None else \
-                lease.max_context - len(spec.prompt_ids)
+            w.pending_reserves += len(leases)
+            for run, lease in zip(runs, leases):
+                run.decode, run.lease = w, lease
+            max_context = leases[0].max_context
+            if max_context and max_context != w.max_context:
+                w.max_context = max_context
+            for run in runs:  # an ApiError here: admit releases every lease
+                check_context(run.spec, max_context)
+                run.max_tokens = run.spec.max_tokens if run.spec.max_tokens is not None else \
+                    max_context - len(run.spec.prompt_ids)
             return
         if full_hint is not None:
             self.metrics.rejections.labels(reason="queue_full").inc()
@@ -276,12 +272,12 @@ class Pipelines:
             stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
             rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens)
         w.in_flight += 1
-        call = w.stub.Generate(request)
+        reader = _StreamReader(w.stub.Generate(request))
         timeout = self.timeouts.first_event
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(call.read(), timeout)
+                    event = await reader.read(timeout)
                 except asyncio.TimeoutError:
                     raise ApiError(504, f"the decode worker {w.address} sent nothing for {timeout:.0f} s") from None
                 except grpc.aio.AioRpcError as e:
@@ -299,13 +295,13 @@ class Pipelines:
                 yield event
                 if run.finished:
                     # Read the stream to its end so the call (and its client span) completes.
-                    await asyncio.wait_for(call.read(), self.timeouts.release)
+                    await reader.read(self.timeouts.release)
                     return
         finally:
             w.in_flight -= 1
-            if not run.finished:
-                # Cancelled or failed: make sure the worker drops the sequence (frees the slot).
-                call.cancel()
+            # Cancelled, failed or finished: make sure the worker drops the sequence (frees the slot) and that a read
+            # still in flight ends.
+            reader.close()
 
     # -- cleanup -------------------------------------------------------------------------------------------------
 
@@ -333,6 +329,37 @@ class Pipelines:
     async def drain(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+class _StreamReader:
+    """Reads a grpc.aio response stream without ever cancelling a read in flight.
+
+    grpc.aio leaks native memory when the task awaiting a read is cancelled while the read is under way: the batch's
+    op array and the message Core then receives into it are never freed (grpc/grpc#43360, about 1 KB per stream a
+    client drops mid-way, without bound). So each read runs in a task of its own that the reader's caller only waits
+    for; a timeout or the caller's own cancellation leaves it running, and close() cancels the call instead, which
+    makes Core complete the read, and so free it, the normal way."""
+
+    def __init__(self, call):
+        self.call = call
+        self._pending: asyncio.Future | None = None
+
+    async def read(self, timeout: float):
+        """The next message or grpc.aio.EOF; asyncio.TimeoutError after `timeout` s (the read stays pending)."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self.call.read())
+        done, _ = await asyncio.wait((self._pending,), timeout=timeout)
+        if not done:
+            raise asyncio.TimeoutError
+        task, self._pending = self._pending, None
+        return task.result()
+
+    def close(self) -> None:
+        self.call.cancel()  # a no-op when the call has ended
+        if self._pending is not None:
+            # Its outcome (the cancellation) is of no interest; retrieving it keeps asyncio from logging it.
+            self._pending.add_done_callback(lambda t: t.cancelled() or t.exception())
+            self._pending = None
 
 
 def _prefill_error(e: grpc.aio.AioRpcError) -> ApiError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
@@ -20,6 +20,7 @@ from splitgemma.serving.tokenizer import load_tokenizer
 
 from .app import GatewayConfig, create_app
 from .auth import warn_if_open
+from .limits import HttpLimits, RequestLimits, ensure_fd_limit, uvicorn_settings
 from .pipeline import Timeouts
 
 log = logging.getLogger("splitgemma.gateway")
@@ -32,6 +33,7 @@ class ServeOptions:
     drain_timeout: float = 30.0
     log_level: str = "INFO"
     tls: TlsFiles | None = None     # HTTPS with this certificate and key
+    http: HttpLimits = field(default_factory=HttpLimits)
 
 
 def parse_addresses(text: str, option: str) -> list[str]:
@@ -48,7 +50,8 @@ def parse_addresses(text: str, option: str) -> list[str]:
 def build_config(*, model_name: str | None, model: str | None, tokenizer: str | None, chat_template: str | None,
                  prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None,
                  api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
-                 worker_tls: TlsFiles | None = None) -> GatewayConfig:
+                 worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
+                 render_queue: int = 4) -> GatewayConfig:
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
     if model_name is None:
@@ -76,18 +79,22 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],
-                         metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls)
+                         metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls,
+                         limits=limits or RequestLimits(), render_threads=render_threads,
+                         render_queue=render_queue)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:
     import uvicorn
 
+    ensure_fd_limit(options.http)
     app = create_app(config)
     tls = options.tls if options.tls is not None and options.tls.enabled else None
     server = uvicorn.Server(uvicorn.Config(
         app, host=options.host, port=options.port, log_level=options.log_level.lower(), access_log=False,
         timeout_graceful_shutdown=options.drain_timeout, lifespan="on", log_config=None,
-        ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None))
+        ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
+        **uvicorn_settings(options.http)))
     log.info("gateway starting", extra={"host": options.host, "port": options.port, "model": config.model_name,
                                         "prefill": config.prefill, "decode": config.decode,
                                         "api_keys": len(config.api_keys), "https": tls is not None,

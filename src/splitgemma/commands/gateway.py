@@ -3,8 +3,49 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import CommandError, port_number, positive_float, positive_int
+from splitgemma.commands import CommandError, non_negative_int, port_number, positive_float, positive_int
 from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
+
+# (name, type, metavar, help) of the limits `up` passes on; the defaults are the dataclasses' in limits.py.
+_HTTP_LIMITS = (
+    ("max_connections", positive_int, "N", "open HTTP connections; past it the one waiting longest for a request "
+     "head is closed, and when every connection has a request in progress a new one gets 503"),
+    ("header_timeout", positive_float, "S", "seconds a request's head may take to arrive (else 408, closed)"),
+    ("keep_alive_timeout", positive_float, "S", "seconds an idle kept-alive connection stays open"),
+    ("max_header_bytes", positive_int, "N", "largest request head (h11's max incomplete event size)"),
+)
+_REQUEST_LIMITS = (
+    ("body_timeout", positive_float, "S", "seconds a request's body may take to arrive after its head (else 408)"),
+    ("max_messages", positive_int, "N", "messages per chat request (more: 400)"),
+    ("max_rendered_chars", positive_int, "N", "characters of a chat's rendered prompt (more: 400; the render "
+     "stops there)"),
+)
+_RENDER = (
+    ("render_threads", positive_int, "N", "threads that parse, render and tokenize requests, per lane (light "
+     "and heavy requests have one lane each)"),
+    ("render_queue", non_negative_int, "N", "heavy requests (large bodies, many messages) that may wait for a "
+     "render thread; one more gets 503"),
+)
+RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
+
+
+def add_limit_options(p) -> None:
+    """The gateway's limits on what one client may cost (services/gateway/limits.py), for `gateway` and `up`."""
+    from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
+    defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS}
+    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER:
+        p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
+                       help=f"{text} (default: {defaults[name]:g})" if isinstance(defaults[name], float) else
+                       f"{text} (default: {defaults[name]})")
+
+
+def limit_argv(args) -> list[str]:
+    """The limit options of `args` as gateway arguments."""
+    out = []
+    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER:
+        out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
 
 
 def register(subparsers) -> None:
@@ -30,6 +71,7 @@ def register(subparsers) -> None:
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on SIGTERM, how long requests in flight may finish before they are cancelled (default: 30)")
+    add_limit_options(p)
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     add_api_key_options(p)
     p.add_argument("--metrics-auth", action="store_true",
@@ -56,6 +98,7 @@ def add_api_key_options(p: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from splitgemma.serving.worker import setup_logging, worker_id
+    from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
     from splitgemma.services.gateway.server import ServeOptions, build_config, serve
 
     from splitgemma.services.gateway.auth import load_api_keys
@@ -73,9 +116,17 @@ def run(args) -> int:
         config = build_config(model_name=args.model_name, model=args.model, tokenizer=args.tokenizer,
                               chat_template=args.chat_template, prefill=args.prefill, decode=args.decode,
                               max_body_bytes=args.max_body_bytes, api_keys=api_keys, metrics_auth=args.metrics_auth,
-                              service_token=service_token, worker_tls=worker_tls)
+                              service_token=service_token, worker_tls=worker_tls,
+                              limits=RequestLimits(args.body_timeout, args.max_messages, args.max_rendered_chars),
+                              render_threads=args.render_threads, render_queue=args.render_queue)
+        http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
+                          keep_alive_timeout=args.keep_alive_timeout,
+                          max_header_bytes=args.max_header_bytes)
     except ValueError as e:  # a missing tokenizer or template is an OSError, which the CLI reports itself
         raise CommandError(str(e)) from None
-    serve(config, ServeOptions(host=args.host, port=args.port, drain_timeout=args.drain_timeout,
-                               log_level=args.log_level, tls=https))
+    try:
+        serve(config, ServeOptions(host=args.host, port=args.port, drain_timeout=args.drain_timeout,
+                                   log_level=args.log_level, tls=https, http=http))
+    except ValueError as e:  # a file-descriptor limit too low for --max-connections
+        raise CommandError(str(e)) from None
     return 0

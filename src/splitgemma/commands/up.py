@@ -17,7 +17,7 @@ from splitgemma.commands import (CommandError, add_kv_dtype_option, context_leng
                                  positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
                                         add_capacity_options, add_lease_options, check_lease_options)
-from splitgemma.commands.gateway import add_api_key_options
+from splitgemma.commands.gateway import add_api_key_options, add_limit_options, limit_argv
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 from splitgemma.serving.credentials import SERVICE_TOKEN_ENV
 
@@ -66,6 +66,7 @@ def register(subparsers) -> None:
     add_kv_dtype_option(p)
     add_prefix_cache_option(p)
     add_scheduler_options(p)
+    add_limit_options(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
     p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on stop, how long requests in flight may finish (default: 30)")
@@ -174,7 +175,8 @@ def run(args) -> int:
                           "--max-prefill-seconds", str(args.max_prefill_seconds)]
     gateway_argv = exe + ["gateway", "--model", args.model, "--prefill", f"127.0.0.1:{prefill_port}",
                           "--decode", f"127.0.0.1:{decode_port}", "--host", args.host, "--port", str(port),
-                          "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level]
+                          "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level,
+                          *limit_argv(args)]
     for opt in ("model_name", "tokenizer", "chat_template"):
         if getattr(args, opt):
             gateway_argv += ["--" + opt.replace("_", "-"), getattr(args, opt)]

@@ -18,12 +18,19 @@ markers; after rendering, the text is encoded piece by piece: marked pieces with
 tokens, the rest normally. String operations in the template that split a marked token (e.g. `split('<channel|>')`
 in strip_thinking) leave lone markers, which are dropped but still separate the text on either side so that it
 cannot join into a control token.
+
+Cost: a template's cost need not be linear in the messages (Gemma 4's looks back over all earlier messages for each
+one: quadratic), so a caller bounds the message count, and a RenderBudget bounds the rest: the render produces its
+text piece by piece (jinja2's generate) and stops past `max_chars`, or as soon as `cancelled` is set (the client
+went away), instead of running to its end.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -48,6 +55,26 @@ class ChatTemplateNotFound(FileNotFoundError):
 
 class ChatTemplateError(ValueError):
     """The messages cannot be rendered (the template raised, or the input is malformed): a client error."""
+
+
+class RenderTooLarge(ChatTemplateError):
+    """The rendered prompt would exceed RenderBudget.max_chars."""
+
+
+class RenderCancelled(Exception):
+    """RenderBudget.cancelled was set: nobody waits for this prompt any more."""
+
+
+@dataclass
+class RenderBudget:
+    max_chars: int
+    cancelled: threading.Event | None = None
+
+    def check(self, chars: int) -> None:
+        if self.cancelled is not None and self.cancelled.is_set():
+            raise RenderCancelled
+        if chars > self.max_chars:
+            raise RenderTooLarge(f"the messages render to a prompt of more than {self.max_chars} characters")
 
 
 def find_chat_template(model_path: str | Path | None, explicit: str | Path | None = None) -> tuple[str, Path]:
@@ -199,12 +226,17 @@ class ChatTemplate:
         """The prompt text exactly as transformers' apply_chat_template(tokenize=False) renders it."""
         return self._render(messages, tools, add_generation_prompt, kwargs, mark=False)
 
-    def encode(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-               **kwargs: Any) -> list[int]:
-        """Token ids of the rendered prompt, with control-token text from user strings encoded as plain text."""
-        return self._encode_marked(self._render(messages, tools, add_generation_prompt, kwargs, mark=True))
+    def encode(self, messages: list[dict], budget: RenderBudget | None = None, /, *, add_generation_prompt: bool = True,
+               tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of the rendered prompt, with control-token text from user strings encoded as plain text.
+        (`budget` is positional so that no template variable in kwargs can be taken for it.)"""
+        text = self._render(messages, tools, add_generation_prompt, kwargs, mark=True, budget=budget)
+        if budget is not None:
+            budget.check(len(text))  # a last look at `cancelled` before the tokenizer, which cannot be interrupted
+        return self._encode_marked(text)
 
-    def _render(self, messages, tools, add_generation_prompt, kwargs, *, mark: bool) -> str:
+    def _render(self, messages, tools, add_generation_prompt, kwargs, *, mark: bool,
+                budget: RenderBudget | None = None) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatTemplateError("messages must be a list of objects")
         taken = sorted(RESERVED_VARIABLES.intersection(kwargs))
@@ -215,8 +247,18 @@ class ChatTemplate:
             messages, tools, kwargs = self._mark(messages), self._mark(tools), self._mark(kwargs)
         variables = {**self.special_tokens, **kwargs}
         try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            if budget is None:
+                return self._template.render(messages=messages, tools=tools, documents=None,
+                                             add_generation_prompt=add_generation_prompt, **variables)
+            pieces, chars = [], 0
+            for piece in self._template.generate(messages=messages, tools=tools, documents=None,
+                                                 add_generation_prompt=add_generation_prompt, **variables):
+                chars += len(piece)
+                budget.check(chars)
+                pieces.append(piece)
+            return "".join(pieces)
+        except RenderTooLarge:
+            raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template error: {e}") from e
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitgemma.serving import credentials, telemetry
+from splitgemma.serving.log_limit import STANDARD_ATTRS, RepeatFilter
 from splitgemma.v1 import serving_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
@@ -46,8 +47,6 @@ def open_model(args, max_batch: int):
 # ---------------------------------------------------------------------------------------------------------------
 # Logs: one JSON object per line on stderr, with the request id and other context as fields.
 
-_STANDARD_ATTRS = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
-
 
 class JsonFormatter(logging.Formatter):
     def __init__(self, service: str, worker: str):
@@ -60,7 +59,7 @@ class JsonFormatter(logging.Formatter):
                "level": record.levelname, "service": self.service, "worker_id": self.worker,
                "logger": record.name, "msg": record.getMessage()}
         for k, v in vars(record).items():
-            if k not in _STANDARD_ATTRS and not k.startswith("_"):
+            if k not in STANDARD_ATTRS and not k.startswith("_"):
                 out[k] = v
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
@@ -70,6 +69,7 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(service: str, worker: str, level: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service, worker))
+    handler.addFilter(RepeatFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
