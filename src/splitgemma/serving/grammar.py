@@ -19,12 +19,15 @@ from pathlib import Path
 
 import llguidance as llg
 import numpy as np
-from tokenizers import Tokenizer
 
 from splitgemma.engine import Sample, sample
 
 from .files import read_regular_text
 
+# JSON as json.dumps writes it: a separator is ", " or ": " and no whitespace elsewhere. llguidance's default lets
+# whitespace in anywhere, where a model (a random-weight one above all) can spend its whole budget on newlines; a
+# schema's own "x-guidance" options still override these.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # {"type": "object"} compiles to any JSON object (llguidance's own advice for json_object).
 _ANY_OBJECT = '{"type": "object"}'
 # A matcher may not run away with a worker: llguidance's own bounds on the work of one mask and on grammar size.
@@ -47,9 +50,9 @@ def _grammar_text(c) -> str:
     kind = constraint_kind(c)
     try:
         if kind == "json_schema":
-            return llg.LLMatcher.grammar_from_json_schema(c.json_schema)
+            return llg.LLMatcher.grammar_from_json_schema(c.json_schema, defaults=_JSON_OPTIONS)
         if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT)
+            return llg.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=_JSON_OPTIONS)
         if kind == "regex":
             return llg.LLMatcher.grammar_from_regex(c.regex)
         if kind == "lark":
@@ -57,6 +60,21 @@ def _grammar_text(c) -> str:
     except ValueError as e:  # grammar_from_json_schema: not a JSON object
         raise ConstraintError(f"the JSON schema is not valid: {e}") from None
     raise ConstraintError("the constraint is empty (set one of json_schema, json_object, regex, lark)")
+
+
+def worker_grammars(model_path: str, tokenizer: str | None, vocab_size: int) -> "Grammars":
+    """A worker's Grammars: the tokenizer.json beside the model (or --tokenizer) and the model's stop tokens. A
+    worker without a tokenizer refuses constraints (ConstraintError) but serves everything else."""
+    from .stop_tokens import model_stop_tokens
+    from .tokenizer import TokenizerNotFound, find_tokenizer
+
+    try:
+        path = find_tokenizer(model_path, tokenizer)
+    except TokenizerNotFound:
+        if tokenizer is not None:
+            raise
+        path = None
+    return Grammars(path, model_stop_tokens(model_path)[0], vocab_size)
 
 
 class Grammars:
@@ -80,11 +98,10 @@ class Grammars:
                 text = read_regular_text(Path(self.tokenizer_path))
                 try:
                     self._tok = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.stop_tokens))
-                except ValueError:
-                    # llguidance reads byte-level and byte-fallback tokenizers (Gemma's) itself; for other
-                    # decoders it is handed each token's bytes as the decoder writes them.
-                    wrapper = llg.TokenizerWrapper(_DecodedTokens(Tokenizer.from_str(text), self.stop_tokens))
-                    self._tok = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=list(self.stop_tokens))
+                except ValueError as e:
+                    # llguidance reads byte-level and byte-fallback (SentencePiece-style, Gemma's) tokenizers.
+                    raise ConstraintError(f"constrained outputs are not available for this model's tokenizer "
+                                          f"({self.tokenizer_path}): {e}") from None
             return self._tok
 
     def check(self, c) -> str:
@@ -108,35 +125,6 @@ class Grammars:
             raise ConstraintError(m.get_error())
         # The mask covers the tokenizer's ids (ids past it, a model's padding rows, are never allowed).
         return Matcher(m, min(tok.vocab_size, self.vocab_size), (tok.vocab_size + 31) // 32)
-
-
-class _DecodedTokens:
-    """What llguidance.TokenizerWrapper asks of a tokenizer: every token's bytes, the special ids, an encoder. A
-    token's bytes are what it adds to the decode of a plain token before it (the decoder's spaces included); a
-    <0xNN> byte-fallback token is its byte."""
-
-    def __init__(self, hf: Tokenizer, stop_tokens):
-        self._hf = hf
-        self.eos_token_id = stop_tokens[0]
-        self.bos_token_id = None
-        added = hf.get_added_tokens_decoder()
-        self.special_token_ids = [i for i, t in added.items() if t.special]
-        n = hf.get_vocab_size(with_added_tokens=True)
-        anchor = next(i for i in range(n) if i not in added)
-        base = hf.decode([anchor], skip_special_tokens=False)
-        tokens = []
-        for i in range(n):
-            piece = hf.id_to_token(i) or ""
-            if i in added:
-                tokens.append(piece.encode())
-            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                tokens.append(bytes([int(piece[3:5], 16)]))
-            else:
-                tokens.append(hf.decode([anchor, i], skip_special_tokens=False)[len(base):].encode())
-        self.tokens = tokens
-
-    def __call__(self, text: str) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=False).ids
 
 
 class Matcher:
