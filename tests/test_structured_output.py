@@ -9,9 +9,11 @@ import json
 import re
 import threading
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from tools.procs import free_ports
 
 from test_gateway import CHAT, MODEL, TEMPLATE, Stack
 
@@ -51,7 +53,10 @@ def stack(tmp_path_factory):
         {"type": "Fuse"}]}
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
-    s = Stack(folder, model=model, gateway_args=("--chat-template", str(TEMPLATE)))
+    (metrics,) = free_ports(1)
+    s = Stack(folder, model=model, gateway_args=("--chat-template", str(TEMPLATE)),
+              decode_args=("--metrics-port", str(metrics)))
+    s.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     try:
         yield s
     finally:
@@ -178,3 +183,23 @@ def test_unconstrained_rows_unchanged_beside_constrained(stack):
     assert [together[s] for s in range(3)] == alone
     stats = stack.stats()
     assert stats.max_batch_seen >= 2
+
+
+def test_mask_time_is_a_metric(stack):
+    _completions(stack.client(), 1, False, extra_body={"guided_regex": "[a-c]{4}"})
+    text = httpx.get(stack.metrics_url, timeout=10).text
+    count = re.search(r"^splitgemma_decode_grammar_mask_seconds_count (\S+)$", text, re.M)
+    rows = re.search(r"^splitgemma_decode_grammar_rows_total (\S+)$", text, re.M)
+    assert count and float(count.group(1)) > 0, text[-2000:]
+    assert rows and float(rows.group(1)) >= float(count.group(1))
+
+
+def test_forced_tokens(stack):
+    # One choice: every token is forced (the mask admits one id), so sampling at temperature 1 yields exactly that
+    # text, and each token's logprob, from the masked distribution, is 0.
+    r = stack.client().completions.create(model="mini-e2b-tame", prompt="x", max_tokens=32, temperature=1.0,
+                                          seed=11, n=3, logprobs=2,
+                                          extra_body={"guided_choice": ["the value is 12"]})
+    for c in r.choices:
+        assert c.text == "the value is 12" and c.finish_reason == "stop"
+        assert all(lp == 0.0 for lp in c.logprobs.token_logprobs), c.logprobs

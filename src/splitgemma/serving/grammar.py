@@ -13,6 +13,7 @@ taken (cached by constraint), the prefill worker for the first token, the decode
 
 from __future__ import annotations
 
+import logging
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -23,6 +24,8 @@ import numpy as np
 from splitgemma.engine import Sample, sample
 
 from .files import read_regular_text
+
+log = logging.getLogger("splitgemma.grammar")
 
 # JSON as json.dumps writes it: a separator is ", " or ": " and no whitespace elsewhere. llguidance's default lets
 # whitespace in anywhere, where a model (a random-weight one above all) can spend its whole budget on newlines; a
@@ -99,9 +102,12 @@ class Grammars:
                 try:
                     self._tok = llg.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=list(self.stop_tokens))
                 except ValueError as e:
-                    # llguidance reads byte-level and byte-fallback (SentencePiece-style, Gemma's) tokenizers.
-                    raise ConstraintError(f"constrained outputs are not available for this model's tokenizer "
-                                          f"({self.tokenizer_path}): {e}") from None
+                    # llguidance reads byte-level and byte-fallback (SentencePiece-style, Gemma's) tokenizers. The
+                    # message reaches clients: it names no path.
+                    log.warning("llguidance cannot read the tokenizer", extra={"path": str(self.tokenizer_path),
+                                                                               "reason": str(e)})
+                    raise ConstraintError("constrained outputs are not available for this model: its tokenizer "
+                                          "is neither byte-level nor byte-fallback") from None
             return self._tok
 
     def check(self, c) -> str:
