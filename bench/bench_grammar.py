@@ -8,7 +8,9 @@ A "step" is what a constrained row costs the decode worker per token: compute th
 current state, then advance the state by the token taken. The token walked is a fixed valid output (tokenized
 with the model's tokenizer), so every library does the same steps.
 
-    python bench/bench_grammar.py [--tokenizer PATH] [--repeat 3]
+    .venv/bin/python bench/bench_grammar.py [--tokenizer PATH] [--repeat 3]
+
+(outlines-core is measured when installed: `.venv/bin/pip install outlines-core`.)
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ SCHEMA = {
     "required": ["name", "age", "role", "address"],
     "additionalProperties": False,
 }
-INSTANCE = '{"name":"Ada Lovelace","age":36,"score":99.5,"role":"admin","tags":["math","engines"],' \
-           '"address":{"city":"London","zip":"12345"}}'
+# As json.dumps writes it: the separators splitgemma's JSON constraints use.
+INSTANCE = json.dumps({"name": "Ada Lovelace", "age": 36, "score": 99.5, "role": "admin", "tags": ["math", "engines"],
+                       "address": {"city": "London", "zip": "12345"}})
 REGEX = r"[0-9]{3}-[0-9]{3}-[0-9]{4}"
 REGEX_TEXT = "555-123-4567"
 CHOICES = ["positive", "negative", "neutral"]
@@ -126,6 +129,41 @@ def bench_outlines(hf, repeat: int) -> dict:
     return out
 
 
+def bench_splitgemma(tok_path: Path, hf, repeat: int) -> dict:
+    """The decode worker's own per-step work for a constrained row (splitgemma.serving.grammar): the masks of a
+    batch of rows in one llguidance call, then per row the allowed ids and the sample among them, on a random
+    logits row of the full vocabulary."""
+    import numpy as np
+
+    from splitgemma.serving.grammar import Grammars, compute_masks, sample_allowed
+    from splitgemma.v1 import serving_pb2 as pb
+
+    n_vocab = hf.get_vocab_size(with_added_tokens=True)
+    g = Grammars(tok_path, (1, 106, 50), n_vocab)
+    t0 = time.perf_counter()
+    g.tokenizer
+    out = {"library": "splitgemma.serving.grammar (llguidance)", "tokenizer_build_s": round(time.perf_counter() - t0, 3)}
+    ids = hf.encode(INSTANCE, add_special_tokens=False).ids
+    logits = np.random.default_rng(0).standard_normal(n_vocab).astype(np.float32)
+    sampling = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0}
+    c = pb.Constraint(json_schema=json.dumps(SCHEMA))
+    for rows in (1, 8):
+        masks, picks = [], []
+        for _ in range(repeat):
+            ms = [g.matcher(c) for _ in range(rows)]
+            for t in ids:
+                t0 = time.perf_counter()
+                compute_masks(ms)
+                masks.append(time.perf_counter() - t0)
+                for m in ms:
+                    t0 = time.perf_counter()
+                    sample_allowed(logits, m.allowed(), argmax_only=False, rng_state=1, sampling=sampling)
+                    picks.append(time.perf_counter() - t0)
+                    m.advance(t)
+        out[f"json_schema_{rows}_rows"] = {"mask_all_rows": _ms(masks), "allowed_and_sample_per_row": _ms(picks)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
@@ -135,6 +173,12 @@ def main() -> None:
 
     hf = Tokenizer.from_file(str(args.tokenizer))
     results = [bench_llguidance(args.tokenizer, hf, args.repeat)]
+    try:
+        import splitgemma.serving.grammar  # noqa: F401
+    except ImportError:
+        results.append({"library": "splitgemma.serving.grammar", "skipped": "splitgemma not installed"})
+    else:
+        results.append(bench_splitgemma(args.tokenizer, hf, args.repeat))
     try:
         import outlines_core  # noqa: F401
     except ImportError:

@@ -211,12 +211,13 @@ class Gateway:
             raise invalid("the messages render to an empty prompt", param="messages", code="invalid_value")
         return ids
 
-    async def constraint(self, req) -> pb.Constraint | None:
-        """The request's structured-output constraint (checked), compiled in the heavy lane: the first one builds
-        the grammar tokenizer."""
+    async def constraint(self, req, body_bytes: int) -> pb.Constraint | None:
+        """The request's structured-output constraint (checked). Compiling one takes about a millisecond, in the
+        light lane for a light body; the first one builds the grammar tokenizer (seconds): in the heavy lane."""
         if not wants_constraint(req):
             return None
-        return await self.offload.run(False, lambda cancelled: request_constraint(req, self.grammars))
+        light = self.grammars.ready and Offload.is_light(body_bytes)
+        return await self.offload.run(light, lambda cancelled: request_constraint(req, self.grammars))
 
     # -- sampling ------------------------------------------------------------------------------------------------
 
@@ -700,7 +701,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             state = _RequestState(gw, "text_completion", rid)
             prompts = await gw.offload.run(Offload.is_light(len(raw)),
                                            lambda cancelled: gw.completion_prompts(req))
-            constraint = await gw.constraint(req)
+            constraint = await gw.constraint(req, len(raw))
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             top = req.logprobs or 0
             specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None, top, "prompt", constraint)
@@ -723,7 +724,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             state = _RequestState(gw, "chat", rid)
             ids = await gw.offload.run(Offload.is_light(len(raw), len(messages)),
                                        lambda cancelled: gw.chat_prompt(req, messages, cancelled))
-            constraint = await gw.constraint(req)
+            constraint = await gw.constraint(req, len(raw))
             top = req.top_logprobs or 0
             specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint)
             render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,

@@ -22,6 +22,7 @@ import llguidance as llg
 import numpy as np
 
 from splitgemma.engine import Sample, sample
+from splitgemma.v1 import serving_pb2 as pb
 
 from .files import read_regular_text
 
@@ -37,6 +38,10 @@ _ANY_OBJECT = '{"type": "object"}'
 _LIMITS = llg.LLParserLimits()
 # One pool computes the masks of all constrained rows of a step in parallel, without the GIL.
 _EXECUTOR = llg.LLExecutor()
+
+
+_UNREADABLE = ("constrained outputs are not available for this model: its tokenizer is neither byte-level nor "
+               "byte-fallback")
 
 
 class ConstraintError(ValueError):
@@ -88,13 +93,22 @@ class Grammars:
         self.stop_tokens = tuple(stop_tokens)
         self.vocab_size = vocab_size
         self._tok: llg.LLTokenizer | None = None
+        self._unreadable = False  # llguidance refused the tokenizer: said once, not re-read per request
         self._lock = threading.Lock()
-        self._check = lru_cache(maxsize=1024)(self._check_uncached)
+        # Compiled grammars by constraint: a schema is compiled once, however many requests send it.
+        self._check = lru_cache(maxsize=256)(self._check_uncached)
+
+    @property
+    def ready(self) -> bool:
+        """The tokenizer is built: compiling a constraint is now cheap."""
+        return self._tok is not None
 
     @property
     def tokenizer(self) -> llg.LLTokenizer:
         with self._lock:
             if self._tok is None:
+                if self._unreadable:
+                    raise ConstraintError(_UNREADABLE)
                 if self.tokenizer_path is None:
                     raise ConstraintError("constrained outputs need the model's tokenizer; this process runs "
                                           "without one (start it with --tokenizer)")
@@ -106,8 +120,8 @@ class Grammars:
                     # message reaches clients: it names no path.
                     log.warning("llguidance cannot read the tokenizer", extra={"path": str(self.tokenizer_path),
                                                                                "reason": str(e)})
-                    raise ConstraintError("constrained outputs are not available for this model: its tokenizer "
-                                          "is neither byte-level nor byte-fallback") from None
+                    self._unreadable = True
+                    raise ConstraintError(_UNREADABLE) from None
             return self._tok
 
     def check(self, c) -> str:
@@ -115,8 +129,6 @@ class Grammars:
         return self._check(c.SerializeToString(deterministic=True))
 
     def _check_uncached(self, key: bytes) -> str:
-        from splitgemma.v1 import serving_pb2 as pb
-
         grammar = _grammar_text(pb.Constraint.FromString(key))
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer, limits=_LIMITS)
         if is_error:
