@@ -17,12 +17,14 @@ from tools.procs import free_ports
 
 from test_gateway import CHAT, MODEL, TEMPLATE, Stack
 
+# Bounded everywhere (maxLength, maxItems, multipleOf for the fraction digits): a random-weight model at temperature
+# 1 otherwise fills max_tokens with string characters or digits now and then, which is a length finish, not a bug.
 SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "score": {"type": "number", "minimum": 0, "maximum": 10},
+        "score": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.25},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 2},
         "address": {"type": "object",
@@ -63,11 +65,11 @@ def stack(tmp_path_factory):
         s.stop()
 
 
-def _completions(client, n_requests: int, stream: bool, **kw) -> list[tuple[str, str]]:
-    """(text, finish_reason) of every choice of n_requests requests with seeds 0.. (n=4 each)."""
+def _completions(client, n_requests: int, stream: bool, n: int = 4, **kw) -> list[tuple[str, str]]:
+    """(text, finish_reason) of every choice of n_requests requests with seeds 0, n, 2n, … (choice j: seed + j)."""
     out = []
-    for seed in range(n_requests):
-        args = dict(model="mini-e2b-tame", prompt="Hello", max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=4,
+    for i in range(n_requests):
+        args = dict(model="mini-e2b-tame", prompt="Hello", max_tokens=MAX_TOKENS, temperature=1.0, seed=i * n, n=n,
                     **kw)
         if stream:
             texts, reasons = {}, {}
@@ -124,10 +126,12 @@ def test_json_object(stack):
 def test_regex_and_choice(stack, stream):
     client = stack.client()
     pattern = r"[0-9]{3}-[a-z]{2,4}"
-    for text, reason in _completions(client, 4, stream, extra_body={"guided_regex": pattern}):
+    got = _completions(client, 7, stream, extra_body={"guided_regex": pattern})
+    assert len(got) >= 28
+    for text, reason in got:
         assert reason == "stop" and re.fullmatch(pattern, text), (text, reason)
     choices = ["yes", "no", "maybe so"]
-    got = _completions(client, 4, stream, extra_body={"structured_outputs": {"choice": choices}})
+    got = _completions(client, 7, stream, extra_body={"structured_outputs": {"choice": choices}})
     assert all(reason == "stop" and text in choices for text, reason in got), got
     grammar = 'root ::= "a" [0-9] "b"'  # GBNF, as llama-server takes it
     for text, reason in _completions(client, 1, stream, extra_body={"grammar": grammar}):
@@ -173,8 +177,9 @@ def test_unconstrained_rows_unchanged_beside_constrained(stack):
             errors.append(e)
 
     threads = [threading.Thread(target=run, args=(lambda s=s: together.__setitem__(s, free(s)),)) for s in range(3)]
+    # 3 + 2 × 2 rows: all fit in the decode worker's 8 slots at once.
     threads += [threading.Thread(target=run, args=(lambda: _completions(
-        client, 1, False, extra_body={"guided_json": SCHEMA}),)) for _ in range(2)]
+        client, 1, False, n=2, extra_body={"guided_json": SCHEMA}),)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
