@@ -9,6 +9,9 @@ Everything this thread does besides Model.decode (admitting, sampling, stop chec
 handing them over) holds the GIL and delays the next step, so it is timed per step (DecodeMetrics.host) and kept
 small: a greedy row that reports no logprobs is one argmax over its logits row instead of a sample() call, which
 would also compute the log-softmax over the whole vocabulary (E2B, 262,144 ids: 0.75 ms against under 0.1 ms a row).
+
+A constrained row (structured outputs, splitgemma/serving/grammar.py) is sampled among the ids its constraint
+admits; the masks of a step's constrained rows are computed on a helper thread while Model.decode runs.
 """
 
 from __future__ import annotations
