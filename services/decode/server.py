@@ -25,8 +25,10 @@ from splitgemma.services.decode.slots import Claim, ForgedLease, SlotTable
 from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
+from splitgemma.serving.grammar import ConstraintError, Grammars, constraint_kind
 from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
 from splitgemma.serving.stop_tokens import model_stop_tokens
+from splitgemma.serving.tokenizer import find_tokenizer
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
                                        sampling_kwargs, serve_until_signalled, setup_logging, start_metrics, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
@@ -58,11 +60,23 @@ class DecodeMetrics:
                                         "slot header + checksum verification per admitted handoff",
                                         buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1),
                                         registry=registry)
+        self.mask_seconds = Histogram("splitgemma_decode_grammar_mask_seconds",
+                                      "time per step to compute the token masks of its constrained rows (structured "
+                                      "outputs), concurrent with Model.decode",
+                                      buckets=(1e-5, 3e-5, 1e-4, 3e-4, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1),
+                                      registry=registry)
+        self.constrained_rows = Counter("splitgemma_decode_grammar_rows",
+                                        "constrained rows masked (one per constrained sequence per step)",
+                                        registry=registry)
         self.leases_expired = Counter("splitgemma_decode_leases_expired", "leases revoked unclaimed",
                                       registry=registry)
         slots = Gauge("splitgemma_decode_slots", "KV slots by state", ["state"], registry=registry)
         for state in ("free", "leased", "running", "quarantine"):
             slots.labels(state=state).set_function(lambda st=state: table.counts()[st])
+
+    def mask(self, seconds: float, rows: int) -> None:
+        self.mask_seconds.observe(seconds)
+        self.constrained_rows.inc(rows)
 
     def host(self, seconds: float) -> None:
         self.host_seconds.observe(seconds)
@@ -76,8 +90,9 @@ class DecodeMetrics:
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, *, model, arena: ShmArena, table: SlotTable, admission: Admission, batch: BatchLoop,
                  metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, max_lease_ms: int,
-                 tracer, kv_cache_bytes: int | None):
+                 tracer, kv_cache_bytes: int | None, grammars: Grammars):
         self.model = model
+        self.grammars = grammars
         self.shm = arena
         self.table = table
         self.admission = admission
@@ -295,6 +310,13 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                      "(start it with --tokenizer)")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        matcher = None
+        if constraint_kind(request.sampling.constraint):
+            try:
+                # Off the loop: the first constrained request builds the grammar tokenizer (seconds for 262k ids).
+                matcher = await asyncio.to_thread(self.grammars.matcher, request.sampling.constraint)
+            except ConstraintError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
         try:
             # Off the event loop: the checksum reads every live K/V row (milliseconds for a long E2B prompt).
             seconds = await asyncio.to_thread(self._verify, lease.slot, request_key(rid), lease.generation)
@@ -321,7 +343,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
             text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens)
                   if self.tokenizer is not None else None),
-            token_name=self._token_name, queue=asyncio.Queue())
+            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher)
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()
@@ -364,6 +386,7 @@ async def serve(args) -> int:
     loop = asyncio.get_running_loop()
     model = open_model(args, max_batch=args.max_batch)
     tokenizer = _load_tokenizer(args)
+    tokenizer_path = find_tokenizer(args.model, args.tokenizer) if tokenizer is not None else None
     stop_tokens, stop_source = model_stop_tokens(args.model)
     cap = capacity.plan(model.kv_slot_bytes, slots=args.slots, kv_cache_bytes=args.kv_cache_bytes,
                         folder=args.shm_dir, model_path=args.model)
@@ -382,7 +405,8 @@ async def serve(args) -> int:
                                   metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
                                   max_lease_ms=args.max_lease_ms,
-                                  tracer=tel.tracer, kv_cache_bytes=cap.budget)
+                                  tracer=tel.tracer, kv_cache_bytes=cap.budget,
+                                  grammars=Grammars(tokenizer_path, stop_tokens, model.vocab_size))
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
                             lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv),
                             token=args.service_token, tls=args.tls)

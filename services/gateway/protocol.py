@@ -3,7 +3,7 @@
 Requests are validated with pydantic in strict mode (a string where a number belongs is an error, not a
 conversion) and every failure becomes `{"error": {"message", "type", "param", "code"}}` with status 400, never
 FastAPI's 422. Fields OpenAI defines that this server does not implement are rejected with a 400 naming them when
-they ask for something (tools, response_format other than text, echo, penalties, logit_bias, best_of > n) rather
+they ask for something (tools, echo, penalties, logit_bias, best_of > n) rather
 than silently ignored; unknown fields are ignored, as vLLM does.
 
 The body itself is held to strict JSON before any field is looked at (RFC 8259; Python's json module is more
@@ -87,6 +87,27 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow BaseModel.schema
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # constrained decoding always holds the output to the schema
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: one of json (a schema), regex, choice, grammar."""
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")  # "json" would shadow BaseModel's
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class _SamplingRequest(_Strict):
     model: str
     max_tokens: PositiveInt | None = None
@@ -108,6 +129,14 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # structured outputs (services/gateway/structured.py): OpenAI's, then vLLM's and llama-server's extensions
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None                          # Lark (llguidance) or GBNF
+    grammar: str | None = None                                 # llama-server: GBNF (Lark accepted too)
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -183,10 +212,6 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ResponseFormat(_Strict):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -194,7 +219,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True                         # extension (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None         # extension (vLLM), e.g. {"enable_thinking": true}
 
@@ -211,9 +235,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise _Unsupported("tools", "tool calling is not supported by this server yet")
         if self.tool_choice not in (None, "none"):
             raise _Unsupported("tool_choice", "tool calling is not supported by this server yet")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise _Unsupported("response_format", f"response_format {self.response_format.type!r} is not "
-                               "supported (only 'text')")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise _Unsupported("max_completion_tokens", "max_tokens and max_completion_tokens disagree",

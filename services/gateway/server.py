@@ -16,7 +16,9 @@ from pathlib import Path
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
     special_token_strings
 from splitgemma.serving.credentials import TlsFiles
-from splitgemma.serving.tokenizer import load_tokenizer
+from splitgemma.serving.grammar import Grammars
+from splitgemma.serving.stop_tokens import model_stop_tokens
+from splitgemma.serving.tokenizer import find_tokenizer, load_tokenizer
 
 from .app import GatewayConfig, create_app
 from .auth import warn_if_open
@@ -75,7 +77,10 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
     if model is not None:
         from splitgemma._native import FgmFile  # validates the file; FgmError is a ValueError
         vocab = json.loads(FgmFile(model).header_json)["config"]["vocab_size"]
+    grammars = Grammars(find_tokenizer(beside, tokenizer), model_stop_tokens(beside)[0],
+                        vocab or tok.get_vocab_size(with_added_tokens=True))
     return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
+                         grammars=grammars,
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],

@@ -30,6 +30,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
+from splitgemma.serving.grammar import ConstraintError, Grammars, constraint_kind, worker_grammars
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
@@ -54,8 +55,9 @@ _LOCK_POLL_S = (0.002, 0.02)
 
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer, policy: str,
-                 max_prompts: int, max_seconds: float, prefix_cache: PrefixCache):
+                 max_prompts: int, max_seconds: float, prefix_cache: PrefixCache, grammars: Grammars):
         self.model = model
+        self.grammars = grammars
         self.prefix_cache = prefix_cache
         self.shm_dir = shm_dir
         self.worker_id = worker
@@ -162,7 +164,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
                                 "written")
-        job = self._accept(context, view, request, tokens, sampling)
+        matcher = None
+        if constraint_kind(request.sampling.constraint):
+            try:
+                # Off the loop: the first constrained request builds the grammar tokenizer (seconds for 262k ids).
+                matcher = await asyncio.to_thread(self.grammars.matcher, request.sampling.constraint)
+            except ConstraintError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
+        job = self._accept(context, view, request, tokens, sampling, matcher)
         if job is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
@@ -214,7 +223,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                   queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
                                   last_chunk_step=r.last_step)
 
-    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict) -> PrefillJob | None:
+    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict,
+                matcher) -> PrefillJob | None:
         """A job for the call, counted in flight; None when --max-prompts are in flight already."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < self.max_seconds:
@@ -225,7 +235,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
         job = PrefillJob(self.model, view, request, tokens, sampling, seed, deadline, reason,
                          prefix_cache=self.prefix_cache, release=lambda: self._release(job),
-                         loop=asyncio.get_running_loop())
+                         loop=asyncio.get_running_loop(), matcher=matcher)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_prompts:
                 return None
@@ -332,7 +342,9 @@ async def serve(args) -> int:
     registry = CollectorRegistry()
     servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer,
                                policy=args.prefill_policy, max_prompts=args.max_prompts,
-                               max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes))
+                               max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes),
+                               grammars=worker_grammars(args.model, getattr(args, "tokenizer", None),
+                                                        model.vocab_size))
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
                             lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv),

@@ -66,6 +66,9 @@ def register(subparsers) -> None:
     add_worker_options(p, DEFAULT_PORT, default_weights="auto:16")
     add_prefix_cache_option(p)
     add_scheduler_options(p)
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json for constrained outputs (structured outputs: the first token is masked "
+                        "here); default: beside the model file; without one, constrained requests are refused")
     p.set_defaults(func=run)
 
 
