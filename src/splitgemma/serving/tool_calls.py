@@ -572,14 +572,21 @@ def gemma_tools_lark(tools: list[dict], ids: MarkerIds, *, required: bool, paral
 
 def json_convention_schema(tools: list[dict], *, parallel: bool) -> dict:
     """The JSON schema of a convention answer that calls the given tools."""
-    one = [{"type": "object", "properties": {"name": {"const": t["name"]},
-                                             "arguments": t.get("parameters") or {"type": "object"}},
+    one = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": _closed(t.get("parameters"))},
             "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     calls = {"type": "array", "items": {"anyOf": one} if len(one) > 1 else one[0], "minItems": 1}
     if not parallel:
         calls["maxItems"] = 1
     return {"type": "object", "properties": {JSON_CALLS_KEY: calls}, "required": [JSON_CALLS_KEY],
             "additionalProperties": False}
+
+
+def _closed(params: dict | None) -> dict:
+    """A function's parameters with no keys beyond the declared ones, as the native grammar has them."""
+    params = dict(params or {"type": "object"})
+    if params.get("properties") and "additionalProperties" not in params:
+        params["additionalProperties"] = False
+    return params
 
 
 def json_convention_lark(tools: list[dict], *, parallel: bool) -> str:
