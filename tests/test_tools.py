@@ -25,8 +25,8 @@ from splitgemma.serving.tool_calls import (CALL_CLOSE, CALL_OPEN, STRING_DELIM, 
                                            json_convention_lark, json_convention_schema, parse_gemma_output,
                                            parse_json_convention, render_gemma_value)
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest, parse_request
-from splitgemma.services.gateway.tools import ToolPlan, plan_tools, template_messages, tool_message
-from tools.tool_fixture import (EVENT, FIX, GET, TEMPLATE, TOOLS, WEATHER, accepts, chat_tokenizer, ll_tokenizer,
+from splitgemma.services.gateway.tools import plan_tools, template_messages, tool_message
+from tools.tool_fixture import (EVENT, FIX, GET, TEMPLATE, TOOLS, accepts, chat_tokenizer, ll_tokenizer,
                                 model_folder, openai_tools, sample, schema_of)
 
 D = STRING_DELIM
@@ -44,7 +44,7 @@ EVENT_CALL = (f"{CALL_OPEN}call:create_event{{attendees:[{D}ann{D},{D}bo{D}],hou
     (f"{{s:{D}a \"quoted\" \\ back\nline\t<|x <tool_call|>{D}}}", {"s": 'a "quoted" \\ back\nline\t<|x <tool_call|>'}),
     ("{n:-3,x:1.5e-3,z:0,t:true,f:false,u:null}", {"n": -3, "x": 1.5e-3, "z": 0, "t": True, "f": False, "u": None}),
     (f"{{o:{{k:[1,[],{{}},{D}{D}]}},l:[]}}", {"o": {"k": [1, [], {}, ""]}, "l": []}),
-    (f"{{ a : 1 , b: [ 2 , 3 ] }}", {"a": 1, "b": [2, 3]}),                       # spaces the model may add
+    ("{ a : 1 , b: [ 2 , 3 ] }", {"a": 1, "b": [2, 3]}),                       # spaces the model may add
     (f"{{{D}two words{D}:1}}", {"two words": 1}),                                 # a quoted key
 ])
 def test_gemma_values_become_json(gemma, value):

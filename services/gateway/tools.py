@@ -19,7 +19,7 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from splitgemma.serving.tool_calls import (CALL_CLOSE, CALL_OPEN, JSON_CALLS_KEY, STRING_DELIM, GemmaCallParser,
+from splitgemma.serving.tool_calls import (CALL_OPEN, JSON_CALLS_KEY, GemmaCallParser,
                                            MarkerIds, ParsedMessage, ToolSyntaxError, collect,
                                            gemma_tools_lark, json_convention_lark, json_convention_schema,
                                            parse_json_convention)
@@ -100,8 +100,7 @@ def plan_tools(req, tokenizer, template_source: str) -> ToolPlan | None:
     native = markers is not None
     hide = []
     if native and req.skip_special_tokens:
-        hide = [t.content for t in tokenizer.get_added_tokens_decoder().values()
-                if t.special and t.content not in (CALL_OPEN, CALL_CLOSE, STRING_DELIM)]
+        hide = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
     return ToolPlan(native=native, tools=functions, required=choice != "auto",
                     parallel=req.parallel_tool_calls, markers=markers, hide=hide)
 
@@ -153,8 +152,9 @@ def _past_calls(calls, i: int) -> list[dict]:
 def _json_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
     names: dict[str, str] = {}
     out: list[dict] = []
+    from_tool = False  # the last message in `out` holds a tool result
     for m in messages:
-        role = m["role"]
+        converted = False
         if m.get("tool_calls"):
             calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
             for c in m["tool_calls"]:
@@ -163,17 +163,18 @@ def _json_messages(messages: list[dict], plan: ToolPlan | None) -> list[dict]:
             text = _text(m.get("content"))
             m = {"role": "assistant",
                  "content": (text + "\n" if text else "") + json.dumps({JSON_CALLS_KEY: calls}, ensure_ascii=False)}
-        elif role == "tool":
+        elif m["role"] == "tool":
             name = names.get(m.get("tool_call_id"), m.get("name") or "the tool")
             m = {"role": "user", "content": f"Result of {name}:\n{_text(m.get('content'))}"}
-        else:
-            m = {"role": role, "content": m.get("content")}
-        if out and out[-1]["role"] == m["role"] == "user":
+            converted = True
+        if out and (converted or from_tool) and out[-1]["role"] == m["role"] == "user":
             # Results of several calls (or a result and a question) form one user turn: templates that insist on
             # alternating roles (Gemma 3's) accept that.
             out[-1] = {"role": "user", "content": _text(out[-1]["content"]) + "\n\n" + _text(m["content"])}
+            from_tool = True
         else:
             out.append(m)
+            from_tool = converted
     if plan is not None:
         declared = JSON_INSTRUCTION + json.dumps(plan.tools, ensure_ascii=False, indent=1)
         if out and out[0]["role"] in ("system", "developer"):

@@ -246,12 +246,11 @@ class ParsedMessage:
 class GemmaCallParser:
     """Incremental parser of model output that may hold native tool calls (see the module docstring).
 
-    `hide` are strings dropped from content (the text of special tokens other than the markers, when the client
-    asked for special tokens to be skipped)."""
+    `hide` are strings dropped from content (the text of special tokens, when the client asked for special tokens
+    to be skipped); inside a call the text is read as it is."""
 
     def __init__(self, hide: Iterable[str] = ()):
-        self._hide = sorted({h for h in hide if h and h not in (CALL_OPEN, CALL_CLOSE, STRING_DELIM)},
-                            key=len, reverse=True)
+        self._hide = sorted({h for h in hide if h and h != CALL_OPEN}, key=len, reverse=True)
         self._watch = [CALL_OPEN, *self._hide]
         self._held = ""
         self._mode = "content"   # content | header | args | close
