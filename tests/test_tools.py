@@ -25,7 +25,7 @@ from splitgemma.serving.tool_calls import (CALL_CLOSE, CALL_OPEN, STRING_DELIM, 
                                            json_convention_lark, json_convention_schema, parse_gemma_output,
                                            parse_json_convention, render_gemma_value)
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest, parse_request
-from splitgemma.services.gateway.tools import plan_tools, template_messages, tool_message
+from splitgemma.services.gateway.tools import ToolFormat, plan_tools, template_messages, tool_message
 from tools.tool_fixture import (EVENT, FIX, GET, TEMPLATE, TOOLS, accepts, chat_tokenizer, ll_tokenizer,
                                 model_folder, openai_tools, sample, schema_of)
 
@@ -258,7 +258,7 @@ def test_tool_conversations_render_as_transformers(name, tok):
     case = _renders()[name]
     template = ChatTemplate(TEMPLATE.read_text(), tok, special_token_strings(tok))
     req, raw = _request(case)
-    plan = plan_tools(req, tok, template.source)
+    plan = plan_tools(req, ToolFormat.of(tok, template.source))
     assert plan.native
     messages, tools = template_messages(req, raw["messages"], True, plan)
     assert template.render(messages, tools=tools) == case["text"]
@@ -268,7 +268,7 @@ def test_tool_choice_none_leaves_the_tools_out(tok):
     case = _renders()["round_trip"]
     template = ChatTemplate(TEMPLATE.read_text(), tok, special_token_strings(tok))
     req, raw = _request(case, tool_choice="none")
-    assert plan_tools(req, tok, template.source) is None
+    assert plan_tools(req, ToolFormat.of(tok, template.source)) is None
     messages, tools = template_messages(req, raw["messages"], True, None)
     text = template.render(messages, tools=tools)
     assert "<|tool>" not in text and text.endswith(case["text"].split("<turn|>\n", 1)[1])
@@ -280,7 +280,7 @@ def test_json_convention_prompt(tok):
     case = _renders()["parallel"]
     req, raw = _request(case)
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
-    plan = plan_tools(req, tok, template)
+    plan = plan_tools(req, ToolFormat.of(tok, template))
     assert not plan.native
     messages, tools = template_messages(req, raw["messages"], False, plan)
     assert tools is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user", "assistant",
@@ -293,7 +293,7 @@ def test_json_convention_prompt(tok):
 
 def test_answers_map_to_openai_messages(tok):
     req, _ = _request(_renders()["declarations"])
-    plan = plan_tools(req, tok, TEMPLATE.read_text())
+    plan = plan_tools(req, ToolFormat.of(tok, TEMPLATE.read_text()))
     msg, finish = tool_message(plan, "Checking." + CALL, "stop")
     assert finish == "tool_calls" and msg["content"] == "Checking."
     call = msg["tool_calls"][0]
@@ -313,7 +313,7 @@ def test_streamed_deltas_assemble_with_the_openai_client(tok):
     from openai.types.chat import ChatCompletionChunk
 
     req, _ = _request(_renders()["declarations"])
-    plan = plan_tools(req, tok, TEMPLATE.read_text())
+    plan = plan_tools(req, ToolFormat.of(tok, TEMPLATE.read_text()))
     text = "Checking." + CALL + EVENT_CALL
     stream = plan.stream()
     state = ChatCompletionStreamState()

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -53,7 +53,7 @@ from .offload import Offload
 from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
-from .tools import ToolPlan, ToolStream, native_markers, plan_tools, template_messages, tool_message
+from .tools import ToolFormat, ToolPlan, ToolStream, plan_tools, template_messages, tool_message
 from .workers import WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
@@ -198,14 +198,14 @@ class Gateway:
                           code="chat_template_missing")
         return ct
 
-    def tool_plan(self, req: ChatCompletionRequest) -> ToolPlan | None:
-        return plan_tools(req, self.config.tokenizer, self.chat_template().source)
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        return ToolFormat.of(self.config.tokenizer, self.chat_template().source)
 
-    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict], plan: ToolPlan | None = None,
+    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict], plan: ToolPlan | None,
                     cancelled: threading.Event | None = None) -> list[int]:
         ct = self.chat_template()
-        messages, tools = template_messages(req, raw_messages, native_markers(self.config.tokenizer, ct.source)
-                                            is not None, plan)
+        messages, tools = template_messages(req, raw_messages, self.tool_format.markers is not None, plan)
         try:
             ids = ct.encode(messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
                             add_generation_prompt=req.add_generation_prompt, tools=tools,
@@ -744,13 +744,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
             messages = data["messages"]
             check_messages(messages, config.limits)
             state = _RequestState(gw, "chat", rid)
-            plan = gw.tool_plan(req)
-            ids = await gw.offload.run(Offload.is_light(len(raw), len(messages)),
-                                       lambda cancelled: gw.chat_prompt(req, messages, plan, cancelled))
+            plan = plan_tools(req, gw.tool_format)
+
+            def prompt(cancelled):
+                # The tools' grammar is built here too: its cost grows with the tools' schemas.
+                return gw.chat_prompt(req, messages, plan, cancelled), plan.constraint() if plan else None
+
+            ids, constraint = await gw.offload.run(Offload.is_light(len(raw), len(messages)), prompt)
             top = req.top_logprobs or 0
             specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages")
             if plan is not None:
-                plan.apply(specs)
+                plan.apply(specs, constraint)
             render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage),
                                tools=plan)

@@ -60,10 +60,9 @@ class ToolPlan:
         except ToolSyntaxError as e:
             raise invalid(f"cannot build a grammar for the tools: {e}", param="tools", code="invalid_value") from None
 
-    def apply(self, specs) -> None:
+    def apply(self, specs, constraint: pb.Constraint) -> None:
         """Sets the constraint on every choice; native: the text comes with the markers (special tokens) in it, and
         `<|tool_response>`, which the model writes after its calls, ends the choice."""
-        constraint = self.constraint()
         for spec in specs:
             spec.sampling.constraint.CopyFrom(constraint)
             if self.native:
@@ -81,14 +80,23 @@ class ToolPlan:
         return parse_json_convention(text)
 
 
-def native_markers(tokenizer, template_source: str) -> MarkerIds | None:
-    """The marker ids when the model has the native call syntax (its tokenizer has the markers and its template
-    writes them), else None."""
-    markers = MarkerIds.from_tokenizer(tokenizer)
-    return markers if markers is not None and CALL_OPEN in template_source else None
+@dataclass(frozen=True)
+class ToolFormat:
+    """What the model's tokenizer and template offer: the markers of the native syntax (None: the json format) and
+    the texts of the special tokens, hidden from content."""
+
+    markers: MarkerIds | None
+    special_texts: tuple[str, ...]
+
+    @classmethod
+    def of(cls, tokenizer, template_source: str) -> "ToolFormat":
+        markers = MarkerIds.from_tokenizer(tokenizer)
+        native = markers is not None and CALL_OPEN in template_source
+        return cls(markers if native else None,
+                   tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special))
 
 
-def plan_tools(req, tokenizer, template_source: str) -> ToolPlan | None:
+def plan_tools(req, fmt: ToolFormat) -> ToolPlan | None:
     """The plan for a validated request, or None when no tool may be called (no tools, or tool_choice none)."""
     if not req.tools or req.tool_choice == "none":
         return None
@@ -96,13 +104,9 @@ def plan_tools(req, tokenizer, template_source: str) -> ToolPlan | None:
     choice = req.tool_choice or "auto"
     if not isinstance(choice, str):
         functions = [f for f in functions if f["name"] == choice.function.name]
-    markers = native_markers(tokenizer, template_source)
-    native = markers is not None
-    hide = []
-    if native and req.skip_special_tokens:
-        hide = [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
-    return ToolPlan(native=native, tools=functions, required=choice != "auto",
-                    parallel=req.parallel_tool_calls, markers=markers, hide=hide)
+    native = fmt.markers is not None
+    return ToolPlan(native=native, tools=functions, required=choice != "auto", parallel=req.parallel_tool_calls,
+                    markers=fmt.markers, hide=list(fmt.special_texts) if native and req.skip_special_tokens else [])
 
 
 # ---------------------------------------------------------------------------------------------------------------
