@@ -306,32 +306,33 @@ def test_answers_map_to_openai_messages(tok):
     assert finish == "length" and "tool_calls" not in msg and msg["content"] == CALL[:-3]
 
 
-def test_streamed_deltas_assemble_with_the_openai_client(tok):
-    """The chunks of a streamed answer, split at every character, assemble (with the openai package's own
-    accumulator) into the same message as the whole answer."""
+def _assemble(deltas: list[dict], finish: str):
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
+    state = ChatCompletionStreamState()
+    for i, delta in enumerate([{"role": "assistant", "content": ""}, *deltas, {}]):
+        state.handle_chunk(ChatCompletionChunk.model_validate({
+            "id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish if i == len(deltas) + 1 else None}]}))
+    return state.get_final_completion().choices[0]
+
+
+def test_streamed_deltas_assemble_with_the_openai_client(tok):
+    """The chunks of a streamed answer, split at every character, assemble (with the openai package's own
+    accumulator) into the same message as the whole answer."""
     req, _ = _request(_renders()["declarations"])
     plan = plan_tools(req, ToolFormat.of(tok, TEMPLATE.read_text()))
     text = "Checking." + CALL + EVENT_CALL
     stream = plan.stream()
-    state = ChatCompletionStreamState()
-    deltas = [{"role": "assistant", "content": ""}]
-    for ch in text:
-        deltas += stream.push(ch)
-    deltas += stream.finish()
-    for i, delta in enumerate(deltas + [{}]):
-        finish = stream.finish_reason("stop") if i == len(deltas) else None
-        state.handle_chunk(ChatCompletionChunk.model_validate({
-            "id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}))
-    done = state.get_final_completion().choices[0]
-    assert done.finish_reason == "tool_calls" and done.message.content == "Checking."
+    deltas = [d for ch in text for d in stream.push(ch)] + stream.finish()
+    done = _assemble(deltas, stream.finish_reason("stop"))
+    whole, _ = tool_message(plan, text, "stop")
+    assert done.finish_reason == "tool_calls" and done.message.content == whole["content"] == "Checking."
     calls = done.message.tool_calls
-    assert [c.function.name for c in calls] == ["get_current_weather", "create_event"]
-    assert json.loads(calls[1].function.arguments) == json.loads(gemma_to_json(EVENT_CALL[len(CALL_OPEN) + 17:
-                                                                                         -len(CALL_CLOSE)]))
+    assert [c.function.name for c in calls] == [c["function"]["name"] for c in whole["tool_calls"]]
+    assert [json.loads(c.function.arguments) for c in calls] == \
+        [json.loads(c["function"]["arguments"]) for c in whole["tool_calls"]]
     assert calls[0].id != calls[1].id
 
 
@@ -404,3 +405,20 @@ def test_bad_tool_requests_over_the_api(stack):
 
 def stack_model(stack) -> str:
     return stack.client().models.list().data[0].id
+
+
+def test_json_convention_streams(tok):
+    req, _ = _request(_renders()["declarations"])
+    plan = plan_tools(req, ToolFormat.of(tok, "{{ messages }}"))
+    answer = json.dumps({"tool_calls": [{"name": "get", "arguments": {"what": "x"}},
+                                        {"name": "create_event", "arguments": {"title": "t", "hours": 2}}]})
+    for text, calls in [("  " + answer, 2), ("It is 15 C.", 0), ("{not a call", 0)]:
+        stream = plan.stream()
+        deltas = [d for ch in text for d in stream.push(ch)] + stream.finish()
+        done = _assemble(deltas, stream.finish_reason("stop"))
+        assert len(done.message.tool_calls or []) == calls
+        if calls:
+            assert done.finish_reason == "tool_calls" and not done.message.content
+            assert json.loads(done.message.tool_calls[1].function.arguments) == {"title": "t", "hours": 2}
+        else:
+            assert done.finish_reason == "stop" and done.message.content == text
