@@ -143,8 +143,8 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def lltok(tok):
-    return ll_tokenizer(tok)
+def lltok():
+    return ll_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
-"""Shared by tests/test_tools*.py: the tools declared in the tests, an llguidance tokenizer for the chat fixture's
-tokenizer.json, a sampler that walks a grammar by picking random allowed tokens, and a model folder that serves the
+"""Shared by tests/test_tools*.py: the tools declared in the tests, the chat fixture's tokenizer in a form llguidance
+reads, a sampler that walks a grammar by picking random allowed tokens, and a model folder that serves the
 random-weight fixture model with the Gemma 4 control tokens (the chat fixture's tokenizer beside it)."""
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -46,29 +45,26 @@ def schema_of(name: str) -> dict:
     return next(t["parameters"] for t in TOOLS if t["name"] == name)
 
 
+def tokenizer_json() -> str:
+    """The chat fixture's tokenizer.json with Gemma's own decoder (each "▁" a space, byte fallback) in place of its
+    Metaspace one, which llguidance cannot read: encoding is unchanged, and a token's text is its bytes, as with the
+    real Gemma tokenizer."""
+    data = json.loads(TOKENIZER.read_text())
+    data["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+        {"type": "Fuse"}]}
+    return json.dumps(data, ensure_ascii=False)
+
+
 def chat_tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(str(TOKENIZER))
+    return Tokenizer.from_str(tokenizer_json())
 
 
-def ll_tokenizer(tok: Tokenizer):
-    """llguidance's tokenizer for `tok`. llguidance cannot read the Metaspace decoder of the fixture's tokenizer.json,
-    so it is given each token's bytes ("▁" is a space) and an encoder that, like the chat template's, encodes text
-    as it is encoded in the middle of a prompt (no prefix space)."""
+def ll_tokenizer():
     import llguidance
 
-    newline = tok.encode("\n", add_special_tokens=False).ids
-
-    class Wrapped:
-        eos_token_id = tok.token_to_id("<eos>")
-        bos_token_id = tok.token_to_id("<bos>")
-        tokens = [tok.id_to_token(i).replace("\u2581", " ").encode() for i in range(tok.get_vocab_size())]
-        special_token_ids = sorted(tok.get_added_tokens_decoder())
-
-        def __call__(self, text):
-            text = text.decode() if isinstance(text, bytes) else text
-            return tok.encode("\n" + text, add_special_tokens=False).ids[len(newline):]
-
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Wrapped()))
+    tok = chat_tokenizer()
+    return llguidance.LLTokenizer(tokenizer_json(), eos_token=tok.token_to_id("<eos>"))
 
 
 def matcher(lltok, grammar: str):
@@ -116,7 +112,7 @@ def model_folder(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model = folder / MODEL.name
     model.symlink_to(MODEL)
-    shutil.copy(TOKENIZER, folder / "tokenizer.json")
+    (folder / "tokenizer.json").write_text(tokenizer_json())
     stops = [tok.token_to_id(t) for t in ("<eos>", "<turn|>", "<|tool_response>")]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     return model
