@@ -294,9 +294,10 @@ class Gateway:
             raise
         finally:
             self.metrics.in_flight.dec()
+        body = render.body()  # first: reading tool calls settles the finish reasons
         state.finish(response_id=render.id, finish_reasons=render.finish_reasons(),
                      input_tokens=render.input_tokens)
-        return JSONResponse(render.body(), headers={"X-Request-Id": state.request_id})
+        return JSONResponse(body, headers={"X-Request-Id": state.request_id})
 
     async def _events(self, state: _RequestState, runs: list[Run]) -> AsyncIterator[tuple[int, pb.GenerateEvent]]:
         """The events of every choice as they come (index, event); an error in one choice ends all."""

@@ -19,10 +19,9 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from splitgemma.serving.tool_calls import (CALL_OPEN, JSON_CALLS_KEY, GemmaCallParser,
-                                           MarkerIds, ParsedMessage, ToolSyntaxError, collect,
-                                           gemma_tools_lark, json_convention_lark, json_convention_schema,
-                                           parse_json_convention)
+from splitgemma.serving.tool_calls import (CALL_OPEN, JSON_CALLS_KEY, GemmaCallParser, MarkerIds, ParsedMessage,
+                                           ToolSyntaxError, gemma_tools_lark, json_convention_lark,
+                                           json_convention_schema, parse_gemma_output, parse_json_convention)
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import invalid
@@ -74,10 +73,7 @@ class ToolPlan:
         return ToolStream(self)
 
     def parse(self, text: str) -> ParsedMessage:
-        if self.native:
-            p = GemmaCallParser(self.hide)
-            return collect([*p.push(text), *p.finish()])
-        return parse_json_convention(text)
+        return parse_gemma_output(text, self.hide) if self.native else parse_json_convention(text)
 
 
 @dataclass(frozen=True)

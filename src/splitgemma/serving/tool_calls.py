@@ -283,10 +283,6 @@ class GemmaCallParser:
             self._mode = "content"
         return _merge(events)
 
-    @property
-    def in_call(self) -> bool:
-        return self._mode != "content"
-
     def _content(self, text: str, i: int, events) -> int:
         j = text.find("<", i)
         if j < 0:
