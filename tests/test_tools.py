@@ -394,7 +394,11 @@ def test_bad_tool_requests_over_the_api(stack):
     bad_args = [{"role": "user", "content": "x"},
                 {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
                                                       "function": {"name": "get", "arguments": "{not json"}}]}]
-    for kwargs, param in [(dict(messages=bad_args, tools=openai_tools()), "messages[1].tool_calls[0]"),
+    deep = [bad_args[0], {**bad_args[1], "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "get", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]
+    arguments = "messages[1].tool_calls[0].function.arguments"
+    for kwargs, param in [(dict(messages=bad_args, tools=openai_tools()), arguments),
+                          (dict(messages=deep, tools=openai_tools()), arguments),
                           (dict(messages=bad_args[:1], tool_choice="required"), "tool_choice")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=stack_model(stack), max_tokens=2, **kwargs)

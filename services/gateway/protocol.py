@@ -316,22 +316,30 @@ def parse_json_body(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    return parse_json_object(text, "the request body")
+
+
+def parse_json_object(text: str, what: str, param: str | None = None) -> dict:
+    """`text` (the request body, or JSON text inside it such as a tool call's arguments) as a JSON object held to
+    strict JSON, or ApiError(400) saying what `what` is wrong with."""
     try:
         data = _DECODER.decode(text)
     except json.JSONDecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+        raise invalid(f"{what} is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})", param=param) \
+            from None
     except _BodyError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
+        raise invalid(f"{what} is not valid JSON: {e}", param=param) from None
     except RecursionError:
-        raise invalid(f"the request body is nested too deeply (the limit is {MAX_DEPTH} levels)") from None
+        raise invalid(f"{what} is nested too deeply (the limit is {MAX_DEPTH} levels)", param=param) from None
     except ValueError:
         # The only other ValueError the decoder raises: an integer longer than int() converts (sys.int_info).
-        raise invalid("the request body has an integer with too many digits") from None
+        raise invalid(f"{what} has an integer with too many digits", param=param) from None
     if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+        raise invalid(f"{what} must be a JSON object, got {type(data).__name__}", param=param)
     bad = _first_bad_value(data, _SURROGATE_ESCAPE.search(text) is not None)
     if bad is not None:
         path, problem = bad
+        path = path if param is None else param + ("" if path == "body" else "." + path)
         raise invalid(f"invalid value for '{path}': {problem}", param=path, code="invalid_value")
     return data
 

@@ -24,7 +24,7 @@ from splitgemma.serving.tool_calls import (CALL_OPEN, JSON_CALLS_KEY, GemmaCallP
                                            json_convention_schema, parse_gemma_output, parse_json_convention)
 from splitgemma.v1 import serving_pb2 as pb
 
-from .protocol import invalid
+from .protocol import invalid, parse_json_object
 
 JSON_INSTRUCTION = (
     "You can call the tools below. To call one or more of them, answer with nothing but one JSON object of the form "
@@ -137,11 +137,9 @@ def _past_calls(calls, i: int) -> list[dict]:
                           param=f"{param}[{j}]", code="invalid_value")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except ValueError:
-                raise invalid(f"{param}[{j}].function.arguments is not valid JSON", param=f"{param}[{j}]",
-                              code="invalid_value") from None
+            # Held to the body's own rules (strict JSON, bounded nesting): the template renders it recursively.
+            args = parse_json_object(args, f"{param}[{j}].function.arguments", f"{param}[{j}].function.arguments") \
+                if args.strip() else {}
         if not isinstance(args, dict):
             raise invalid(f"{param}[{j}].function.arguments must be a JSON object", param=f"{param}[{j}]",
                           code="invalid_value")
