@@ -399,7 +399,10 @@ def test_bad_tool_requests_over_the_api(stack):
     arguments = "messages[1].tool_calls[0].function.arguments"
     for kwargs, param in [(dict(messages=bad_args, tools=openai_tools()), arguments),
                           (dict(messages=deep, tools=openai_tools()), arguments),
-                          (dict(messages=bad_args[:1], tool_choice="required"), "tool_choice")]:
+                          (dict(messages=bad_args[:1], tool_choice="required"), "tool_choice"),
+                          (dict(messages=bad_args[:1], tools=[{"type": "function", "function": {
+                              "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "foo"}}}}}]),
+                           "tools")]:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=stack_model(stack), max_tokens=2, **kwargs)
         assert e.value.body["param"] == param
