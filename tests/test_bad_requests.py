@@ -215,7 +215,7 @@ def test_chat_template_kwargs_of_its_own_still_work(http):
     (CHAT, chat(messages=[{"role": "user", "content": {"a": 1}}]), "messages[0].content"),
     (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages[0].content[0].text"),
     (CHAT, chat(messages=[{"content": "x"}]), "messages[0].role"),
-    (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": 5}]), "messages"),
+    (CHAT, chat(messages=[{"role": "user", "content": "x", "tool_calls": 5}]), "messages[0].tool_calls"),
     (CHAT, chat(chat_template_kwargs=[1]), "chat_template_kwargs"),
     (CHAT, chat(response_format={"type": "json_schema"}), "response_format.json_schema.schema"),
     (CHAT, chat(response_format={"type": "json_object"}), "response_format"),  # this tokenizer: not for llguidance

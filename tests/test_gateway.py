@@ -163,7 +163,7 @@ def test_completion_request_validation(body, param, code):
     ([{"role": "user", "content": "x"}], {"top_logprobs": 2}, "top_logprobs"),
     ([{"role": "user", "content": "x"}], {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ([{"role": "user", "content": "x"}], {"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"),
-    ([{"role": "user", "content": "x"}], {"tools": [{"type": "function"}]}, "tools"),
+    ([{"role": "user", "content": "x"}], {"tools": [{"type": "function"}]}, "tools[0].function"),
 ])
 def test_chat_request_validation(messages, extra, param):
     body = json.dumps({"model": "m", "messages": messages, **extra}).encode()

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -55,6 +55,7 @@ from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
+from .tools import ToolFormat, ToolPlan, ToolStream, plan_tools, template_messages, tool_message
 from .workers import WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
@@ -193,16 +194,26 @@ class Gateway:
                           code="invalid_value")
         return out
 
-    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict],
-                    cancelled: threading.Event | None = None) -> list[int]:
+    def chat_template(self) -> ChatTemplate:
         ct = self.config.chat_template
         if ct is None:
             raise invalid(f"the chat endpoint is not available: {self.config.no_chat_template_reason}; use "
                           "/v1/completions or start the gateway with --chat-template", param="messages",
                           code="chat_template_missing")
+        return ct
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        return ToolFormat.of(self.config.tokenizer, self.chat_template().source)
+
+    def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict], plan: ToolPlan | None,
+                    cancelled: threading.Event | None = None) -> list[int]:
+        ct = self.chat_template()
+        messages, tools = template_messages(req, raw_messages, self.tool_format.markers is not None, plan)
         try:
-            ids = ct.encode(raw_messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
-                            add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            ids = ct.encode(messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
+                            add_generation_prompt=req.add_generation_prompt, tools=tools,
+                            **(req.chat_template_kwargs or {}))
         except RenderTooLarge as e:
             raise invalid(str(e), param="messages", code="string_above_max_length") from None
         except ChatTemplateError as e:
@@ -296,9 +307,10 @@ class Gateway:
             raise
         finally:
             self.metrics.in_flight.dec()
+        body = render.body()  # first: reading tool calls settles the finish reasons
         state.finish(response_id=render.id, finish_reasons=render.finish_reasons(),
                      input_tokens=render.input_tokens)
-        return JSONResponse(render.body(), headers={"X-Request-Id": state.request_id})
+        return JSONResponse(body, headers={"X-Request-Id": state.request_id})
 
     async def _events(self, state: _RequestState, runs: list[Run]) -> AsyncIterator[tuple[int, pb.GenerateEvent]]:
         """The events of every choice as they come (index, event); an error in one choice ends all."""
@@ -419,7 +431,7 @@ class _Renderer:
     """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
 
     def __init__(self, gateway: Gateway, chat: bool, n_choices: int, *, logprobs: bool, top_logprobs: int,
-                 include_usage: bool):
+                 include_usage: bool, tools: ToolPlan | None = None):
         self.gw = gateway
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -433,6 +445,9 @@ class _Renderer:
         self.tokens = [0] * n_choices
         self.finish: list[str | None] = [None] * n_choices
         self.lp: list[list] = [[] for _ in range(n_choices)]
+        # With tools the text is read for calls (services/gateway/tools.py); streamed, each choice by its own parser.
+        self.tools = tools
+        self.tool_streams: list[ToolStream] | None = [tools.stream() for _ in range(n_choices)] if tools else None
 
     def finish_reasons(self) -> list[str]:
         return [f or "stop" for f in self.finish]
@@ -488,8 +503,11 @@ class _Renderer:
             if self.logprobs:
                 lp = self._chat_logprobs(self.lp[i]) if self.chat else self._text_logprobs(self.lp[i], 0)
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": self.text[i]},
-                                "logprobs": lp, "finish_reason": self.finish[i] or "stop"})
+                message, finish = {"role": "assistant", "content": self.text[i]}, self.finish[i] or "stop"
+                if self.tools is not None:
+                    message, finish = tool_message(self.tools, self.text[i], finish)
+                    self.finish[i] = finish
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": self.text[i], "logprobs": lp,
                                 "finish_reason": self.finish[i] or "stop"})
@@ -515,6 +533,8 @@ class _Renderer:
         offset = len(self.text[index])
         text, lp = self.add(index, event)
         finish = self.finish[index] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
+        if self.tool_streams is not None:
+            return self._tool_chunks(index, text, lp, finish)
         if not text and lp is None and finish is None:
             return []  # e.g. a token whose bytes are held back until its character is complete
         if self.chat:
@@ -525,6 +545,23 @@ class _Renderer:
                       "logprobs": self._text_logprobs(lp, offset) if lp is not None else None,
                       "finish_reason": finish}
         return [self._chunk([choice])]
+
+    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
+        stream = self.tool_streams[index]
+        deltas = stream.push(text) if text else []
+        if finish is not None:
+            deltas += stream.finish()
+            finish = self.finish[index] = stream.finish_reason(finish)
+        if lp is not None and not deltas:
+            deltas = [{}]  # the logprobs of tokens whose text the parser holds (a marker, a call's syntax)
+        chunks = []
+        for k, delta in enumerate(deltas):
+            chunks.append(self._chunk([{"index": index, "delta": delta,
+                                        "logprobs": self._chat_logprobs(lp) if lp is not None and k == 0 else None,
+                                        "finish_reason": None}]))
+        if finish is not None:
+            chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+        return chunks
 
     def usage_chunk(self) -> dict:
         chunk = self._chunk([])
@@ -722,13 +759,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
             messages = data["messages"]
             check_messages(messages, config.limits)
             state = _RequestState(gw, "chat", rid)
-            ids = await gw.offload.run(Offload.is_light(len(raw), len(messages)),
-                                       lambda cancelled: gw.chat_prompt(req, messages, cancelled))
+            plan = plan_tools(req, gw.tool_format)
+
+            def prompt(cancelled):
+                # The tools' grammar is built here too: its cost grows with the tools' schemas.
+                return gw.chat_prompt(req, messages, plan, cancelled), plan.constraint() if plan else None
+
+            ids, tool_constraint = await gw.offload.run(Offload.is_light(len(raw), len(messages)), prompt)
             constraint = await gw.constraint(req, len(raw))
             top = req.top_logprobs or 0
             specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint)
+            if plan is not None:
+                plan.apply(specs, tool_constraint)
             render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,
-                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                               tools=plan)
             return await gw.run(state, req, specs, render)
 
         return await _until_disconnect(request, work)

@@ -3,7 +3,7 @@
 Requests are validated with pydantic in strict mode (a string where a number belongs is an error, not a
 conversion) and every failure becomes `{"error": {"message", "type", "param", "code"}}` with status 400, never
 FastAPI's 422. Fields OpenAI defines that this server does not implement are rejected with a 400 naming them when
-they ask for something (tools, echo, penalties, logit_bias, best_of > n) rather
+they ask for something (echo, penalties, logit_bias, best_of > n) rather
 than silently ignored; unknown fields are ignored, as vLLM does.
 
 The body itself is held to strict JSON before any field is looked at (RFC 8259; Python's json module is more
@@ -30,6 +30,7 @@ MAX_STOP = 16            # stop strings per request
 MAX_TOP_LOGPROBS = 20    # as the workers' SamplingParams.top_logprobs
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_STOP_CHARS = 1024    # per stop string: the decode worker holds back text that may begin one
+MAX_TOOLS = 128          # function definitions per request (each is compiled into the constraint)
 MAX_DEPTH = 32           # JSON nesting (arrays and objects) anywhere in a body
 INT32_MAX = (1 << 31) - 1
 UINT32_MAX = (1 << 32) - 1
@@ -212,13 +213,35 @@ class ChatMessage(BaseModel):
         return self
 
 
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    tools: list[dict] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True                         # extension (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None         # extension (vLLM), e.g. {"enable_thinking": true}
 
@@ -231,15 +254,28 @@ class ChatCompletionRequest(_SamplingRequest):
                                "chat template receives those from the request itself", code="invalid_value")
         if self.top_logprobs and not self.logprobs:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true", code="invalid_value")
-        if self.tools:
-            raise _Unsupported("tools", "tool calling is not supported by this server yet")
-        if self.tool_choice not in (None, "none"):
-            raise _Unsupported("tool_choice", "tool calling is not supported by this server yet")
+        self._tool_checks()
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise _Unsupported("max_completion_tokens", "max_tokens and max_completion_tokens disagree",
                                code="invalid_value")
         return self
+
+    def _tool_checks(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise _Unsupported("tools", f"two tools are named {dup!r}", code="invalid_value")
+        for i, t in enumerate(self.tools or []):
+            params = t.function.parameters
+            if params is not None and params.get("type", "object") != "object":
+                raise _Unsupported(f"tools[{i}].function.parameters", "a function's parameters must be a JSON "
+                                   "schema of type object", code="invalid_value")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise _Unsupported("tool_choice", "tool_choice needs tools", code="invalid_value")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise _Unsupported("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
+                               "one of the tools", code="invalid_value")
 
     @property
     def token_limit(self) -> int | None:
@@ -301,22 +337,30 @@ def parse_json_body(raw: bytes) -> dict:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise invalid(f"the request body is not valid UTF-8 (byte {e.start})") from None
+    return parse_json_object(text, "the request body")
+
+
+def parse_json_object(text: str, what: str, param: str | None = None) -> dict:
+    """`text` (the request body, or JSON text inside it such as a tool call's arguments) as a JSON object held to
+    strict JSON, or ApiError(400) saying what `what` is wrong with."""
     try:
         data = _DECODER.decode(text)
     except json.JSONDecodeError as e:
-        raise invalid(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+        raise invalid(f"{what} is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})", param=param) \
+            from None
     except _BodyError as e:
-        raise invalid(f"the request body is not valid JSON: {e}") from None
+        raise invalid(f"{what} is not valid JSON: {e}", param=param) from None
     except RecursionError:
-        raise invalid(f"the request body is nested too deeply (the limit is {MAX_DEPTH} levels)") from None
+        raise invalid(f"{what} is nested too deeply (the limit is {MAX_DEPTH} levels)", param=param) from None
     except ValueError:
         # The only other ValueError the decoder raises: an integer longer than int() converts (sys.int_info).
-        raise invalid("the request body has an integer with too many digits") from None
+        raise invalid(f"{what} has an integer with too many digits", param=param) from None
     if not isinstance(data, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(data).__name__}")
+        raise invalid(f"{what} must be a JSON object, got {type(data).__name__}", param=param)
     bad = _first_bad_value(data, _SURROGATE_ESCAPE.search(text) is not None)
     if bad is not None:
         path, problem = bad
+        path = path if param is None else param + ("" if path == "body" else "." + path)
         raise invalid(f"invalid value for '{path}': {problem}", param=path, code="invalid_value")
     return data
 

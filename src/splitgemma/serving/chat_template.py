@@ -205,6 +205,7 @@ class ChatTemplate:
             self._template = _environment().from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from e
+        self.source = source
         self.tokenizer = tokenizer
         self.special_tokens = dict(special_tokens or {})
         # Every added token counts as a control token: the template may write any of them.
