@@ -338,8 +338,8 @@ def test_services_image_and_model_mount():
         assert len(mounts) == 1 and mounts[0]["read_only"] is True and mounts[0]["type"] == "bind"
         assert Path(model).parent == Path("/models"), "the model is read from the read-only mount"
         assert s["read_only"] is True and s["init"] is True
-        assert duration(s["stop_grace_period"]) > float(options(s["command"]).get(
-            "drain-seconds", options(s["command"]).get("drain-timeout"))), "docker must not kill a drain"
+        assert duration(s["stop_grace_period"]) > float(options(s["command"])["drain-timeout"]), \
+            "docker must not kill a drain"
 
 
 def test_healthchecks_and_dependencies():

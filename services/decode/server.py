@@ -209,7 +209,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Generate(self, request, context):
         rid = request.request_id
         span = self.tracer.start_span("decode.generate", attributes={
-            **gen_ai_request_attributes(self.model_name, rid, request.sampling, request.max_tokens),
+            **gen_ai_request_attributes(self.model_name, request, request.max_tokens),
             "gen_ai.usage.input_tokens": request.prompt_tokens})
         seq = None
         self.streams += 1
@@ -407,7 +407,7 @@ async def serve(args) -> int:
             admission.drain()  # queued Reserves are answered UNAVAILABLE now, not left to time out
 
         # Running streams finish (bounded) before the batch loop stops.
-        await serve_until_signalled(server, lambda: servicer.streams, args.drain_seconds, start_draining,
+        await serve_until_signalled(server, lambda: servicer.streams, args.drain_timeout, start_draining,
                                     before_stop=batch.stop)
     finally:
         if task is not None:

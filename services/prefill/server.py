@@ -126,9 +126,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return stats
 
     async def Prefill(self, request, context):
-        rid = request.request_id
         span = self.tracer.start_span("prefill.forward", attributes={
-            **gen_ai_request_attributes(self.model_name, rid, request.sampling),
+            **gen_ai_request_attributes(self.model_name, request),
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         self.in_flight += 1
         try:
@@ -350,7 +349,7 @@ async def serve(args) -> int:
         def start_draining() -> None:
             servicer.draining = True
 
-        await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_seconds, start_draining)
+        await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_timeout, start_draining)
     finally:
         servicer.close()
         tel.shutdown()

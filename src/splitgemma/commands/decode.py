@@ -56,7 +56,7 @@ def register(subparsers) -> None:
                     "every slot taken waits in a first-come-first-served queue (--max-queue, --queue-timeout) "
                     "shared by every gateway in front of this worker. Also serves grpc.health.v1 and server "
                     "reflection. SIGTERM/SIGINT: stop admitting (queued Reserves are answered UNAVAILABLE), "
-                    "finish the running streams (at most --drain-seconds), unlink the arena.",
+                    "finish the running streams (at most --drain-timeout), unlink the arena.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="int4")
     add_capacity_options(p)

@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import (CommandError, add_kv_dtype_option, context_length, non_negative_int, port_number,
+from splitgemma.commands import (CommandError, add_drain_option, add_kv_dtype_option, add_log_level_option,
+                                 context_length, non_negative_int, port_number,
                                  positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
                                         add_capacity_options, add_lease_options, check_lease_options)
@@ -68,11 +69,10 @@ def register(subparsers) -> None:
     add_scheduler_options(p)
     add_limit_options(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
-    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
-                   help="on stop, how long requests in flight may finish (default: 30)")
+    add_drain_option(p, positive_float)
     p.add_argument("--start-timeout", type=positive_float, default=300.0, metavar="S",
                    help="how long to wait for the gateway to become ready (default: 300)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level_option(p)
     add_api_key_options(p)
     p.set_defaults(func=run)
 
@@ -161,7 +161,7 @@ def run(args) -> int:
         geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
-                         "--drain-seconds", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
+                         "--drain-timeout", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
                          "--max-lease-ms", str(args.max_lease_ms)]
     if args.slots:
         decode_argv += ["--slots", str(args.slots)]
@@ -169,7 +169,7 @@ def run(args) -> int:
         decode_argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]
-    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout),
+    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-timeout", str(args.drain_timeout),
                           "--prefix-cache-bytes", str(args.prefix_cache_bytes),
                           "--prefill-policy", args.prefill_policy, "--max-prompts", str(args.max_prompts),
                           "--max-prefill-seconds", str(args.max_prefill_seconds)]

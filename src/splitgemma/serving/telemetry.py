@@ -266,7 +266,7 @@ def start_gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_t
         "gen_ai.request.temperature": temperature,
         "gen_ai.request.top_p": top_p,
         "gen_ai.request.top_k": top_k,
-        "gen_ai.request.seed": seed,
+        "gen_ai.request.seed": None if seed is None else seed_attribute(seed),
         "gen_ai.request.stop_sequences": list(stop_sequences) if stop_sequences else None,
         "gen_ai.request.stream": stream,
         "server.address": server_address,
@@ -277,6 +277,13 @@ def start_gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_t
         optional["gen_ai.request.choice.count"] = choice_count
     attrs.update({k: v for k, v in optional.items() if v is not None})
     return tracer.start_span(f"{operation} {model}", kind=kind, attributes=attrs)
+
+
+def seed_attribute(seed: int) -> int | str:
+    """gen_ai.request.seed as OTel can export it: attribute integers are int64 (a larger one makes the exporter log
+    an error and drop the attribute), but seeds are uint64 (and the API takes -2**63 .. 2**64-1). A seed outside
+    int64 is exported as its decimal string, the same number, rather than wrapped to another value."""
+    return seed if -(1 << 63) <= seed < (1 << 63) else str(seed)
 
 
 @contextlib.contextmanager
