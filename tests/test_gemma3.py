@@ -389,3 +389,20 @@ def test_up_serves_the_default_model(real, tmp_path):
             p.kill()
             p.wait()
         log.close()
+
+
+def test_engine_commands_use_the_default_model(real, tmp_path):
+    """generate and score without --model open the default model, as `up` does (its tokenizer comes with it)."""
+    pr = real["ref"]["greedy"]["prompts"][0]
+    ids = ",".join(map(str, pr["ids"]))
+    r = subprocess.run([sys.executable, "-m", "splitgemma", "generate", "--tokens", ids, "--max-tokens", "3",
+                        "--threads", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == str(real["fgm"]) and out["tokens"] == greedy(engine(real["fgm"]), pr["ids"], 3)
+    logits = tmp_path / "logits.npy"
+    r = subprocess.run([sys.executable, "-m", "splitgemma", "score", "--tokens", ids, "--out", str(logits),
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import numpy as np
+    assert np.load(logits).shape == (len(pr["ids"]), 262144)

@@ -9,7 +9,6 @@ import os
 import time
 
 import httpx
-import openai
 import pytest
 from tokenizers import Tokenizer
 

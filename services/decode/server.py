@@ -33,6 +33,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitgemma.decode")
+SERVICE = "splitgemma-decode"   # log records' service and OTel's service.name
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
@@ -359,8 +360,8 @@ def _load_tokenizer(args):
 
 async def serve(args) -> int:
     wid = args.worker_id or worker_id("decode")
-    setup_logging("decode", wid, args.log_level)
-    tel = telemetry.setup_telemetry("splitgemma-decode")
+    setup_logging(SERVICE, wid, args.log_level)
+    tel = telemetry.setup_telemetry(SERVICE)
     loop = asyncio.get_running_loop()
     model = open_model(args, max_batch=args.max_batch)
     tokenizer = _load_tokenizer(args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from splitgemma.serving.telemetry import TPOT_BUCKETS, TTFT_BUCKETS
 
@@ -13,6 +13,7 @@ class GatewayMetrics:
     """One registry per gateway app (tests start several apps in one process)."""
 
     def __init__(self):
+        disable_created_metrics()  # the *_created series: clutter no dashboard reads (for the whole process)
         r = self.registry = CollectorRegistry()
         p = "splitgemma_gateway_"
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status",

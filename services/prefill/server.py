@@ -42,6 +42,7 @@ from .prefix_cache import PrefixCache, PrefixCacheCollector
 from .scheduler import PrefillJob, Scheduler, Stopped
 
 log = logging.getLogger("splitgemma.prefill")
+SERVICE = "splitgemma-prefill"   # log records' service and OTel's service.name
 
 # Arenas kept mapped (one per decode worker, normally); a mapping whose file is gone is dropped at once anyway.
 _MAX_ARENAS = 64
@@ -325,8 +326,8 @@ def _check_stamp(job: PrefillJob, digest: bytes) -> None:
 
 async def serve(args) -> int:
     wid = worker_id("prefill")
-    setup_logging("prefill", wid, args.log_level)
-    tel = telemetry.setup_telemetry("splitgemma-prefill")
+    setup_logging(SERVICE, wid, args.log_level)
+    tel = telemetry.setup_telemetry(SERVICE)
     model = open_model(args, max_batch=1)
     registry = CollectorRegistry()
     servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer,

@@ -65,7 +65,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+# The name the native core prints its one-time "GEMM backend …" line under (native/src/kernels/backend.cpp), so that
+# the three processes' stderr, interleaved under `up` or compose, say which is which.
+SERVICE_ENV = "SPLITGEMMA_SERVICE"
+
+
 def setup_logging(service: str, worker: str, level: str) -> None:
+    """JSON log lines on stderr, each with `service` (splitgemma-gateway, -prefill, -decode: the OTel
+    service.name too) and `worker`."""
+    os.environ[SERVICE_ENV] = service
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service, worker))
     handler.addFilter(RepeatFilter())
@@ -81,7 +89,8 @@ def setup_logging(service: str, worker: str, level: str) -> None:
 def start_metrics(port: int | None, host: str, registry) -> None:
     if port is None:
         return
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
+    disable_created_metrics()  # the *_created series: clutter no dashboard reads
     start_http_server(port, addr=host, registry=registry)
     log.info("metrics endpoint up", extra={"port": port})
 
