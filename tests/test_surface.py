@@ -194,3 +194,45 @@ def test_streaming_rpcs_of_every_shape_still_answer(stack):
         next(watch)
     assert e.value.code() == grpc.StatusCode.CANCELLED
     assert "Traceback" not in stack.log("decode")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Metrics under vLLM's names
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_vllm_metric_names_beside_ours(stack):
+    before = _samples(httpx.get(stack.url + "/metrics").text)
+    c = stack.client()
+    c.completions.create(model=MODEL_NAME, prompt="w5 w6 w7 w8", max_tokens=2, temperature=0,
+                       extra_body={"ignore_eos": True})
+    c.completions.create(model=MODEL_NAME, prompt="w5 w6 w7 w8", max_tokens=2, temperature=0,
+                       extra_body={"ignore_eos": True})
+    stack.wait_idle()
+    text = httpx.get(stack.url + "/metrics").text
+    after = _samples(text)
+    label = f'model_name="{MODEL_NAME}"'
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew(f'vllm:request_success_total{{finished_reason="length",{label}}}') == 2
+    assert grew(f"vllm:prompt_tokens_total{{{label}}}") == grew("splitgemma_gateway_prompt_tokens_total") > 0
+    assert grew(f"vllm:prefix_cache_queries_total{{{label}}}") == grew("splitgemma_gateway_prompt_tokens_total")
+    assert grew(f"vllm:prefix_cache_hits_total{{{label}}}") == \
+        grew("splitgemma_gateway_prompt_tokens_cached_total")
+    assert grew(f"vllm:generation_tokens_total{{{label}}}") == 4
+    assert grew(f"vllm:request_queue_time_seconds_count{{{label}}}") == 2
+    assert grew(f"vllm:time_to_first_token_seconds_count{{{label}}}") == 2
+    assert grew(f"vllm:e2e_request_latency_seconds_count{{{label}}}") == 2
+    assert after[f"vllm:num_requests_running{{{label}}}"] == 0
+    assert after[f"vllm:num_requests_waiting{{{label}}}"] == 0
+    assert 0.0 <= after[f"vllm:kv_cache_usage_perc{{{label}}}"] <= 1.0
+    assert "# TYPE vllm:request_success_total counter" in text and "_created" not in text

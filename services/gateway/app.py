@@ -127,6 +127,8 @@ class _RequestState:
         duration = time.perf_counter() - self.t0
         if error_type is None:
             self.app.metrics.e2e.observe(duration)
+            for reason in finish_reasons or ():
+                self.app.metrics.success.labels(finished_reason=reason).inc()
         self.app.genai.record(self.operation, self.app.config.model_name, duration_s=duration,
                               ttft_s=None if self.t_first is None else self.t_first - self.t0,
                               output_tokens=self.output_tokens, error_type=error_type)
@@ -144,7 +146,7 @@ class _RequestState:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.model_name)
         tel = telemetry.setup_telemetry("splitgemma-gateway")
         self.tracer = tel.tracer
         self.genai = telemetry.GenAiServerMetrics(tel.meter)
@@ -258,11 +260,13 @@ class Gateway:
             stop_sequences=req.stop_list, stream=req.stream)
         render.input_tokens = sum(len(ids) for ids in {id(s.prompt_ids): s.prompt_ids for s in specs}.values())
         runs: list[Run] = []
+        queued = time.perf_counter()
         self.metrics.waiting.inc()
         try:
             with trace.use_span(state.span, end_on_exit=False, record_exception=False,
                                 set_status_on_exception=False):
                 runs = await self.pipelines.admit(state.request_id, specs, state.operation)
+                self.metrics.queue_time.observe(time.perf_counter() - queued)
                 self.metrics.waiting.dec()
                 self.metrics.in_flight.inc()
                 await self.pipelines.prefill_all(runs)
@@ -749,6 +753,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics():
         for w in gw.pool.prefill + gw.pool.decode:
             gw.metrics.worker_up.labels(kind=w.kind, worker=w.address).set(1 if w.healthy else 0)
+        gw.metrics.take_kv_usage(gw.pool.decode)
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
