@@ -103,6 +103,62 @@ def test_probes_and_metrics_stay_open(stack):
     assert 'splitgemma_gateway_requests_total{endpoint="/v1/models",status="401"}' in metrics.text
 
 
+def test_the_other_endpoints_need_a_key_too(stack):
+    """/tokenize, /detokenize, /version, / and the OpenAPI pages are the API too: keyed like /v1/*."""
+    good = {"Authorization": f"Bearer {KEYS['flag']}"}
+    posts = {"/tokenize": {"model": MODEL_NAME, "prompt": "w1 w2"}, "/detokenize": {"tokens": [2, 3]}}
+    for path in ("/version", "/", "/docs", "/openapi.json", *posts):
+        send = (lambda **kw: httpx.post(stack.url + path, json=posts[path], **kw)) if path in posts else \
+            (lambda **kw: httpx.get(stack.url + path, **kw))
+        refused = send()
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error", path
+        assert send(headers={"Authorization": "Bearer sk-wrong"}).status_code == 401, path
+        assert send(headers=good).status_code == 200, path
+
+
+def test_reflection_v1_and_v1alpha_list_both_services(stack):
+    """grpcurl and grpcui ask reflection v1 first. grpcio-reflection ships only v1alpha's classes, so this client
+    speaks v1 from the server's own description of it: one hand-encoded v1 request for the file that defines
+    grpc.reflection.v1.ServerReflection, then classes built from that file (as grpcurl does)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    bearer = (("authorization", f"Bearer {TOKEN}"),)
+    v1_method = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
+    symbol = b"grpc.reflection.v1.ServerReflection"
+    ask_file = b"\x22" + bytes([len(symbol)]) + symbol   # field 4 (file_containing_symbol), length-delimited
+    for name in ("decode", "prefill"):
+        with grpc.insecure_channel(stack.addresses[name]) as channel:
+            raw = channel.stream_stream(v1_method)
+            assert refused_code(lambda: list(raw(iter([ask_file]), timeout=10))) == grpc.StatusCode.UNAUTHENTICATED
+            [answer] = raw(iter([ask_file]), timeout=10, metadata=bearer)
+            # Decoded with v1alpha's classes only to reach the bytes of the file descriptor.
+            files = reflection_pb2.ServerReflectionResponse.FromString(answer) \
+                .file_descriptor_response.file_descriptor_proto
+            fdp = descriptor_pb2.FileDescriptorProto.FromString(files[0])
+            assert fdp.package == "grpc.reflection.v1" and [s.name for s in fdp.service] == ["ServerReflection"]
+            pool = descriptor_pool.DescriptorPool()
+            pool.Add(fdp)
+            classes = message_factory.GetMessages([fdp], pool=pool)
+            request_cls = classes["grpc.reflection.v1.ServerReflectionRequest"]
+            response_cls = classes["grpc.reflection.v1.ServerReflectionResponse"]
+            v1 = channel.stream_stream(v1_method, request_serializer=request_cls.SerializeToString,
+                                       response_deserializer=response_cls.FromString)
+            [listed] = v1(iter([request_cls(list_services="")]), timeout=10, metadata=bearer)
+            v1_names = {s.name for s in listed.list_services_response.service}
+            v1alpha = reflection_pb2_grpc.ServerReflectionStub(channel)
+            [listed] = v1alpha.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                    timeout=10, metadata=bearer)
+            assert {s.name for s in listed.list_services_response.service} == v1_names
+            assert {f"splitgemma.v1.{name.capitalize()}", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection"} <= v1_names
+            # v1 describes the worker's own service as v1alpha does.
+            ask = request_cls(file_containing_symbol=f"splitgemma.v1.{name.capitalize()}")
+            [described] = v1(iter([ask]), timeout=10, metadata=bearer)
+            got = descriptor_pb2.FileDescriptorProto.FromString(
+                described.file_descriptor_response.file_descriptor_proto[0])
+            assert got.package == "splitgemma.v1" and f"{name.capitalize()}" in {s.name for s in got.service}
+
+
 def test_workers_require_the_service_token(stack):
     bearer = (("authorization", f"Bearer {TOKEN}"),)
     for name, stub_class in (("decode", pbg.DecodeStub), ("prefill", pbg.PrefillStub)):

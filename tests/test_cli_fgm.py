@@ -107,6 +107,18 @@ def test_inspect_bad_files(capsys, tmp_path):
     assert status == 1 and "splitgemma: error:" in err and "cannot open" in err
 
 
+def test_convert_says_what_it_does_from_the_start(tmp_path):
+    """Reading and checking a checkpoint comes before the first written byte: each stage is a line at once."""
+    r = subprocess.run([sys.executable, "-m", "splitgemma", "convert", str(MINI), str(tmp_path / "m.fgm"),
+                        "--threads", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == f"convert m.fgm: reading {MINI}", lines[:3]
+    assert lines[1].startswith("convert m.fgm: checking ") and lines[2].startswith("convert m.fgm: writing ")
+    assert lines[-1].startswith("convert m.fgm: 100%")
+
+
 def test_convert_errors_without_traceback(tmp_path):
     """In a real process: a checkpoint with a missing tensor is reported (all problems), exit 1, no file."""
     from test_convert import make_checkpoint, oracle_config, oracle_tensors
@@ -119,7 +131,8 @@ def test_convert_errors_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "splitgemma", "convert", str(src), str(out)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
-    assert r.stderr.startswith("splitgemma: error: ")
+    stages, _, error = r.stderr.partition("splitgemma: error: ")
+    assert error and all(line.startswith("convert o.fgm: ") for line in stages.splitlines()), r.stderr
     assert "missing: model.language_model.layers.5.mlp.down_proj.weight" in r.stderr
     assert "missing: model.language_model.embed_tokens_per_layer.weight" in r.stderr
     assert "Traceback" not in r.stderr

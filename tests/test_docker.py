@@ -66,7 +66,9 @@ def e2b_config() -> dict:
 # Compose variable interpolation (the subset of the compose spec the file uses, strictly: an unset variable with no
 # default is an error here, where compose would only warn).
 
-_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
+# A default may hold one nested ${VAR} (compose interpolates it only when the default is taken).
+_VAR = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])((?:[^${}]|\$\{[^${}]*\})*))?\}"
+                  r"|([A-Za-z_][A-Za-z0-9_]*))")
 
 
 def interpolate(text: str, env: dict[str, str]) -> str:
@@ -82,7 +84,7 @@ def interpolate(text: str, env: dict[str, str]) -> str:
             return value
         unset = value is None or (op.startswith(":") and value == "")
         if op.endswith("-"):
-            return arg if unset else value
+            return interpolate(arg, env) if unset else value
         if op.endswith("+"):
             return "" if unset else arg
         if unset:
@@ -108,9 +110,12 @@ def raw_compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+HOME = "/home/someone"  # a user's shell always sets HOME, which the model folder's default names
+
+
 def compose(env: dict[str, str] | None = None) -> dict:
-    """compose.yaml as `docker compose config` would see it with `env` set (the defaults with none)."""
-    return _interpolate_all(raw_compose(), env or {})
+    """compose.yaml as `docker compose config` would see it with `env` set (the defaults with none; HOME set)."""
+    return _interpolate_all(raw_compose(), {"HOME": HOME, **(env or {})})
 
 
 def options(command: list[str]) -> dict[str, str]:
@@ -151,7 +156,8 @@ def cpus(text: str) -> set[int]:
 # The KV slot size, from docs/engine-api.md: a 128-byte header, then for every layer that owns K/V four arrays (K
 # codes, V codes: cap × n_kv_heads × head_dim int8; K scales, V scales: cap float32), each starting on 64 bytes.
 
-def kv_slot_bytes(config: dict, max_context: int, chunk: int) -> int:
+def kv_slot_bytes(config: dict, max_context: int, chunk: int, kv_dtype: str = "int8") -> int:
+    """int8 K/V: a byte per element and a float scale per position; f16: two bytes per element, no scales."""
     chunk = min(chunk, max_context)
     total = 128
     for i in range(config["first_shared_layer"]):
@@ -159,8 +165,18 @@ def kv_slot_bytes(config: dict, max_context: int, chunk: int) -> int:
         head_dim = config["global_head_dim"] if full else config["head_dim"]
         cap = max_context if full else min(max_context, config["sliding_window"] + chunk)
         row = config["num_key_value_heads"] * head_dim
-        total += 2 * _align64(cap * row) + 2 * _align64(4 * cap)
+        if kv_dtype == "f16":
+            total += 2 * _align64(2 * cap * row)
+        else:
+            total += 2 * _align64(cap * row) + 2 * _align64(4 * cap)
     return total
+
+
+# The compose file's default model, Gemma 3 270M (Google's config.json: 18 layers, every sixth full attention, one
+# K/V head of 256, window 512, no KV sharing; its q8g .fgm asks for f16 K/V). Checked against the engine where
+# the converted model is cached (test_default_model_slot_formula_equals_the_engine).
+GEMMA3_270M_KV = {"layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3, "first_shared_layer": 18,
+                  "head_dim": 256, "global_head_dim": 256, "num_key_value_heads": 1, "sliding_window": 512}
 
 
 def _align64(n: int) -> int:
@@ -337,9 +353,15 @@ def test_services_image_and_model_mount():
         mounts = [v for v in s["volumes"] if v["target"] == "/models"]
         assert len(mounts) == 1 and mounts[0]["read_only"] is True and mounts[0]["type"] == "bind"
         assert Path(model).parent == Path("/models"), "the model is read from the read-only mount"
+        # By default: the folder `splitgemma up` converts the default model into (default_model.py), on the host.
+        from splitgemma.default_model import MODEL_NAME as DEFAULT_MODEL
+        assert mounts[0]["source"] == f"{HOME}/.cache/splitgemma/{DEFAULT_MODEL}" and Path(model).name == \
+            f"{DEFAULT_MODEL}.fgm"
+        if name == "gateway":
+            assert options(s["command"])["model-name"] == DEFAULT_MODEL
         assert s["read_only"] is True and s["init"] is True
-        assert duration(s["stop_grace_period"]) > float(options(s["command"]).get(
-            "drain-seconds", options(s["command"]).get("drain-timeout"))), "docker must not kill a drain"
+        assert duration(s["stop_grace_period"]) > float(options(s["command"])["drain-timeout"]), \
+            "docker must not kill a drain"
 
 
 def test_healthchecks_and_dependencies():
@@ -441,8 +463,27 @@ def test_shared_memory_owner_and_size():
     # The workers' arena folder is the /dev/shm that shm_size sizes and the IPC namespace shares (the prefill
     # worker only opens arenas directly inside the folder it is given, so both must name it).
     assert d["shm-dir"] == options(prefill["command"])["shm-dir"] == "/dev/shm"
-    arena = int(d["slots"]) * kv_slot_bytes(e2b_config(), int(d["max-context"]), int(d["chunk"]))
+    assert d["model"] == "/models/gemma-3-270m.fgm", "the default model, whose arena shm_size is sized for"
+    arena = int(d["slots"]) * kv_slot_bytes(GEMMA3_270M_KV, int(d["max-context"]), int(d["chunk"]), "f16")
     assert docker_bytes(decode["shm_size"]) >= arena
+    # E2B's arena at the same geometry fits too (docs/deploy.md's table).
+    assert docker_bytes(decode["shm_size"]) >= int(d["slots"]) * kv_slot_bytes(e2b_config(), int(d["max-context"]),
+                                                                                 int(d["chunk"]))
+
+
+def test_default_model_slot_formula_equals_the_engine():
+    from splitgemma._native import FgmFile, Model
+    from splitgemma.default_model import DefaultModelError, resolve_default_model
+
+    try:
+        fgm, _, _ = resolve_default_model(progress=False)
+    except DefaultModelError as e:
+        pytest.skip(f"the default model is not available here: {e}")
+    header = json.loads(FgmFile(fgm).header_json)["config"]
+    assert {k: header[k] for k in KV_KEYS} == {**GEMMA3_270M_KV, "layer_types": header["layer_types"]}
+    assert list(header["layer_types"]) == GEMMA3_270M_KV["layer_types"]
+    m = Model(fgm, threads=1, max_context=4096, chunk=256, max_batch=1)
+    assert m.kv_slot_bytes == kv_slot_bytes(GEMMA3_270M_KV, 4096, 256, "f16") == 24_379_520
 
 
 def test_shm_sizing_table_in_the_docs():

@@ -338,7 +338,9 @@ def test_greedy_continuations_match_transformers(real, report):
 
 def test_up_serves_the_default_model(real, tmp_path):
     """`splitgemma up` with no --model serves the cached default model; a greedy completion through the gateway
-    and the openai client equals the engine's in-process greedy output, and chat answers 400 (no template)."""
+    and the openai client equals the engine's in-process greedy output, and chat works with the built-in Gemma 3
+    template."""
+    import httpx
     import openai
     from tokenizers import Tokenizer
 
@@ -351,7 +353,7 @@ def test_up_serves_the_default_model(real, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     p = subprocess.Popen([sys.executable, "-m", "splitgemma", "up", "--port", "0", "--slots", "2",
                           "--max-context", "1024", "--chunk", "128", "--threads", "1", "--shm-dir", str(shm),
-                          "--drain-timeout", "5"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                          "--drain-timeout", "5", "--default-max-tokens", "6"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                          env=env)
     try:
         line, deadline = b"", time.monotonic() + 120
@@ -364,8 +366,22 @@ def test_up_serves_the_default_model(real, tmp_path):
         c = openai.OpenAI(base_url=m.group(1).decode(), api_key="unused", max_retries=0, timeout=60)
         r = c.completions.create(model="gemma-3-270m", prompt=pr["text"], max_tokens=GREEDY_PREFIX, temperature=0)
         assert r.choices[0].text == want and r.usage.completion_tokens == GREEDY_PREFIX
-        with pytest.raises(openai.BadRequestError, match="chat template"):
-            c.chat.completions.create(model="gemma-3-270m", messages=[{"role": "user", "content": "hi"}])
+        # Chat: the base model has no template, so Gemma 3's built-in turn format, said in the model card; no
+        # max_tokens: bounded by --default-max-tokens.
+        [card] = c.models.list().data
+        assert card.model_extra["chat_template"] == "built-in:gemma3"
+        messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there"}]
+        base = m.group(1).decode().removesuffix("/v1")
+        tokens = httpx.post(base + "/tokenize", json={"messages": messages}, timeout=30).json()["tokens"]
+        tok = Tokenizer.from_file(str(real["tokenizer"]))
+        assert tok.decode(tokens, skip_special_tokens=False) == \
+            "<bos><start_of_turn>user\nAnswer briefly.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+        assert tokens.count(tok.token_to_id("<start_of_turn>")) == 2, "control tokens as single ids"
+        chat = c.chat.completions.create(model="gemma-3-270m", messages=messages, temperature=0)
+        assert chat.usage.prompt_tokens == len(tokens) and 1 <= chat.usage.completion_tokens <= 6
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        text = httpx.post(base + "/tokenize", json={"prompt": "Hi"}, timeout=30).json()["tokens"]
+        assert text[0] == tok.token_to_id("<bos>"), "add_special_tokens (the default for a prompt) adds <bos>"
         p.send_signal(signal.SIGTERM)
         assert p.wait(60) == 0, (tmp_path / "up.log").read_text()[-3000:]
     finally:
@@ -373,3 +389,20 @@ def test_up_serves_the_default_model(real, tmp_path):
             p.kill()
             p.wait()
         log.close()
+
+
+def test_engine_commands_use_the_default_model(real, tmp_path):
+    """generate and score without --model open the default model, as `up` does (its tokenizer comes with it)."""
+    pr = real["ref"]["greedy"]["prompts"][0]
+    ids = ",".join(map(str, pr["ids"]))
+    r = subprocess.run([sys.executable, "-m", "splitgemma", "generate", "--tokens", ids, "--max-tokens", "3",
+                        "--threads", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["model"] == str(real["fgm"]) and out["tokens"] == greedy(engine(real["fgm"]), pr["ids"], 3)
+    logits = tmp_path / "logits.npy"
+    r = subprocess.run([sys.executable, "-m", "splitgemma", "score", "--tokens", ids, "--out", str(logits),
+                        "--threads", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    import numpy as np
+    assert np.load(logits).shape == (len(pr["ids"]), 262144)

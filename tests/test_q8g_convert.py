@@ -321,7 +321,9 @@ def test_int8g_cli(tmp_path, capsys):
     assert fgm_header(out)["tensors"]["embed_tokens"]["dtype"] == "q8g"
     assert cli.main(["convert", str(TINY), str(tmp_path / "x.fgm"), "--weights", "int8g", "--group", "96"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("splitgemma: error: this model cannot be stored with --weights int8g --group 96")
+    stages, _, error = err.partition("splitgemma: error: ")  # the stage lines of convert come first
+    assert all(line.startswith("convert ") for line in stages.splitlines()), err
+    assert error.startswith("this model cannot be stored with --weights int8g --group 96")
     assert "l0.gate_proj [256, 128]: int8 group 96 does not divide K = 128" in err
     with pytest.raises(SystemExit):
         cli.main(["convert", "--help"])

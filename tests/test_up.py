@@ -7,6 +7,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -67,8 +68,16 @@ def _start(shm_dir: Path, tmp_path: Path, *options: str):
 
 
 def test_up_serves_and_stops_cleanly(shm_dir, tmp_path):
-    p, url = _start(shm_dir, tmp_path)
+    p, url = _start(shm_dir, tmp_path, "--slots", "2", "--threads", "1", "--prefill-metrics-port", "0",
+                    "--decode-metrics-port", "0")
     try:
+        # Every process's metrics are reachable, with the vLLM names beside ours.
+        urls = dict((kind, u) for u, kind in re.findall(r"(http://\S+/metrics) \((\w+)\)",
+                                                        (tmp_path / "up.log").read_text()))
+        assert set(urls) == {"gateway", "prefill", "decode"}
+        for kind, u in urls.items():
+            text = httpx.get(u, timeout=10).text
+            assert f"splitgemma_{kind}" in text and "_created" not in text, (kind, text[:500])
         children = _children(p.pid)
         assert sorted(cmd.split()[3] for cmd in children.values()) == ["decode", "gateway", "prefill"]
         assert any(f.name.startswith("splitgemma-kv-") for f in shm_dir.iterdir())
@@ -87,6 +96,26 @@ def test_up_serves_and_stops_cleanly(shm_dir, tmp_path):
     assert list(shm_dir.iterdir()) == []
     # Ordered: the gateway finished before the workers were asked to stop.
     assert log.index("Application shutdown complete") < log.index('"msg": "draining"')
+    # Each process says who it is, in the same scheme, the native core's backend line too.
+    for service in ("splitgemma-gateway", "splitgemma-prefill", "splitgemma-decode"):
+        assert f'"service": "{service}"' in log
+    assert "splitgemma-prefill: GEMM backend" in log and "splitgemma-decode: GEMM backend" in log
+
+
+@pytest.mark.parametrize("option", ["--port", "--decode-metrics-port"])
+def test_up_on_a_taken_port_fails_before_loading_anything(tmp_path, option):
+    """No --model: the default model would be fetched and converted first, were the port not checked before."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["SPLITGEMMA_CACHE"] = str(tmp_path / "empty-cache")  # anything loaded would show here
+        r = subprocess.run([*SPLITGEMMA, "up", option, str(port), *(["--port", "0"] if option != "--port" else [])],
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1, r.stderr
+    assert f"{option} {port}" in r.stderr and "another" in r.stderr, r.stderr
+    assert not (tmp_path / "empty-cache").exists() and "GEMM backend" not in r.stderr
 
 
 def test_up_fails_when_a_child_dies(shm_dir, tmp_path):

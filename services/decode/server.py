@@ -35,6 +35,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitgemma.decode")
+SERVICE = "splitgemma-decode"   # log records' service and OTel's service.name
 
 _FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                  pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
@@ -224,7 +225,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def Generate(self, request, context):
         rid = request.request_id
         span = self.tracer.start_span("decode.generate", attributes={
-            **gen_ai_request_attributes(self.model_name, rid, request.sampling, request.max_tokens),
+            **gen_ai_request_attributes(self.model_name, request, request.max_tokens),
             "gen_ai.usage.input_tokens": request.prompt_tokens})
         seq = None
         self.streams += 1
@@ -381,8 +382,8 @@ def _load_tokenizer(args):
 
 async def serve(args) -> int:
     wid = args.worker_id or worker_id("decode")
-    setup_logging("decode", wid, args.log_level)
-    tel = telemetry.setup_telemetry("splitgemma-decode")
+    setup_logging(SERVICE, wid, args.log_level)
+    tel = telemetry.setup_telemetry(SERVICE)
     loop = asyncio.get_running_loop()
     model = open_model(args, max_batch=args.max_batch)
     tokenizer = _load_tokenizer(args)
@@ -431,7 +432,7 @@ async def serve(args) -> int:
             admission.drain()  # queued Reserves are answered UNAVAILABLE now, not left to time out
 
         # Running streams finish (bounded) before the batch loop stops.
-        await serve_until_signalled(server, lambda: servicer.streams, args.drain_seconds, start_draining,
+        await serve_until_signalled(server, lambda: servicer.streams, args.drain_timeout, start_draining,
                                     before_stop=batch.stop)
     finally:
         if task is not None:

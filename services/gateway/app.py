@@ -1,7 +1,8 @@
 """The gateway's HTTP application: the OpenAI endpoints over the prefill/decode workers, plus operations.
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
-  GET  /v1/models, /v1/models/{id}
+  GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /, /docs, /openapi.json
+                 (endpoints.py)
   GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
                  rendering or tokenizing a prompt: offload.py; slow and idle clients are bounded: limits.py)
   GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
@@ -41,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer
 
+from splitgemma import __version__
 from splitgemma.serving import telemetry
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError, RenderBudget, RenderTooLarge
 from splitgemma.serving.credentials import TlsFiles
@@ -48,6 +50,7 @@ from splitgemma.serving.grammar import Grammars
 from splitgemma.v1 import serving_pb2 as pb
 
 from .auth import ApiKeyMiddleware
+from .endpoints import add_endpoints
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
 from .offload import Offload
@@ -60,8 +63,11 @@ from .workers import WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
 
-# OpenAI's legacy completions endpoint generates 16 tokens unless told otherwise; chat runs to the context.
+# OpenAI's legacy completions endpoint generates 16 tokens unless told otherwise; chat stops at the gateway's
+# --default-max-tokens (or the end of the context, if sooner): a small model that never says its end-of-turn would
+# otherwise run through the whole context.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: the workers take float32, in which a smaller
 # temperature's inverse overflows (1e-39 would sample garbage and report -inf logprobs). Likewise a top_p that
 # rounds to float32 0 would mean "no cut" there: the smallest positive top_p keeps the likeliest token only.
@@ -79,6 +85,9 @@ class GatewayConfig:
     decode: list[str]
     chat_template: ChatTemplate | None = None
     no_chat_template_reason: str = "this model has no chat template"
+    chat_template_source: str | None = None   # where chat's template came from, for /v1/models (endpoints.py)
+    # chat without max_tokens/max_completion_tokens generates at most this many (None: to the end of the context)
+    default_max_tokens: int | None = DEFAULT_CHAT_MAX_TOKENS
     max_body_bytes: int = 4 << 20
     limits: RequestLimits = field(default_factory=RequestLimits)
     render_threads: int = 2         # per lane of Offload
@@ -122,6 +131,8 @@ class _RequestState:
         duration = time.perf_counter() - self.t0
         if error_type is None:
             self.app.metrics.e2e.observe(duration)
+            for reason in finish_reasons or ():
+                self.app.metrics.success.labels(finished_reason=reason).inc()
         self.app.genai.record(self.operation, self.app.config.model_name, duration_s=duration,
                               ttft_s=None if self.t_first is None else self.t_first - self.t0,
                               output_tokens=self.output_tokens, error_type=error_type)
@@ -139,7 +150,7 @@ class _RequestState:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(config.model_name)
         tel = telemetry.setup_telemetry("splitgemma-gateway")
         self.tracer = tel.tracer
         self.genai = telemetry.GenAiServerMetrics(tel.meter)
@@ -244,7 +255,8 @@ class Gateway:
                                  seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, constraint=constraint)
 
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
-              param: str, constraint: pb.Constraint | None = None) -> list[ChoiceSpec]:
+              param: str, constraint: pb.Constraint | None = None,
+              default_max_tokens: int | None = None) -> list[ChoiceSpec]:
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid(f"{len(prompts)} prompts × n={req.n} is more than {MAX_CHOICES} choices per request",
                           param="n", code="invalid_value")
@@ -257,7 +269,7 @@ class Gateway:
                                       sampling=self.sampling(req, index, logprobs, top_logprobs, constraint),
                                       stop=req.stop_list, stop_token_ids=stop_token_ids,
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-                                      prompt_param=param))
+                                      prompt_param=param, default_max_tokens=default_max_tokens))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------
@@ -273,11 +285,13 @@ class Gateway:
             stop_sequences=req.stop_list, stream=req.stream)
         render.input_tokens = sum(len(ids) for ids in {id(s.prompt_ids): s.prompt_ids for s in specs}.values())
         runs: list[Run] = []
+        queued = time.perf_counter()
         self.metrics.waiting.inc()
         try:
             with trace.use_span(state.span, end_on_exit=False, record_exception=False,
                                 set_status_on_exception=False):
-                runs = await self.pipelines.admit(state.request_id, specs)
+                runs = await self.pipelines.admit(state.request_id, specs, state.operation)
+                self.metrics.queue_time.observe(time.perf_counter() - queued)
                 self.metrics.waiting.dec()
                 self.metrics.in_flight.inc()
                 await self.pipelines.prefill_all(runs)
@@ -430,11 +444,11 @@ def _sse(obj) -> str:
 class _Renderer:
     """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
 
-    def __init__(self, gateway: Gateway, chat: bool, n_choices: int, *, logprobs: bool, top_logprobs: int,
-                 include_usage: bool, tools: ToolPlan | None = None):
+    def __init__(self, gateway: Gateway, chat: bool, n_choices: int, request_id: str, *, logprobs: bool,
+                 top_logprobs: int, include_usage: bool, tools: ToolPlan | None = None):
         self.gw = gateway
         self.chat = chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = request_id
         self.created = int(time.time())
         self.logprobs = logprobs
         self.top_logprobs = top_logprobs
@@ -622,7 +636,7 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
     return task.result()
 
 
-_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
 
 
 class _ObserveMiddleware:
@@ -665,11 +679,17 @@ class _ObserveMiddleware:
                 self.gw.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
-def _request_id(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
-    if given and len(given) <= 128 and given.isprintable():
-        return given
-    return uuid.uuid4().hex
+def _request_id(request: Request, prefix: str = "") -> str:
+    """The request's one id: the body's "id", its X-Request-Id answer, the request_id of its log records, and the
+    gen_ai.response.id of its spans in every process. The client's X-Request-Id if it sent a usable one (as vLLM
+    takes it), else prefix + a random hex (OpenAI's shape: chatcmpl-…, cmpl-…). Kept in request.state so that an
+    unexpected error is logged under the same id."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id", "")
+        rid = given if given and len(given) <= 128 and given.isprintable() else prefix + uuid.uuid4().hex
+        request.state.request_id = rid
+    return rid
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -691,8 +711,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         # when a streaming handler returns while its gen_ai span goes on. The gateway's own spans are the ones
         # above (same HTTP conventions, on every FastAPI version).
         extra["telemetry"] = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
-    app = FastAPI(title="splitgemma gateway", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, **extra)
+    app = FastAPI(title="splitgemma gateway", version=__version__, lifespan=lifespan, docs_url="/docs",
+                  redoc_url=None, openapi_url="/openapi.json", **extra)
     app.state.gateway = gw
     # Inside the observer: refused requests are counted and traced like any other.
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys, metrics_auth=config.metrics_auth)
@@ -730,7 +750,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
-        rid = _request_id(request)
+        rid = _request_id(request, "cmpl-")
 
         async def work():
             req, _ = await gw.parse(CompletionRequest, raw)
@@ -742,7 +762,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             top = req.logprobs or 0
             specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None, top, "prompt", constraint)
-            render = _Renderer(gw, False, len(specs), logprobs=req.logprobs is not None, top_logprobs=top,
+            render = _Renderer(gw, False, len(specs), rid, logprobs=req.logprobs is not None, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
             return await gw.run(state, req, specs, render)
 
@@ -751,7 +771,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
-        rid = _request_id(request)
+        rid = _request_id(request, "chatcmpl-")
 
         async def work():
             req, data = await gw.parse(ChatCompletionRequest, raw)
@@ -768,27 +788,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             ids, tool_constraint = await gw.offload.run(Offload.is_light(len(raw), len(messages)), prompt)
             constraint = await gw.constraint(req, len(raw))
             top = req.top_logprobs or 0
-            specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint)
+            specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint,
+                             default_max_tokens=config.default_max_tokens)
             if plan is not None:
                 plan.apply(specs, tool_constraint)
-            render = _Renderer(gw, True, len(specs), logprobs=req.logprobs, top_logprobs=top,
+            render = _Renderer(gw, True, len(specs), rid, logprobs=req.logprobs, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage),
                                tools=plan)
             return await gw.run(state, req, specs, render)
 
         return await _until_disconnect(request, work)
 
-    def model_card() -> dict:
-        return {"id": config.model_name, "object": "model", "created": gw.created, "owned_by": "splitgemma"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):
-        check_model(model)
-        return model_card()
+    add_endpoints(app, gw, check_model)
 
     @app.get("/health")
     async def health():
@@ -803,6 +814,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics():
         for w in gw.pool.prefill + gw.pool.decode:
             gw.metrics.worker_up.labels(kind=w.kind, worker=w.address).set(1 if w.healthy else 0)
+        gw.metrics.take_kv_usage(gw.pool.decode)
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

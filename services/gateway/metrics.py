@@ -1,8 +1,16 @@
-"""The gateway's Prometheus metrics (/metrics). Names follow vLLM's where one exists, under splitgemma_gateway_."""
+"""The gateway's Prometheus metrics (/metrics). Names follow vLLM's where one exists, under splitgemma_gateway_;
+beside them, the same series under vLLM's own names with its model_name label (VllmNames), where a dashboard made
+for vLLM looks: vllm:num_requests_running/waiting, vllm:kv_cache_usage_perc (the fraction of the decode workers'
+KV slots not free: a slot holds one sequence's whole context, so this is vLLM's block fraction at slot grain),
+vllm:request_success_total{finished_reason} (per choice), vllm:request_queue_time_seconds (the wait for a decode
+slot), vllm:prefix_cache_queries/hits_total (prompt tokens admitted / supplied by a prefill worker's prefix cache),
+vllm:prompt_tokens/generation_tokens_total, vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds and
+vllm:e2e_request_latency_seconds."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
 
 from splitgemma.serving.telemetry import TPOT_BUCKETS, TTFT_BUCKETS
 
@@ -12,7 +20,8 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 class GatewayMetrics:
     """One registry per gateway app (tests start several apps in one process)."""
 
-    def __init__(self):
+    def __init__(self, model_name: str = ""):
+        disable_created_metrics()  # the *_created series: clutter no dashboard reads (for the whole process)
         r = self.registry = CollectorRegistry()
         p = "splitgemma_gateway_"
         self.requests = Counter(p + "requests", "HTTP requests answered, by endpoint and status",
@@ -48,8 +57,49 @@ class GatewayMetrics:
                                              registry=r)
         self.worker_up = Gauge(p + "worker_up", "1 while a worker answers its health check SERVING",
                                ["kind", "worker"], registry=r)
+        self.success = Counter(p + "request_success", "Choices finished, by finish reason", ["finished_reason"],
+                               registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds",
+                                    "Time a request waited for its decode slots (admission)",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage", "Fraction of the healthy decode workers' KV slots not free "
+                              "(0 to 1)", registry=r)
+        r.register(VllmNames(model_name, [
+            (self.in_flight, "vllm:num_requests_running"), (self.waiting, "vllm:num_requests_waiting"),
+            (self.kv_usage, "vllm:kv_cache_usage_perc"), (self.success, "vllm:request_success"),
+            (self.queue_time, "vllm:request_queue_time_seconds"), (self.prompt_tokens, "vllm:prefix_cache_queries"),
+            (self.cached_prompt_tokens, "vllm:prefix_cache_hits"), (self.prompt_tokens, "vllm:prompt_tokens"),
+            (self.generation_tokens, "vllm:generation_tokens"), (self.ttft, "vllm:time_to_first_token_seconds"),
+            (self.inter_token, "vllm:inter_token_latency_seconds"), (self.e2e, "vllm:e2e_request_latency_seconds")]))
 
     def take_decode_stats(self, worker) -> None:
         s = worker.stats
         self.kv_slots_total.labels(worker=worker.address).set(s.slots_total)
         self.kv_slots_in_use.labels(worker=worker.address).set(s.slots_leased + s.slots_running + s.slots_quarantined)
+
+    def take_kv_usage(self, decode_workers) -> None:
+        """kv_cache_usage over the decode workers healthy now (at scrape time: one that stopped answering drops
+        out)."""
+        stats = [w.stats for w in decode_workers if w.healthy and w.stats is not None]
+        total = sum(s.slots_total for s in stats)
+        used = sum(s.slots_leased + s.slots_running + s.slots_quarantined for s in stats)
+        self.kv_usage.set(used / total if total else 0.0)
+
+
+class VllmNames:
+    """A collector that shows existing metrics again under vLLM's names, with a model_name label: one set of
+    numbers, two spellings (nothing is counted twice)."""
+
+    def __init__(self, model_name: str, aliases: list[tuple[object, str]]):
+        self.model_name = model_name
+        self.aliases = aliases
+
+    def collect(self):
+        for metric, name in self.aliases:
+            for family in metric.collect():
+                out = Metric(name, family.documentation, family.type)
+                for sample in family.samples:
+                    out.add_sample(name + sample.name[len(family.name):],
+                                   {**sample.labels, "model_name": self.model_name}, sample.value,
+                                   sample.timestamp, sample.exemplar)
+                yield out

@@ -42,7 +42,8 @@ class Timeouts:
 
 @dataclass
 class ChoiceSpec:
-    """What one choice asks for; max_tokens None = the rest of the context."""
+    """What one choice asks for; max_tokens None = the rest of the context, or default_max_tokens if that is less
+    (chat without max_tokens: the gateway's --default-max-tokens)."""
 
     index: int
     prompt_ids: list[int]
@@ -53,6 +54,14 @@ class ChoiceSpec:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
+    default_max_tokens: int | None = None
+
+    def token_budget(self, context: int) -> int:
+        """max_tokens for a slot of `context` positions (checked by check_context first)."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        rest = context - len(self.prompt_ids)
+        return rest if self.default_max_tokens is None else min(rest, self.default_max_tokens)
 
 
 class ClientGone(Exception):
@@ -103,7 +112,9 @@ class Run:
     """The state of one choice's pipeline."""
 
     spec: ChoiceSpec
-    request_id: str
+    request_id: str                  # the API request's id + "-{choice index}"
+    response_id: str = ""            # the API request's id (the body's), for the workers' spans
+    operation: str = ""              # gen_ai.operation.name, for the workers' spans
     decode: Worker | None = None
     lease: pb.Lease | None = None
     prefill_result: pb.PrefillResponse | None = None
@@ -121,12 +132,12 @@ class Pipelines:
 
     # -- admission -----------------------------------------------------------------------------------------------
 
-    async def admit(self, request_id: str, specs: list[ChoiceSpec]) -> list[Run]:
+    async def admit(self, request_id: str, specs: list[ChoiceSpec], operation: str = "") -> list[Run]:
         """Reserve a slot for every choice, or none (ApiError 400/429/503)."""
         context = self.pool.known_context()
         for spec in specs:
             check_context(spec, context)
-        runs = [Run(spec, f"{request_id}-{spec.index}") for spec in specs]
+        runs = [Run(spec, f"{request_id}-{spec.index}", request_id, operation) for spec in specs]
         try:
             await self._reserve(runs)
         except BaseException:
@@ -154,7 +165,7 @@ class Pipelines:
                 spec = run.spec
                 if w.max_context:
                     check_context(spec, w.max_context)
-                    want = spec.max_tokens if spec.max_tokens is not None else w.max_context - len(spec.prompt_ids)
+                    want = spec.token_budget(w.max_context)
                 else:
                     want = 1  # this worker's context is not known before its first lease, which is checked below
                 members.append(pb.ReserveRequest(request_id=run.request_id, prompt_tokens=len(spec.prompt_ids),
@@ -197,8 +208,7 @@ class Pipelines:
                 w.max_context = max_context
             for run in runs:  # an ApiError here: admit releases every lease
                 check_context(run.spec, max_context)
-                run.max_tokens = run.spec.max_tokens if run.spec.max_tokens is not None else \
-                    max_context - len(run.spec.prompt_ids)
+                run.max_tokens = run.spec.token_budget(max_context)
             return
         if full_hint is not None:
             self.metrics.rejections.labels(reason="queue_full").inc()
@@ -229,7 +239,8 @@ class Pipelines:
                 try:
                     run.prefill_result = await w.stub.Prefill(
                         pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
-                                          lease=run.lease, sampling=run.spec.sampling),
+                                          lease=run.lease, sampling=run.spec.sampling,
+                                          response_id=run.response_id, operation=run.operation),
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)
@@ -270,7 +281,8 @@ class Pipelines:
             request_id=run.request_id, lease=run.lease, prompt_tokens=len(spec.prompt_ids),
             first_token=run.prefill_result.first_token, sampling=spec.sampling, max_tokens=run.max_tokens,
             stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
-            rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens)
+            rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens,
+            response_id=run.response_id, operation=run.operation)
         w.in_flight += 1
         reader = _StreamReader(w.stub.Generate(request))
         timeout = self.timeouts.first_event

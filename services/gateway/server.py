@@ -15,12 +15,13 @@ from pathlib import Path
 
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound, find_chat_template, \
     special_token_strings
+from splitgemma.serving.templates import builtin_chat_template
 from splitgemma.serving.credentials import TlsFiles
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.tokenizer import find_tokenizer, load_tokenizer
 
-from .app import GatewayConfig, create_app
+from .app import DEFAULT_CHAT_MAX_TOKENS, GatewayConfig, create_app
 from .auth import warn_if_open
 from .limits import HttpLimits, RequestLimits, ensure_fd_limit, uvicorn_settings
 from .pipeline import Timeouts
@@ -53,7 +54,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                  prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None,
                  api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
                  worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
-                 render_queue: int = 4) -> GatewayConfig:
+                 render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GatewayConfig:
+    """default_max_tokens 0: chat without max_tokens runs to the end of the context."""
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
     if model_name is None:
@@ -61,26 +63,43 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
             raise ValueError("give --model-name NAME (the name clients send as 'model')")
         model_name = Path(model).stem
     tok = load_tokenizer(model or tokenizer, tokenizer)
-    # Files beside the model (or beside the tokenizer when no model is given) hold the template.
+    model_config: dict = {}
+    if model is not None:
+        from splitgemma._native import FgmFile  # validates the file; FgmError is a ValueError
+        model_config = json.loads(FgmFile(model).header_json)["config"]
+    # Files beside the model (or beside the tokenizer when no model is given) hold the template; a model without
+    # one gets its family's standard turn format, if there is one (Gemma 3's base models ship none).
     beside = model or tokenizer
+    source = where = None
     try:
         source, where = find_chat_template(beside, chat_template)
-        template = ChatTemplate(source, tok, special_token_strings(tok, beside))
-        reason = ""
-        log.info("chat template loaded", extra={"path": str(where)})
+        # Not the path: /v1/models is no place for the server's file layout.
+        template_source = "model" if chat_template is None else "--chat-template"
     except ChatTemplateNotFound as e:
         if chat_template is not None:
             raise
-        template, reason = None, str(e)
-        log.info("no chat template: the chat endpoint answers 400", extra={"reason": reason})
-    vocab = None
-    if model is not None:
-        from splitgemma._native import FgmFile  # validates the file; FgmError is a ValueError
-        vocab = json.loads(FgmFile(model).header_json)["config"]["vocab_size"]
+        reason = str(e)
+        builtin = builtin_chat_template(model_config.get("model_type"))
+        if builtin is not None:
+            source, template_source = builtin
+            log.info("the model has no chat template: chat uses the built-in one of its family",
+                     extra={"template": template_source, "reason": reason})
+        else:
+            log.info("no chat template: the chat endpoint answers 400", extra={"reason": reason})
+    template = None
+    if source is not None:
+        template = ChatTemplate(source, tok, special_token_strings(tok, beside))
+        reason = ""
+        if where is not None:
+            log.info("chat template loaded", extra={"path": str(where)})
+    else:
+        template_source = None
+    vocab = model_config.get("vocab_size")
     grammars = Grammars(find_tokenizer(beside, tokenizer), model_stop_tokens(beside)[0],
                         vocab or tok.get_vocab_size(with_added_tokens=True))
     return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
-                         grammars=grammars,
+                         grammars=grammars, chat_template_source=template_source,
+                         default_max_tokens=default_max_tokens or None,
                          no_chat_template_reason=reason or "no chat template",
                          prefill=parse_addresses(prefill, "--prefill"), decode=parse_addresses(decode, "--decode"),
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],

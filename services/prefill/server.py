@@ -43,6 +43,7 @@ from .prefix_cache import PrefixCache, PrefixCacheCollector
 from .scheduler import PrefillJob, Scheduler, Stopped
 
 log = logging.getLogger("splitgemma.prefill")
+SERVICE = "splitgemma-prefill"   # log records' service and OTel's service.name
 
 # Arenas kept mapped (one per decode worker, normally); a mapping whose file is gone is dropped at once anyway.
 _MAX_ARENAS = 64
@@ -128,9 +129,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return stats
 
     async def Prefill(self, request, context):
-        rid = request.request_id
         span = self.tracer.start_span("prefill.forward", attributes={
-            **gen_ai_request_attributes(self.model_name, rid, request.sampling),
+            **gen_ai_request_attributes(self.model_name, request),
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
         self.in_flight += 1
         try:
@@ -336,8 +336,8 @@ def _check_stamp(job: PrefillJob, digest: bytes) -> None:
 
 async def serve(args) -> int:
     wid = worker_id("prefill")
-    setup_logging("prefill", wid, args.log_level)
-    tel = telemetry.setup_telemetry("splitgemma-prefill")
+    setup_logging(SERVICE, wid, args.log_level)
+    tel = telemetry.setup_telemetry(SERVICE)
     model = open_model(args, max_batch=1)
     registry = CollectorRegistry()
     servicer = PrefillServicer(model=model, shm_dir=args.shm_dir, worker=wid, registry=registry, tracer=tel.tracer,
@@ -362,7 +362,7 @@ async def serve(args) -> int:
         def start_draining() -> None:
             servicer.draining = True
 
-        await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_seconds, start_draining)
+        await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_timeout, start_draining)
     finally:
         servicer.close()
         tel.shutdown()

@@ -27,10 +27,13 @@ COMMANDS = (
 )
 
 DESCRIPTION = """\
-splitgemma serves Gemma 4 text models on CPUs from FASTGEM1 (.fgm) weight files:
+splitgemma serves Gemma 3 and Gemma 4 text models on CPUs from FASTGEM1 (.fgm) weight files:
 int8/int4 weights, Hadamard-rotated, in the tile order of the AMX/VNNI/AVX2 kernels.
 
 Typical start:
+  splitgemma up                                      # serve Gemma 3 270M (fetched and converted on first use)
+                                                     # at http://127.0.0.1:8000/v1, OpenAI's API
+  splitgemma up --model model.fgm                    # serve your own .fgm
   splitgemma convert ./gemma-4-E2B-it model.fgm      # Hugging Face checkpoint -> .fgm
   splitgemma inspect model.fgm                       # what is in the file
   splitgemma random-model --preset e2b bench.fgm     # full-size random weights, for benchmarks

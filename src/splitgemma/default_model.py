@@ -15,7 +15,8 @@ Q4_K_M GGUF in four pieces, ``<package>/data/gemma-3-270m-q4_k_m.gguf.part00`` â
 
 Later calls find ``converted.json`` and return at once. <cache> is $SPLITGEMMA_CACHE, else
 $XDG_CACHE_HOME/splitgemma, else ~/.cache/splitgemma. A lock file serialises concurrent first uses.
-The base model has no chat template: the third value returned is None (the gateway then answers chat with 400).
+The base model has no chat template: the third value returned is None (the gateway then uses its built-in Gemma 3
+turn format, src/splitgemma/serving/templates/gemma3.jinja).
 """
 from __future__ import annotations
 

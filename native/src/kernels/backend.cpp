@@ -139,7 +139,9 @@ bool cpu_supports(Backend b) {
 Backend active_backend() {
   static const Backend b = [] {
     const Backend chosen = decide_backend();
-    std::fprintf(stderr, "splitgemma: GEMM backend %s\n", backend_name(chosen));
+    // Which process says it: the services set SPLITGEMMA_SERVICE (splitgemma/serving/worker.py setup_logging).
+    const char* who = std::getenv("SPLITGEMMA_SERVICE");
+    std::fprintf(stderr, "%s: GEMM backend %s\n", who && *who ? who : "splitgemma", backend_name(chosen));
     return chosen;
   }();
   return b;

@@ -31,6 +31,22 @@ def add_kv_dtype_option(p) -> None:
                         "f16)")
 
 
+def add_log_level_option(p) -> None:
+    """--log-level, of every serving command (`up` passes it on to its three processes)."""
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="least severe log records written (JSON lines on stderr) (default: INFO)")
+
+
+def add_drain_option(p, type_=None) -> None:
+    """--drain-timeout (args.drain_timeout), one name for the gateway, the workers and `up`; --drain-seconds, the
+    workers' old name, is still read (hidden, deprecated)."""
+    type_ = type_ or non_negative_float
+    p.add_argument("--drain-timeout", type=type_, default=30.0, metavar="S",
+                   help="on SIGTERM, how long the work in flight may take to finish before it is cancelled "
+                        "(default: 30)")
+    p.add_argument("--drain-seconds", dest="drain_timeout", type=type_, help=argparse.SUPPRESS)
+
+
 def _int_in(text: str, minimum: int, maximum: int) -> int:
     if len(text) > 40 and text.strip().lstrip("+-").isdigit():
         # int() of a few thousand digits raises its own ValueError (sys.int_info); no option takes one that long.

@@ -244,9 +244,10 @@ def run(args) -> int:
 
     from splitgemma._native import FgmFile
     from splitgemma._native import kernels as K
-    from splitgemma.commands.generate import open_model
+    from splitgemma.commands.generate import open_model, use_default_model
     from splitgemma.engine import open_arena
 
+    use_default_model(args)
     watch = LoadWatch(args.ignore_load)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr, flush=True))
 

@@ -22,7 +22,8 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="memory for the KV arena (bytes, or e.g. 512m, 8g); concurrent sequences = SIZE // the "
                         "slot size of the model at --max-context/--chunk/--kv-dtype (default: min(free space of "
-                        "--shm-dir, (available RAM - the model file) / 2); services/decode/capacity.py)")
+                        "--shm-dir - 1 MiB, (available RAM - the model file) / 2); the worker logs the slot and arena bytes at "
+                        "start)")
     g.add_argument("--slots", type=positive_int, default=None,
                    help="KV slots in the arena = concurrent sequences, instead of a memory budget")
 
@@ -56,7 +57,7 @@ def register(subparsers) -> None:
                     "every slot taken waits in a first-come-first-served queue (--max-queue, --queue-timeout) "
                     "shared by every gateway in front of this worker. Also serves grpc.health.v1 and server "
                     "reflection. SIGTERM/SIGINT: stop admitting (queued Reserves are answered UNAVAILABLE), "
-                    "finish the running streams (at most --drain-seconds), unlink the arena.",
+                    "finish the running streams (at most --drain-timeout), unlink the arena.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="int4")
     add_capacity_options(p)

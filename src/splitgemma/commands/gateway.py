@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import CommandError, non_negative_int, port_number, positive_float, positive_int
+from splitgemma.commands import CommandError, add_drain_option, add_log_level_option, non_negative_int, \
+    port_number, positive_float, positive_int
 from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
 
 # (name, type, metavar, help) of the limits `up` passes on; the defaults are the dataclasses' in limits.py.
@@ -26,14 +27,20 @@ _RENDER = (
     ("render_queue", non_negative_int, "N", "heavy requests (large bodies, many messages) that may wait for a "
      "render thread; one more gets 503"),
 )
+_GENERATION = (
+    ("default_max_tokens", non_negative_int, "N", "tokens a chat completion without max_tokens generates at most "
+     "(0: to the end of the context)"),
+)
 RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
 
 
 def add_limit_options(p) -> None:
     """The gateway's limits on what one client may cost (services/gateway/limits.py), for `gateway` and `up`."""
+    from splitgemma.services.gateway.app import DEFAULT_CHAT_MAX_TOKENS
     from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
-    defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS}
-    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER:
+    defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
+                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS}
+    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION:
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
                        help=f"{text} (default: {defaults[name]:g})" if isinstance(defaults[name], float) else
                        f"{text} (default: {defaults[name]})")
@@ -42,7 +49,7 @@ def add_limit_options(p) -> None:
 def limit_argv(args) -> list[str]:
     """The limit options of `args` as gateway arguments."""
     out = []
-    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER:
+    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
@@ -51,8 +58,8 @@ def limit_argv(args) -> list[str]:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "gateway", help="serve the OpenAI API over prefill and decode workers",
-        description="Serve /v1/completions and /v1/chat/completions (with SSE streaming), /v1/models, /health, "
-                    "/ready and /metrics. Each request is tokenized here (with the model's chat template for "
+        description="Serve /v1/completions and /v1/chat/completions (with SSE streaming), /v1/models, "
+                    "/tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. Each request is tokenized here (with the model's chat template for "
                     "chat), gets a KV slot from a decode worker, is prefilled into it by a prefill worker and "
                     "streamed back by the decode worker. Telemetry follows the OTEL_* environment variables.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,17 +69,17 @@ def register(subparsers) -> None:
                    help="the model file; its tokenizer.json and chat template are looked for beside it")
     p.add_argument("--tokenizer", metavar="FILE", help="tokenizer.json (default: beside --model)")
     p.add_argument("--chat-template", metavar="FILE.jinja",
-                   help="chat template (default: the model's own, beside it; without one, chat answers 400)")
+                   help="chat template (default: the model's own, beside it; without one, its family's built-in "
+                        "turn format (Gemma 3), else chat answers 400)")
     p.add_argument("--prefill", required=True, metavar="HOST:PORT[,...]", help="prefill worker addresses")
     p.add_argument("--decode", required=True, metavar="HOST:PORT[,...]", help="decode worker addresses")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default: 8000)")
     p.add_argument("--max-body-bytes", type=positive_int, default=4 << 20, metavar="N",
                    help="largest request body accepted; larger ones get 413 (default: 4 MiB)")
-    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
-                   help="on SIGTERM, how long requests in flight may finish before they are cancelled (default: 30)")
+    add_drain_option(p, positive_float)
     add_limit_options(p)
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_log_level_option(p)
     add_api_key_options(p)
     p.add_argument("--metrics-auth", action="store_true",
                    help="/metrics needs an API key too (default: open like /health and /ready, so that a "
@@ -118,7 +125,8 @@ def run(args) -> int:
                               max_body_bytes=args.max_body_bytes, api_keys=api_keys, metrics_auth=args.metrics_auth,
                               service_token=service_token, worker_tls=worker_tls,
                               limits=RequestLimits(args.body_timeout, args.max_messages, args.max_rendered_chars),
-                              render_threads=args.render_threads, render_queue=args.render_queue)
+                              render_threads=args.render_threads, render_queue=args.render_queue,
+                              default_max_tokens=args.default_max_tokens)
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           max_header_bytes=args.max_header_bytes)

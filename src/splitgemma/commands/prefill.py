@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import (add_kv_dtype_option, byte_count, context_length, non_negative_float, port_number,
+from splitgemma.commands import (add_drain_option, add_kv_dtype_option, add_log_level_option, byte_count, context_length, port_number,
                                  positive_float, positive_int, thread_count)
 from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
 
@@ -39,9 +39,8 @@ def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_we
                         "(default: /dev/shm)")
     p.add_argument("--metrics-port", type=port_number, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--drain-seconds", type=non_negative_float, default=30.0,
-                   help="on SIGTERM, how long the work in flight may take to finish (default: 30)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    add_drain_option(p)
+    add_log_level_option(p)
     add_service_token_option(p)
     add_tls_options(p, "--tls", cert_help="serve gRPC over TLS with this PEM certificate chain (default: plaintext)",
                     ca_help="with --tls-cert: require client certificates signed by this PEM CA (mTLS)")

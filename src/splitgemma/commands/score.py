@@ -25,9 +25,10 @@ def run(args) -> int:
 
     import numpy as np
 
-    from splitgemma.commands.generate import check_token_ids, open_model, parse_token_ids
+    from splitgemma.commands.generate import check_token_ids, open_model, parse_token_ids, use_default_model
     from splitgemma.engine import open_arena
 
+    use_default_model(args)
     prompt = parse_token_ids(args.tokens)
     model = open_model(args, max_context=len(prompt))
     ids = check_token_ids(prompt, model.vocab_size)

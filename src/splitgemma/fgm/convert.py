@@ -30,7 +30,7 @@ from .hf_config import TextConfig, load_text_config, parse_text_config
 from .inventory import (Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of,
                         fitting_group, header_hadamard, header_kv_cache_dtype, layout_problems, probe_names,
                         quant_bits)
-from .progress import byte_progress
+from .progress import byte_progress, stage
 from .safetensors import READABLE_DTYPES, Checkpoint
 from .writer import FgmWriter
 
@@ -254,6 +254,8 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ConversionError(f"threads must be a positive integer, got {threads!r}")
     out = Path(out)
+    desc = f"convert {out.name}"
+    stage(desc, f"reading {src}", progress)
 
     def plan(cfg: TextConfig, ckpt=None):
         g = fitting_group(cfg, weights, emb_bits) if group is None else group
@@ -276,6 +278,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
         items, header_config = planned
         entries = entries_of(items)
         prefix = _find_prefix(ckpt)
+        stage(desc, f"checking {len(items)} tensors against the config", progress)
         problems = check_sources(items, ckpt, prefix)
         if problems:
             raise ConversionError(f"{ckpt.src}: the checkpoint does not match its config "
@@ -284,10 +287,12 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
         vocab = ckpt.tokenizer() if gguf else None
         if vocab is not None:
             from .sp_tokenizer import build_tokenizer
+            stage(desc, f"building tokenizer.json ({len(vocab.tokens)} tokens)", progress)
             tokenizer = build_tokenizer(vocab)
         with FgmWriter(out) as writer:
             writer.plan(entries, header_config)
-            bar = byte_progress(writer.payload_bytes, f"convert {out.name}", progress)
+            stage(desc, f"writing {writer.payload_bytes / 1e9:.2f} GB of tensors", progress)
+            bar = byte_progress(writer.payload_bytes, desc, progress)
             writer.on_write = bar.update
             threads = threads or default_threads()
             try:

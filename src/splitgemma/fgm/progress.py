@@ -33,6 +33,13 @@ class _Terse:
         pass
 
 
+def stage(desc: str, text: str, enabled: bool = True, stream=None) -> None:
+    """One line naming what a long job does before its byte bar starts (reading and checking a checkpoint, building
+    a tokenizer can take tens of seconds): progress from the first second."""
+    if enabled:
+        print(f"{desc}: {text}", file=stream if stream is not None else sys.stderr, flush=True)
+
+
 def byte_progress(total: int, desc: str, enabled: bool = True, stream=None):
     """An object with update(nbytes) and close()."""
     stream = stream if stream is not None else sys.stderr

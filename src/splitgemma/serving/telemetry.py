@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import threading
@@ -217,9 +218,41 @@ def _probe_filter():
 
 def grpc_server_interceptors(tracer_provider=None) -> list:
     """Interceptors for grpc.aio.server(interceptors=…): a SERVER span per RPC, child of the caller's traceparent
-    (health checks and Stats are not traced)."""
+    (health checks and Stats are not traced), its streaming responses closed in the RPC's own task
+    (_CloseStreamsInTask)."""
+    import grpc
     from opentelemetry.instrumentation.grpc import aio_server_interceptor
-    return [aio_server_interceptor(tracer_provider=tracer_provider, filter_=_probe_filter())]
+
+    class _CloseStreamsInTask(grpc.aio.ServerInterceptor):
+        """OTel's server interceptor wraps a streaming handler in an async generator that holds the span's context
+        token across its yields. grpc.aio iterates such a generator but never closes it (grpc/grpc#42295): when
+        the client cancels while the generator waits at a yield, it is closed later by the garbage collector's
+        finaliser in another task, whose context cannot detach the token ("Failed to detach context", two
+        tracebacks per cancelled Generate). Driven from here instead, by a handler that writes each message with
+        context.write and closes the generator in a finally, it is always closed in the RPC's task."""
+
+        async def intercept_service(self, continuation, details):
+            handler = await continuation(details)
+            if handler is None or not handler.response_streaming:
+                return handler
+            behavior = handler.unary_stream or handler.stream_stream
+
+            async def drive(request, context):
+                stream = behavior(request, context)
+                if not inspect.isasyncgen(stream):  # a handler that writes itself (grpc.health's Watch)
+                    return await stream
+                try:
+                    async for message in stream:
+                        await context.write(message)
+                finally:
+                    await stream.aclose()
+
+            make = grpc.unary_stream_rpc_method_handler if handler.unary_stream else \
+                grpc.stream_stream_rpc_method_handler
+            return make(drive, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+
+    return [_CloseStreamsInTask(), aio_server_interceptor(tracer_provider=tracer_provider, filter_=_probe_filter())]
 
 
 def grpc_client_interceptors(tracer_provider=None) -> list:
@@ -266,7 +299,7 @@ def start_gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_t
         "gen_ai.request.temperature": temperature,
         "gen_ai.request.top_p": top_p,
         "gen_ai.request.top_k": top_k,
-        "gen_ai.request.seed": seed,
+        "gen_ai.request.seed": None if seed is None else seed_attribute(seed),
         "gen_ai.request.stop_sequences": list(stop_sequences) if stop_sequences else None,
         "gen_ai.request.stream": stream,
         "server.address": server_address,
@@ -277,6 +310,13 @@ def start_gen_ai_span(tracer: trace.Tracer, operation: str, model: str, *, max_t
         optional["gen_ai.request.choice.count"] = choice_count
     attrs.update({k: v for k, v in optional.items() if v is not None})
     return tracer.start_span(f"{operation} {model}", kind=kind, attributes=attrs)
+
+
+def seed_attribute(seed: int) -> int | str:
+    """gen_ai.request.seed as OTel can export it: attribute integers are int64 (a larger one makes the exporter log
+    an error and drop the attribute), but seeds are uint64 (and the API takes -2**63 .. 2**64-1). A seed outside
+    int64 is exported as its decimal string, the same number, rather than wrapped to another value."""
+    return seed if -(1 << 63) <= seed < (1 << 63) else str(seed)
 
 
 @contextlib.contextmanager

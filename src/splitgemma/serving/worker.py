@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from splitgemma.serving import credentials, telemetry
+from splitgemma.serving import credentials, reflection, telemetry
 from splitgemma.serving.log_limit import STANDARD_ATTRS, RepeatFilter
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -66,7 +65,15 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+# The name the native core prints its one-time "GEMM backend …" line under (native/src/kernels/backend.cpp), so that
+# the three processes' stderr, interleaved under `up` or compose, say which is which.
+SERVICE_ENV = "SPLITGEMMA_SERVICE"
+
+
 def setup_logging(service: str, worker: str, level: str) -> None:
+    """JSON log lines on stderr, each with `service` (splitgemma-gateway, -prefill, -decode: the OTel
+    service.name too) and `worker`."""
+    os.environ[SERVICE_ENV] = service
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service, worker))
     handler.addFilter(RepeatFilter())
@@ -82,7 +89,8 @@ def setup_logging(service: str, worker: str, level: str) -> None:
 def start_metrics(port: int | None, host: str, registry) -> None:
     if port is None:
         return
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
+    disable_created_metrics()  # the *_created series: clutter no dashboard reads
     start_http_server(port, addr=host, registry=registry)
     log.info("metrics endpoint up", extra={"port": port})
 
@@ -109,8 +117,7 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.services = list(services)
-        reflection.enable_server_reflection([*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                            self.server)
+        reflection.enable_server_reflection([*self.services, health.SERVICE_NAME], self.server)
         try:
             if tls is not None and tls.enabled:
                 self.port = self.server.add_secure_port(f"{host}:{port}", tls.server_credentials())
@@ -204,14 +211,18 @@ def token_message(s) -> pb.Token:
                     top_logprobs=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in s.top_logprobs])
 
 
-def gen_ai_request_attributes(model: str, request_id: str, p, max_tokens: int | None = None) -> dict:
-    """gen_ai.* attributes of a worker span for one request."""
-    attrs = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": telemetry.PROVIDER_NAME,
-             "gen_ai.request.model": model, "gen_ai.response.id": request_id,
+def gen_ai_request_attributes(model: str, request, max_tokens: int | None = None) -> dict:
+    """gen_ai.* attributes of a worker span for one request (a PrefillRequest or GenerateRequest): the response id
+    and operation the gateway's span has, so that one id finds the request's spans in every process."""
+    p = request.sampling
+    attrs = {"gen_ai.operation.name": request.operation or "text_completion",
+             "gen_ai.provider.name": telemetry.PROVIDER_NAME, "gen_ai.request.model": model,
+             "gen_ai.response.id": request.response_id or request.request_id,
+             "splitgemma.request_id": request.request_id,
              "gen_ai.request.temperature": p.temperature, "gen_ai.request.top_k": p.top_k,
              "gen_ai.request.top_p": p.top_p if p.top_p > 0 else 1.0}
     if p.HasField("seed"):
-        attrs["gen_ai.request.seed"] = p.seed
+        attrs["gen_ai.request.seed"] = telemetry.seed_attribute(p.seed)
     if max_tokens:
         attrs["gen_ai.request.max_tokens"] = max_tokens
     return attrs
