@@ -200,7 +200,7 @@ class Pipelines:
                 continue
             finally:
                 w.reserving -= 1
-            w.pending_reserves += len(leases)
+            w.grants.extend([time.monotonic()] * len(leases))
             for run, lease in zip(runs, leases):
                 run.decode, run.lease = w, lease
             max_context = leases[0].max_context

@@ -24,7 +24,9 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,7 +69,8 @@ class Worker:
     status: str = "unknown"         # the last probe's result, for /ready
     in_flight: int = 0              # calls from this gateway
     stats: pb.DecodeStats | None = None
-    pending_reserves: int = 0       # decode: leases taken since the last Stats
+    # decode: when (monotonic) each lease this gateway took was granted, for those the last Stats may not count yet
+    grants: deque = field(default_factory=deque)
     reserving: int = 0              # decode: Reserve calls from this gateway open now (most of them queued)
     worker_id: str = ""
     max_context: int = 0            # decode: slot context from a lease (0 = not known yet)
@@ -76,8 +79,10 @@ class Worker:
     def free_slots(self) -> int:
         if self.stats is None:
             return 0
+        # Beyond the last Stats: the leases granted since, and the Reserve calls open now (each takes a slot if
+        # one is free). Without them, requests arriving together all see the same free slots and go to one worker.
         used = self.stats.slots_leased + self.stats.slots_running + self.stats.slots_quarantined + \
-            self.pending_reserves
+            len(self.grants) + self.reserving
         return max(0, self.stats.slots_total - used)
 
     @property
@@ -163,9 +168,10 @@ class WorkerPool:
             if serving:
                 # Health answers without the service token; Stats needs it, so a worker that refuses this
                 # gateway's credential shows as down in /ready (UNAUTHENTICATED) instead of failing every request.
+                sent = time.monotonic()
                 stats = await w.stub.Stats(pb.StatsRequest(), timeout=self.probe_timeout)
                 if w.kind == "decode":
-                    self._take_stats(w, stats)
+                    self._take_stats(w, stats, sent)
         except grpc.aio.AioRpcError as e:
             serving = False
             w.status = f"{e.code().name}: {e.details()}"
@@ -179,7 +185,9 @@ class WorkerPool:
                      extra={"worker": w.address, "kind": w.kind, "status": w.status})
         w.healthy = serving
 
-    def _take_stats(self, w: Worker, stats: pb.DecodeStats) -> None:
+    def _take_stats(self, w: Worker, stats: pb.DecodeStats, sent: float) -> None:
+        """Stats asked for at `sent` (monotonic): it counts every lease granted before then, not necessarily those
+        granted while it was on its way."""
         if stats.worker_id != w.worker_id:
             if w.worker_id:  # restarted: its context may have changed
                 w.max_context = 0
@@ -187,7 +195,8 @@ class WorkerPool:
         if stats.max_context:
             w.max_context = stats.max_context
         w.stats = stats
-        w.pending_reserves = 0
+        while w.grants and w.grants[0] < sent:
+            w.grants.popleft()
         if self.on_stats is not None:
             self.on_stats(w)
 
