@@ -769,6 +769,11 @@ def test_prefill_worker_killed(tmp_path):
 def test_routing_over_two_decode_and_two_prefill_workers(tmp_path):
     s = Stack(tmp_path, slots=2, n_decode=2, n_prefill=2)
     try:
+        # /ready is 200 with one worker of each kind up; the gateway can spread load only over the decode workers
+        # whose slots it has heard of (on a loaded host the second one may report a probe later).
+        wait_until(lambda: all(w["healthy"] and "slots_total" in w
+                               for w in httpx.get(s.url + "/ready").json()["workers"]["decode"]),
+                   "the gateway to know both decode workers' slots", 30)
         c = s.client()
         prompts = [_words(300 + i, 10) for i in range(4)]
 
