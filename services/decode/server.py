@@ -25,12 +25,13 @@ from splitgemma.services.decode.slots import Claim, ForgedLease, SlotTable
 from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.serving.grammar import ConstraintError, Grammars, constraint_kind
+from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.tokenizer import find_tokenizer
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
-                                       sampling_kwargs, serve_until_signalled, setup_logging, start_metrics, worker_id)
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
+                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging,
+                                       start_metrics, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
@@ -311,13 +312,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                      "(start it with --tokenizer)")
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        matcher = None
-        if constraint_kind(request.sampling.constraint):
-            try:
-                # Off the loop: the first constrained request builds the grammar tokenizer (seconds for 262k ids).
-                matcher = await asyncio.to_thread(self.grammars.matcher, request.sampling.constraint)
-            except ConstraintError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
+        matcher = await constraint_matcher(self.grammars, request.sampling, context)
         try:
             # Off the event loop: the checksum reads every live K/V row (milliseconds for a long E2B prompt).
             seconds = await asyncio.to_thread(self._verify, lease.slot, request_key(rid), lease.generation)

@@ -30,12 +30,12 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
-from splitgemma.serving.grammar import ConstraintError, Grammars, constraint_kind, worker_grammars
+from splitgemma.serving.grammar import Grammars, worker_grammars
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, gen_ai_request_attributes, open_model,
-                                       sampling_kwargs, serve_until_signalled, setup_logging, start_metrics,
-                                       token_message, worker_id)
+from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
+                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging,
+                                       start_metrics, token_message, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
@@ -164,13 +164,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
                                 "written")
-        matcher = None
-        if constraint_kind(request.sampling.constraint):
-            try:
-                # Off the loop: the first constrained request builds the grammar tokenizer (seconds for 262k ids).
-                matcher = await asyncio.to_thread(self.grammars.matcher, request.sampling.constraint)
-            except ConstraintError as e:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
+        matcher = await constraint_matcher(self.grammars, request.sampling, context)
         job = self._accept(context, view, request, tokens, sampling, matcher)
         if job is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitgemma.serving import credentials, reflection, telemetry
+from splitgemma.serving.grammar import ConstraintError, Grammars, constraint_kind
 from splitgemma.serving.log_limit import STANDARD_ATTRS, RepeatFilter
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -97,6 +98,17 @@ def start_metrics(port: int | None, host: str, registry) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # gRPC server
+
+
+async def constraint_matcher(grammars: Grammars, sampling: pb.SamplingParams, context):
+    """The matcher of the call's constraint (None without one); the call is aborted INVALID_ARGUMENT for a bad one.
+    Compiled off the event loop: the first constrained call builds the grammar tokenizer (seconds for 262k ids)."""
+    if not constraint_kind(sampling.constraint):
+        return None
+    try:
+        return await asyncio.to_thread(grammars.matcher, sampling.constraint)
+    except ConstraintError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
 
 
 class GrpcServer:
