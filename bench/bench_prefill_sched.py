@@ -25,19 +25,13 @@ import time
 import grpc
 import numpy as np
 
+from splitgemma.serving.ports import free_ports
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(kind: str, argv: list[str]) -> tuple[subprocess.Popen, grpc.Channel]:
-    port = _free_port()
+    (port,) = free_ports(1)
     p = subprocess.Popen([sys.executable, "-m", "splitgemma", kind, "--port", str(port), "--log-level", "WARNING",
                           *argv])
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")

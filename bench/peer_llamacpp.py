@@ -54,7 +54,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -465,12 +464,6 @@ def machine() -> dict:
 # 4. llama-server, a peer arm for bench/bench_serving.py
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_llama_server(gguf: str, parallel: int = 1, threads: int = 2, ctx_per_slot: int = 2048,
                        bins: Path | None = None, timeout: float = 600, log_path: str | None = None,
                        extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
@@ -482,7 +475,8 @@ def start_llama_server(gguf: str, parallel: int = 1, threads: int = 2, ctx_per_s
     if not (bins / "llama-server").is_file():
         c = json.loads((cache_root() / "chosen.json").read_text())
         bins = build(c["version"], c["variant"], server=True)
-    port = free_port()
+    from splitgemma.serving.ports import free_ports
+    (port,) = free_ports(1)
     argv = [bins / "llama-server", "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads, "-tb", threads,
             "--parallel", parallel, "-c", parallel * ctx_per_slot, "-kvu", "--cache-prompt", "--no-webui",
             *extra]

@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 import grpc
 import httpx
 
+from splitgemma.serving.ports import free_ports
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 
@@ -57,17 +57,6 @@ def random_model(folder: Path) -> tuple[Path, Path]:
     write_random_model(parse_text_config(raw, "soak"), out, seed=0, progress=False, label="soak")
     shutil.copy(FIXTURE / "tokenizer.json", folder / "tokenizer.json")
     return out, folder / "tokenizer.json"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class Stack:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitgemma.serving.ports import free_ports  # noqa: F401 - the tests' port picker, re-exported
 from splitgemma.v1 import serving_pb2 as pb
 
 # Runs the command after it with PR_SET_PDEATHSIG set to SIGTERM, which survives exec: a killed test run leaves no
@@ -28,18 +28,6 @@ from splitgemma.v1 import serving_pb2 as pb
 DIE_WITH_PARENT = [sys.executable, "-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                    "os.execvp(sys.argv[1], sys.argv[1:])"]
 SPLITGEMMA = [sys.executable, "-m", "splitgemma"]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open while choosing, so no port is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def shm_folder(tag: str) -> Path:

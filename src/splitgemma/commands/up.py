@@ -21,6 +21,7 @@ from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DE
 from splitgemma.commands.gateway import add_api_key_options, add_limit_options, limit_argv
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 from splitgemma.serving.credentials import SERVICE_TOKEN_ENV
+from splitgemma.serving.ports import address_family, free_ports
 
 CORE_RULES = ("shared", "split")
 
@@ -82,22 +83,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _family(host: str) -> int:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
 def _port_for(host: str, port: int, option: str) -> int:
     """`port` if this process could listen on it now (as the server will: SO_REUSEADDR), a free one for 0; else
     CommandError naming the option and port, before anything is loaded."""
     if port == 0:
-        return _free_port(host)
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        return free_ports(1, host)[0]
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -172,7 +163,7 @@ def run(args) -> int:
     port = _port_for(args.host, args.port, "--port")
     metrics_ports = {kind: _port_for("127.0.0.1", getattr(args, f"{kind}_metrics_port"), f"--{kind}-metrics-port")
                      for kind in ("prefill", "decode") if getattr(args, f"{kind}_metrics_port") is not None}
-    decode_port, prefill_port = _free_port(), _free_port()
+    decode_port, prefill_port = free_ports(2)
     if args.model is None:
         from splitgemma.default_model import resolve_default_model
         args.model, tokenizer, template = resolve_default_model()
