@@ -92,7 +92,7 @@ def test_logit_bias_makes_a_token_the_greedy_choice(client, ref, ids_of):
 
 def test_repetition_penalty_divides_the_logits_of_prompt_tokens(client, ref, ids_of):
     prompt = [2, *np.random.default_rng(5).integers(4, 1024, 600).tolist()]
-    p = 1.7
+    p = 1.1  # mild, so that repeated tokens stay among the top 20 reported
     raw = first_logits(ref, prompt)
     want = raw.copy()
     seen = np.unique(prompt)
@@ -156,7 +156,7 @@ def test_min_tokens_holds_off_the_stop_tokens(client, ref, ids_of):
 
 
 def test_min_p_never_samples_below_the_threshold(client, ref, ids_of):
-    min_p = 0.2
+    min_p = 0.6  # the fixture model's logits are flat (±2.5): this keeps a few tokens
     raw = first_logits(ref, PROMPT)
     prob = np.exp(log_softmax(raw))
     kept = np.flatnonzero(prob >= min_p * prob.max())
@@ -193,7 +193,7 @@ def test_include_stop_str_in_output(client):
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 1.5}, "min_p"),
-    ({"logit_bias": {"7": 101}}, "logit_bias.7"),
+    ({"logit_bias": {"7": 101}}, "logit_bias[7]"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
     ({"min_tokens": 9}, "min_tokens"),
