@@ -111,6 +111,25 @@ def test_repetition_penalty_divides_the_logits_of_prompt_tokens(client, ref, ids
     assert ids_of(got.choices[0].logprobs.tokens) == [int(np.argmax(want))]
 
 
+@pytest.mark.parametrize("p", [1.3, 3.0])
+def test_repetition_penalty_over_prompt_and_generated_tokens_in_the_decode_worker(client, ref, ids_of, p):
+    prompt = [2, *range(700, 1024)]  # many distinct ids, some of them the greedy continuation's
+    steps = 12
+
+    def penalised(row, generated, over_prompt=True):
+        seen = np.unique([*(prompt if over_prompt else []), *generated]).astype(np.int64)
+        row = row.copy()
+        row[seen] = np.where(row[seen] > 0, row[seen] / p, row[seen] * p)
+        return row
+
+    want = greedy_processed(ref, prompt, steps, penalised)
+    assert want != greedy_processed(ref, prompt, steps, lambda row, _: row), "the case must be one p changes"
+    # and one where the prompt's ids (sent to the decode worker for this) count
+    assert want != greedy_processed(ref, prompt, steps, lambda row, g: penalised(row, g, over_prompt=False))
+    got = complete(client, prompt=prompt, max_tokens=steps, logprobs=0, repetition_penalty=p, ignore_eos=True)
+    assert ids_of(got.choices[0].logprobs.tokens) == want
+
+
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.8), (-0.5, 2.0)])
 def test_presence_and_frequency_penalties_follow_openai(client, ref, ids_of, presence, frequency):
     steps = 12
