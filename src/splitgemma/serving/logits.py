@@ -68,14 +68,14 @@ class LogitsProcessor:
             if allowed is None:
                 allowed = np.arange(self.vocab_size)
             if banned:
-                allowed = allowed[~np.isin(allowed, self.stop_ids)]
-            if cut and len(allowed):
+                rest = allowed[~np.isin(allowed, self.stop_ids)]
+                # A constraint that admits nothing but a stop token has its output whole: it ends the sequence
+                # rather than min_tokens leaving no token at all.
+                allowed = rest if len(rest) else allowed
+            if cut:
                 z = row[allowed]
-                # p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p)
+                # p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
                 allowed = allowed[z >= z.max() + temperature * math.log(self.min_p)]
-            if not len(allowed):
-                raise ValueError("no token is left to sample (min_tokens holds off every token the constraint "
-                                 "admits)")
         return row, allowed
 
 
@@ -110,13 +110,13 @@ def choose(row: np.ndarray, *, allowed: np.ndarray | None, proc: LogitsProcessor
     if allowed is not None:
         return sample_allowed(row, allowed, argmax_only=argmax_only, rng_state=rng_state, sampling=sampling)
     if argmax_only:
-        s = _argmax(row, rng_state)
+        s = argmax(row, rng_state)
         if s is not None:
             return s
     return sample(row, rng_state=rng_state, **sampling)
 
 
-def _argmax(row, rng_state: int) -> Sample | None:
+def argmax(row, rng_state: int) -> Sample | None:
     """sample(row, temperature=0) without its logprobs: the lowest id among the maxima (numpy's argmax takes the
     first), no draw. None for a row with a NaN or an infinity, which sample() refuses with its own error."""
     t = int(row.argmax())
