@@ -33,6 +33,7 @@ class LogitsProcessor:
         self.min_p = float(p.min_p)
         self.min_tokens = int(p.min_tokens)
         self.stop_ids = np.array(sorted(stop_ids), dtype=np.int64) if self.min_tokens else None
+        self._unbanned: np.ndarray | None = None  # the vocabulary without stop_ids, while min_tokens holds
         self.vocab_size = vocab_size
         items = sorted(p.logit_bias.items())
         self.bias_ids = np.array([k for k, _ in items], dtype=np.int64)
@@ -45,6 +46,8 @@ class LogitsProcessor:
     def observe(self, token: int) -> None:
         """The sequence took `token`."""
         self.generated += 1
+        if self.generated >= self.min_tokens:
+            self._unbanned = None
         self.counts[token] += 1
         if self.repetition != 1.0:
             self.seen.add(token)
@@ -64,18 +67,22 @@ class LogitsProcessor:
             row[ids] -= self.frequency * n + self.presence
         banned = self.stop_ids is not None and self.generated < self.min_tokens and len(self.stop_ids)
         cut = self.min_p > 0 and temperature > 0  # greedy keeps the maximum, which min_p never drops
-        if banned or cut:
+        if banned:
             if allowed is None:
-                allowed = np.arange(self.vocab_size)
-            if banned:
+                if self._unbanned is None:  # built once per sequence: a vocabulary-sized array
+                    self._unbanned = np.setdiff1d(np.arange(self.vocab_size, dtype=np.int32),
+                                                  self.stop_ids)
+                allowed = self._unbanned
+            else:
                 rest = allowed[~np.isin(allowed, self.stop_ids)]
                 # A constraint that admits nothing but a stop token has its output whole: it ends the sequence
                 # rather than min_tokens leaving no token at all.
                 allowed = rest if len(rest) else allowed
-            if cut:
-                z = row[allowed]
-                # p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
-                allowed = allowed[z >= z.max() + temperature * math.log(self.min_p)]
+        if cut:
+            z = row if allowed is None else row[allowed]
+            # p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
+            keep = np.flatnonzero(z >= z.max() + temperature * math.log(self.min_p))
+            allowed = keep if allowed is None else allowed[keep]
         return row, allowed
 
 
