@@ -202,6 +202,10 @@ def test_include_stop_str_in_output(client):
     assert kept.choices[0].text == text[:at + len(stop)] and kept.choices[0].finish_reason == "stop"
     dropped = complete(client, max_tokens=16, ignore_eos=True, stop=[stop])
     assert dropped.choices[0].text == text[:at]
+    # streamed: the pieces held back for a possible match come out with it
+    stream = complete(client, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=True,
+                      stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == text[:at + len(stop)]
 
 
 @pytest.mark.parametrize("extra,param", [
