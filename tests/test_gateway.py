@@ -819,6 +819,10 @@ def test_a_full_prefill_worker_is_passed_over(tmp_path):
             pb.PrefillRequest(request_id="filler", prompt_token_ids=[5, 6, 7, 8], lease=lease,
                               sampling=pb.SamplingParams(temperature=0)), timeout=60)
         wait_until(lambda: s.stats("prefill").prompts_waiting == 1, "the full prefill worker", 30)
+        # /ready is 200 with one prefill worker up: on a loaded host the gateway may not have probed the second
+        # one yet, and would have nothing to retry on (429).
+        wait_until(lambda: all(w["healthy"] for w in httpx.get(s.url + "/ready").json()["workers"]["prefill"]),
+                   "the gateway to see both prefill workers healthy", 30)
         before = s.stats("prefill-2").requests
         # The gateway alternates between the prefill workers it sees healthy: of two requests in a row one goes to
         # the full worker first. On a loaded host a health probe may time out and take that worker out of rotation

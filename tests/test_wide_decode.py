@@ -14,7 +14,8 @@ import pytest
 
 from splitgemma.engine import Model, Sample, open_arena, sample
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError, _argmax
+from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
+from splitgemma.serving.logits import argmax
 from splitgemma.services.decode.slots import SlotTable
 from splitgemma.services.decode.capacity import FOLDER_HEADROOM, CapacityError, default_budget, plan
 from splitgemma.v1 import serving_pb2 as pb
@@ -159,13 +160,13 @@ def test_argmax_path_equals_greedy_sample():
     rows[1, [17, 400, 999]] = rows[1].max() + 1  # ties: the lowest id wins
     rows[2, :] = -3.0
     for row in rows:
-        fast, ref = _argmax(row, 99), sample(row, temperature=0, rng_state=99)
+        fast, ref = argmax(row, 99), sample(row, temperature=0, rng_state=99)
         assert (fast.token, fast.rng_state) == (ref.token, ref.rng_state)  # greedy consumes no draw
-    assert _argmax(rows[1], 0).token == 17
+    assert argmax(rows[1], 0).token == 17
     for bad in (np.nan, np.inf, -np.inf):
         row = rows[0].copy()
         row[123] = bad
-        assert _argmax(row, 0) is None  # the batch loop then calls sample(), which raises its own error
+        assert argmax(row, 0) is None  # the batch loop then calls sample(), which raises its own error
         with pytest.raises(ValueError):
             sample(row, temperature=0)
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from splitgemma.engine import Sample, sample
+from splitgemma.engine import Sample
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.serving.grammar import compute_masks, sample_allowed
+from splitgemma.serving.grammar import compute_masks
+from splitgemma.serving.logits import choose
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -57,6 +57,7 @@ class Sequence:
     token_name: object  # id -> display string for stop_reason
     queue: asyncio.Queue
     matcher: object = None  # splitgemma.serving.grammar.Matcher of a constrained sequence
+    logits: object = None  # splitgemma.serving.logits.LogitsProcessor (penalties, bias, min_p, min_tokens)
     # state, written by the batch thread only (except cancelled, set by the stream handler or Release)
     generated: int = 0
     last_token: int = 0
@@ -83,6 +84,8 @@ class Sequence:
         ev = pb.GenerateEvent(completion_tokens=self.generated, batch_size=batch_size)
         if self.matcher is not None:
             self.matcher.advance(s.token)
+        if self.logits is not None:
+            self.logits.observe(s.token)
         if s.token in self.stop_ids:
             # The stop token is sent (it was generated and counts) but its own text never is.
             self.finish_reason = pb.FINISH_REASON_STOP
@@ -269,14 +272,10 @@ class BatchLoop:
         try:
             if isinstance(row, Sample):
                 s = row
-            elif seq.matcher is not None:
-                s = sample_allowed(row, seq.matcher.allowed(), argmax_only=seq.argmax_only,
-                                   rng_state=seq.rng_state, sampling=seq.sampling)
-                seq.rng_state = s.rng_state
             else:
-                s = _argmax(row, seq.rng_state) if seq.argmax_only else None
-                if s is None:
-                    s = sample(row, rng_state=seq.rng_state, **seq.sampling)
+                s = choose(row, allowed=seq.matcher.allowed() if seq.matcher is not None else None,
+                           proc=seq.logits, argmax_only=seq.argmax_only, rng_state=seq.rng_state,
+                           sampling=seq.sampling)
                 seq.rng_state = s.rng_state
             out.append((seq, seq.accept(s, batch_size=batch_size)))
             return True
@@ -316,15 +315,6 @@ class BatchLoop:
             self.loop.call_soon_threadsafe(_deliver, out)
         except RuntimeError:  # the event loop is closed: the process is exiting
             pass
-
-
-def _argmax(row, rng_state: int) -> Sample | None:
-    """sample(row, temperature=0) without its logprobs: the lowest id among the maxima (numpy's argmax takes the
-    first), no draw. None for a row with a NaN or an infinity, which sample() refuses with its own error."""
-    t = int(row.argmax())
-    if not (math.isfinite(row[t]) and math.isfinite(row.min())):
-        return None
-    return Sample(t, rng_state, 0.0, [])
 
 
 def _deliver(out: list) -> None:

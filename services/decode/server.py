@@ -27,6 +27,7 @@ from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
+from splitgemma.serving.logits import processor as logits_processor
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.tokenizer import find_tokenizer
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
@@ -310,6 +311,11 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             if request.stop and self.tokenizer is None:
                 raise InvalidRequest("stop strings need a tokenizer; this decode worker runs without one "
                                      "(start it with --tokenizer)")
+            stop_ids = set(request.stop_token_ids)
+            if not request.ignore_eos:
+                stop_ids |= self.stop_tokens
+            proc = logits_processor(request.sampling, vocab_size=self.model.vocab_size,
+                                    prompt_ids=request.prompt_token_ids, stop_ids=stop_ids)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         matcher = await constraint_matcher(self.grammars, request.sampling, context)
@@ -327,9 +333,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"KV handoff refused: {e}")
         self.metrics.verify_seconds.observe(seconds)
         first = request.first_token
-        stop_ids = set(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids |= self.stop_tokens
         return Sequence(
             request_id=rid, slot=lease.slot, prompt_tokens=request.prompt_tokens,
             first=Sample(first.token_id, request.rng_state, first.logprob,
@@ -337,9 +340,10 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             sampling=sampling, logprobs=request.sampling.logprobs, rng_state=request.rng_state,
             max_tokens=request.max_tokens or slot.max_tokens,
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
-            text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens)
+            text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens,
+                             include_stop=request.include_stop_str_in_output)
                   if self.tokenizer is not None else None),
-            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher)
+            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher, logits=proc)
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()

@@ -252,7 +252,12 @@ class Gateway:
         return pb.SamplingParams(temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
                                  top_k=max(0, req.top_k or 0),
                                  top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
-                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, constraint=constraint)
+                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, constraint=constraint,
+                                 logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
+                                 presence_penalty=req.presence_penalty or 0.0,
+                                 frequency_penalty=req.frequency_penalty or 0.0,
+                                 repetition_penalty=req.repetition_penalty or 0.0, min_p=req.min_p or 0.0,
+                                 min_tokens=req.min_tokens)
 
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
               param: str, constraint: pb.Constraint | None = None,
@@ -261,6 +266,10 @@ class Gateway:
             raise invalid(f"{len(prompts)} prompts × n={req.n} is more than {MAX_CHOICES} choices per request",
                           param="n", code="invalid_value")
         stop_token_ids = self._check_ids(list(req.stop_token_ids or []), "stop_token_ids")
+        self._check_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
+        if max_tokens is not None and req.min_tokens > max_tokens:
+            raise invalid(f"min_tokens ({req.min_tokens}) is more than max_tokens ({max_tokens})",
+                          param="min_tokens", code="invalid_value")
         out = []
         for p_index, ids in enumerate(prompts):
             for j in range(req.n):
@@ -269,6 +278,7 @@ class Gateway:
                                       sampling=self.sampling(req, index, logprobs, top_logprobs, constraint),
                                       stop=req.stop_list, stop_token_ids=stop_token_ids,
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+                                      include_stop_str_in_output=req.include_stop_str_in_output,
                                       prompt_param=param, default_max_tokens=default_max_tokens))
         return out
 

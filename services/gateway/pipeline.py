@@ -53,6 +53,7 @@ class ChoiceSpec:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
     default_max_tokens: int | None = None
 
@@ -240,6 +241,7 @@ class Pipelines:
                     run.prefill_result = await w.stub.Prefill(
                         pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
                                           lease=run.lease, sampling=run.spec.sampling,
+                                          stop_token_ids=run.spec.stop_token_ids, ignore_eos=run.spec.ignore_eos,
                                           response_id=run.response_id, operation=run.operation),
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
@@ -282,6 +284,9 @@ class Pipelines:
             first_token=run.prefill_result.first_token, sampling=spec.sampling, max_tokens=run.max_tokens,
             stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
             rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            # only repetition_penalty reads the prompt's ids in the decode worker
+            prompt_token_ids=spec.prompt_ids if spec.sampling.repetition_penalty not in (0.0, 1.0) else (),
             response_id=run.response_id, operation=run.operation)
         w.in_flight += 1
         reader = _StreamReader(w.stub.Generate(request))

@@ -2,9 +2,9 @@
 
 Requests are validated with pydantic in strict mode (a string where a number belongs is an error, not a
 conversion) and every failure becomes `{"error": {"message", "type", "param", "code"}}` with status 400, never
-FastAPI's 422. Fields OpenAI defines that this server does not implement are rejected with a 400 naming them when
-they ask for something (echo, penalties, logit_bias, best_of > n) rather
-than silently ignored; unknown fields are ignored, as vLLM does.
+FastAPI's 422. Fields OpenAI or vLLM define that this server does not implement are rejected with a 400 naming them
+when they ask for something (echo, best_of > n, prompt_logprobs, beam search, …: REFUSED) rather than silently
+ignored; unknown fields are ignored, as vLLM does.
 
 The body itself is held to strict JSON before any field is looked at (RFC 8259; Python's json module is more
 lenient): UTF-8 only, no NaN/Infinity, no number that overflows a double, no integer longer than Python converts,
@@ -127,9 +127,22 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # logits processing (splitgemma/serving/logits.py): OpenAI's, then vLLM's extensions
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | \
+        None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e6)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
+    include_stop_str_in_output: bool = False
+    # vLLM parameters this server does not implement: present only to be refused (REFUSED)
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    length_penalty: Any = None
     # structured outputs (services/gateway/structured.py): OpenAI's, then vLLM's and llama-server's extensions
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | bool | str | None = None
@@ -141,12 +154,13 @@ class _SamplingRequest(_Strict):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise _Unsupported(name, f"{name} is not supported by this server (use 0 or leave it out)")
-        if self.logit_bias:
-            raise _Unsupported("logit_bias", "logit_bias is not supported by this server")
+        for name, off in REFUSED.items():
+            if getattr(self, name) not in off:
+                raise _Unsupported(name, f"{name} is not supported by this server")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > UINT32_MAX:
+                raise _Unsupported("logit_bias", f"logit_bias keys must be token ids, got {key[:40]!r}",
+                                   code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise _Unsupported("stream_options", "stream_options is only allowed when stream is true",
                                code="invalid_value")
@@ -159,6 +173,11 @@ class _SamplingRequest(_Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# Accepted-and-refused parameters and the values that ask for nothing (so a client that sends the default works).
+REFUSED = {"prompt_logprobs": (None,), "use_beam_search": (None, False), "bad_words": (None, []),
+           "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,), "length_penalty": (None, 1, 1.0)}
 
 
 class CompletionRequest(_SamplingRequest):

@@ -33,8 +33,7 @@ import grpc
 import numpy as np
 
 from splitgemma.commands.prefill import POLICIES  # the --prefill-policy choices: rr, srf, fifo
-from splitgemma.engine import sample
-from splitgemma.serving.grammar import sample_allowed
+from splitgemma.serving.logits import choose
 from splitgemma.serving.shm_arena import MappedArena, request_key
 
 log = logging.getLogger("splitgemma.prefill")
@@ -66,9 +65,10 @@ class PrefillJob:
 
     def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampling: dict, seed: int,
                  deadline: float, deadline_reason: str, prefix_cache, release: Callable[[], None],
-                 loop: asyncio.AbstractEventLoop, matcher=None):
+                 loop: asyncio.AbstractEventLoop, matcher=None, logits=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
+        self.proc = logits  # splitgemma.serving.logits.LogitsProcessor: bias, penalties, min_p, min_tokens
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
         self.lease = request.lease
         self.sampling, self.seed = sampling, seed
@@ -128,12 +128,10 @@ class PrefillJob:
         t1 = time.perf_counter()
         self.view.arena.seal(self.lease.slot, request_key(self.request.request_id), self.lease.generation)
         t2 = time.perf_counter()
-        if self.matcher is None:
-            first = sample(self.logits, rng_state=self.seed, **self.sampling)
-        else:
+        if self.matcher is not None:
             self.matcher.mask()
-            first = sample_allowed(self.logits, self.matcher.allowed(), argmax_only=False, rng_state=self.seed,
-                                   sampling=self.sampling)
+        first = choose(self.logits, allowed=self.matcher.allowed() if self.matcher is not None else None,
+                       proc=self.proc, argmax_only=False, rng_state=self.seed, sampling=self.sampling)
         return Result(first, self.view.arena.header(self.lease.slot)["checksum"], self.cached_tokens,
                       time.monotonic() - self.started,
                       t2 - t1, self.started - self.accepted, self.first_step, self.last_step)

@@ -31,6 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
 from splitgemma.serving.grammar import Grammars, worker_grammars
+from splitgemma.serving.logits import processor as logits_processor
+from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
@@ -56,8 +58,10 @@ _LOCK_POLL_S = (0.002, 0.02)
 
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer, policy: str,
-                 max_prompts: int, max_seconds: float, prefix_cache: PrefixCache, grammars: Grammars):
+                 max_prompts: int, max_seconds: float, prefix_cache: PrefixCache, grammars: Grammars,
+                 stop_tokens=()):
         self.model = model
+        self.stop_tokens = frozenset(stop_tokens)  # what min_tokens holds off unless ignore_eos
         self.grammars = grammars
         self.prefix_cache = prefix_cache
         self.shm_dir = shm_dir
@@ -154,6 +158,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         try:
             sampling = sampling_kwargs(request.sampling)
             tokens = self._check(request)
+            stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else self.stop_tokens)
+            proc = logits_processor(request.sampling, vocab_size=self.model.vocab_size, prompt_ids=tokens,
+                                    stop_ids=stop_ids)
             digest = lease_digest(lease.worker_id, lease.slot, lease.generation, lease.secret)
             view = self._arena(lease)
         except ArenaMissing as e:
@@ -165,7 +172,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
                                 "written")
         matcher = await constraint_matcher(self.grammars, request.sampling, context)
-        job = self._accept(context, view, request, tokens, sampling, matcher)
+        job = self._accept(context, view, request, tokens, sampling, matcher, proc)
         if job is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
@@ -218,7 +225,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                   last_chunk_step=r.last_step)
 
     def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict,
-                matcher) -> PrefillJob | None:
+                matcher, proc) -> PrefillJob | None:
         """A job for the call, counted in flight; None when --max-prompts are in flight already."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < self.max_seconds:
@@ -229,7 +236,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
         job = PrefillJob(self.model, view, request, tokens, sampling, seed, deadline, reason,
                          prefix_cache=self.prefix_cache, release=lambda: self._release(job),
-                         loop=asyncio.get_running_loop(), matcher=matcher)
+                         loop=asyncio.get_running_loop(), matcher=matcher, logits=proc)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_prompts:
                 return None
@@ -338,7 +345,8 @@ async def serve(args) -> int:
                                policy=args.prefill_policy, max_prompts=args.max_prompts,
                                max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes),
                                grammars=worker_grammars(args.model, getattr(args, "tokenizer", None),
-                                                        model.vocab_size))
+                                                        model.vocab_size),
+                               stop_tokens=model_stop_tokens(args.model)[0])
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
                             lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv),

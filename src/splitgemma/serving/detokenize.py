@@ -14,7 +14,8 @@ TextStream turns one sequence's generated token ids into text pieces as they arr
   to see markers the model emits) asks for them. The model's stop tokens are never pushed.
 * Stop strings are matched on the decoded text, across piece boundaries. Text that could be the start of a stop
   string is held back until it either completes the stop string (then the match and everything after it are
-  dropped) or can no longer match (then it is released with a later piece, or by flush()).
+  dropped, or with include_stop, vLLM's include_stop_str_in_output, the match is kept and what follows dropped) or
+  can no longer match (then it is released with a later piece, or by flush()).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from tokenizers import Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stops: Iterable[str] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self._tokenizer = tokenizer
+        self._include_stop = include_stop
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
         # ids[_prefix:_read] is the last piece released; ids[_read:] have not been released yet.
@@ -49,7 +52,7 @@ class TextStream:
                 match = (i, s)
         if match is not None:
             self._held = ""
-            return text[: match[0]], match[1]
+            return text[: match[0] + (len(match[1]) if self._include_stop else 0)], match[1]
         keep = self._partial_match_len(text)
         self._held = text[len(text) - keep:] if keep else ""
         return text[: len(text) - keep], None
