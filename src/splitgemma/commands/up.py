@@ -234,12 +234,13 @@ def run(args) -> int:
             if failure is None and not ready:
                 if _ready(url):
                     ready = True
-                    print(f"splitgemma: serving {args.model_name or Path(args.model).stem} at {url}/v1 "
-                          f"(Ctrl-C to stop)", flush=True)
+                    # The metrics line first: whoever waits for the "serving" line on stdout finds it written.
                     print("splitgemma: metrics at " + ", ".join(
                         [f"{url}/metrics (gateway)",
                          *(f"http://127.0.0.1:{p}/metrics ({kind})" for kind, p in metrics_ports.items())]),
                         file=sys.stderr, flush=True)
+                    print(f"splitgemma: serving {args.model_name or Path(args.model).stem} at {url}/v1 "
+                          f"(Ctrl-C to stop)", flush=True)
                 elif time.monotonic() > deadline:
                     failure = f"the gateway was not ready after {args.start_timeout:.0f} s"
             time.sleep(0.2)
