@@ -1,4 +1,4 @@
-"""Logits processing end to end (splitgemma/serving/logits.py): logit_bias, presence/frequency penalties,
+"""Logits processing end to end (the native RowSampler, splitgemma/serving/logits.py): logit_bias, presence/frequency penalties,
 repetition_penalty, min_p, min_tokens and include_stop_str_in_output, through the official openai client against
 real gateway, prefill and decode processes; each checked against its definition applied with numpy to the engine's
 raw logits (the same engine and weights policy in-process, test_gateway.Reference). The fixture model's 1,024
@@ -10,8 +10,6 @@ import numpy as np
 import openai
 import pytest
 
-from splitgemma.serving.logits import processor
-from splitgemma.v1 import serving_pb2 as pb
 
 from test_gateway import MODEL_NAME, STOP_IDS, TEMPLATE, Reference, Stack
 
@@ -66,12 +64,6 @@ def complete(client, **kw):
                                     "include_stop_str_in_output", "prompt_logprobs", "use_beam_search") if k in kw}
     kw.setdefault("temperature", 0)
     return client.completions.create(model=MODEL_NAME, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
-
-
-def test_no_parameter_means_no_processing():
-    # The workers' fast paths (greedy argmax, plain sample()) stay for rows that ask for nothing.
-    assert processor(pb.SamplingParams(temperature=0, repetition_penalty=1.0), vocab_size=8) is None
-    assert processor(pb.SamplingParams(min_p=0.1), vocab_size=8) is not None
 
 
 def test_logit_bias_makes_a_token_the_greedy_choice(client, ref, ids_of):

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from splitgemma.commands.prefill import POLICIES  # the --prefill-policy choices: rr, srf, fifo
-from splitgemma.serving.logits import choose
+from splitgemma.engine import sample_rows
 from splitgemma.serving.shm_arena import MappedArena, request_key
 
 log = logging.getLogger("splitgemma.prefill")
@@ -63,15 +63,14 @@ class PrefillJob:
     """One prompt run into one leased slot. The caller holds the slot's writer lock when it submits the job; the
     job gives it back (`release`) when it ends, whichever way. Every step but `cancel` runs on the model thread."""
 
-    def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampling: dict, seed: int,
+    def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampler,
                  deadline: float, deadline_reason: str, prefix_cache, release: Callable[[], None],
-                 loop: asyncio.AbstractEventLoop, matcher=None, logits=None):
+                 loop: asyncio.AbstractEventLoop, matcher=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
-        self.proc = logits  # splitgemma.serving.logits.LogitsProcessor: bias, penalties, min_p, min_tokens
+        self.sampler = sampler  # splitgemma.engine.RowSampler (splitgemma.serving.logits.row_sampler), seeded
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
         self.lease = request.lease
-        self.sampling, self.seed = sampling, seed
         self.deadline, self.deadline_reason = deadline, deadline_reason  # time.monotonic()
         self.pos = 0  # the next position to run
         self.cached_tokens = 0
@@ -130,8 +129,11 @@ class PrefillJob:
         t2 = time.perf_counter()
         if self.matcher is not None:
             self.matcher.mask()
-        first = choose(self.logits, allowed=self.matcher.allowed() if self.matcher is not None else None,
-                       proc=self.proc, argmax_only=False, rng_state=self.seed, sampling=self.sampling)
+        # The decode worker's call for its rows, on this one row
+        first = sample_rows(self.logits[None, :], [self.sampler],
+                            [self.matcher.bits if self.matcher is not None else None])[0]
+        if isinstance(first, str):
+            raise ValueError(f"sampling the first token failed: {first}")
         return Result(first, self.view.arena.header(self.lease.slot)["checksum"], self.cached_tokens,
                       time.monotonic() - self.started,
                       t2 - t1, self.started - self.accepted, self.first_step, self.last_step)

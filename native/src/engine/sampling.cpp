@@ -35,7 +35,7 @@ void best_k(const float* x, int n, int k, std::vector<int>& idx) {
 
 }  // namespace
 
-SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_state) {
+void check_sample_params(const SampleParams& p, int n) {
   if (n < 1) throw std::invalid_argument("sample: empty logits row");
   if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
     throw std::invalid_argument("sample: temperature must be a finite number >= 0, got " + std::to_string(p.temperature));
@@ -44,6 +44,10 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   if (p.n_logprobs < 0 || p.n_logprobs > n)
     throw std::invalid_argument("sample: n_logprobs must lie in [0, " + std::to_string(n) + "], got " +
                                 std::to_string(p.n_logprobs));
+}
+
+SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_state) {
+  check_sample_params(p, n);
   static const bool cpu_ok = ops::cpu_has_avx2_fma_f16c();
   if (!cpu_ok) throw std::runtime_error("sample: needs a CPU with AVX2, FMA and F16C");
   bool finite = true;

@@ -34,6 +34,9 @@ struct SampleResult {
 
 uint64_t splitmix64_next(uint64_t* state);
 
+// Throws std::invalid_argument on parameters sample() would refuse for a row of n logits.
+void check_sample_params(const SampleParams& p, int n);
+
 // Throws std::invalid_argument on bad parameters or non-finite logits.
 SampleResult sample(const float* logits, int n, const SampleParams& p, uint64_t* rng_state);
 
