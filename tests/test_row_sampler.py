@@ -34,9 +34,12 @@ def test_processed_row_and_logprobs_match_transformers(i):
     case, row = CASES[i], FIXTURE["rows"][i]
     logits = row[None, :].copy()
     (s,) = sample_rows(logits, [sampler_for(case)])
-    # the bias and the repetition penalty, as transformers' SequenceBias and RepetitionPenalty processors
-    np.testing.assert_allclose(logits[0], FIXTURE["processed"][i], rtol=1e-6, atol=1e-6)
     want = FIXTURE["logprobs"][i]
+    # the bias and the repetition penalty, as transformers' SequenceBias and RepetitionPenalty processors; the ids
+    # min_tokens or min_p exclude hold the lowest float, and transformers excludes them too
+    out = logits[0] == np.finfo(np.float32).min
+    assert not np.isfinite(want[out]).any()
+    np.testing.assert_allclose(logits[0][~out], FIXTURE["processed"][i][~out], rtol=1e-6, atol=1e-6)
     kept = np.flatnonzero(np.isfinite(want))
     # the distribution drawn from: ids, then their logprobs, as transformers' warpers leave it (renormalised)
     got = dict(s.top_logprobs)
@@ -166,3 +169,11 @@ def test_bad_calls():
         sample_rows(frozen, [s])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         s.observe(V)
+
+
+def test_one_id_left_is_forced_without_a_draw():
+    row = FIXTURE["rows"][2]
+    for kw in (dict(min_p=1.0), dict(min_tokens=1, stop_ids=[t for t in range(V) if t != 40])):
+        (s,) = sample_rows(row[None, :].copy(), [RowSampler(V, temperature=1.0, n_logprobs=3, rng_state=11, **kw)])
+        want = int(np.argmax(row)) if "min_p" in kw else 40
+        assert (s.token, s.rng_state, s.logprob, s.top_logprobs) == (want, 11, 0.0, [(want, 0.0)])

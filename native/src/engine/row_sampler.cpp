@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include "ops.h"
@@ -9,6 +10,8 @@
 namespace sg {
 
 namespace {
+
+constexpr float kOut = -std::numeric_limits<float>::max();  // the logit of an excluded id (no mask)
 
 std::string id_error(const char* what, int64_t id, int vocab) {
   return std::string(what) + " " + std::to_string(id) + " is outside the vocabulary (0.." + std::to_string(vocab - 1) +
@@ -80,36 +83,70 @@ SampleResult RowSampler::next(float* x, const uint32_t* mask, int mask_words) {
     return sample(x, V, p_.sample, &rng_);
   }
 
-  // 4: the ids left, ascending.
-  ids_.clear();
-  if (mask) {
-    for (int w = 0; w < mask_words; ++w) {
-      for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
-        const int i = w * 32 + __builtin_ctz(bits);
-        if (i >= V) break;
-        ids_.push_back(i);
-      }
-    }
-    if (ids_.empty()) throw std::invalid_argument("the constraint admits no token here");
-    if (ban) {
-      const auto& s = p_.stop_ids;
-      auto is_stop = [&](int t) { return std::binary_search(s.begin(), s.end(), t); };
-      // A constraint that admits nothing but stop ids has its output whole: it ends the sequence rather than
-      // min_tokens leaving no token at all.
-      if (!std::all_of(ids_.begin(), ids_.end(), is_stop))
-        ids_.erase(std::remove_if(ids_.begin(), ids_.end(), is_stop), ids_.end());
-    }
-  } else {
-    ids_.reserve(V);
-    int from = 0;
+  if (!mask) {
+    // 4 in place: an excluded id's logit becomes kOut, the lowest float, so that sample() over the whole row gives
+    // it no weight (and no gather of the ~V ids left is needed).
+    int left = V;
     if (ban)
-      for (int s : p_.stop_ids) {
-        for (int i = from; i < s; ++i) ids_.push_back(i);
-        from = s + 1;
-      }
-    for (int i = from; i < V; ++i) ids_.push_back(i);
-    if (ids_.empty()) throw std::invalid_argument("min_tokens: every id of the vocabulary is a stop id");
+      for (int s : p_.stop_ids) x[s] = kOut, --left;
+    if (left == 0) throw std::invalid_argument("min_tokens: every id of the vocabulary is a stop id");
+    bool finite = true;
+    const float mx = ops::max_finite(x, V, &finite);
+    if (!finite) throw std::invalid_argument("sample: logits contain NaN or infinity");
+    if (cut) {
+      // p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
+      const float thr = mx + float(double(T) * std::log(double(p_.min_p)));
+      for (int i = 0; i < V; ++i)
+        if (x[i] < thr && x[i] != kOut) x[i] = kOut, --left;
+    }
+    SampleResult r;
+    if (left == 1 || argmax_only) {  // one id left is forced: no draw
+      r.token = int(std::find(x, x + V, mx) - x);
+      if (left == 1 && p_.sample.n_logprobs > 0) r.top.emplace_back(r.token, 0.0f);
+      return r;
+    }
+    SampleParams q = p_.sample;  // as sample() over the ids left would take them
+    q.n_logprobs = std::min(q.n_logprobs, left);
+    if (q.top_k >= left) q.top_k = 0;
+    const uint64_t before = rng_;
+    r = sample(x, V, q, &rng_);
+    if (x[r.token] != kOut) {
+      r.top.erase(std::remove_if(r.top.begin(), r.top.end(), [&](const auto& t) { return x[t.first] == kOut; }),
+                  r.top.end());
+      return r;
+    }
+    // The whole-row walk's exp() is clamped at e^-87, so an excluded id keeps a weight of ~1e-38 and a draw of
+    // exactly 0 can land on it: draw again among the ids left, from the same state.
+    rng_ = before;
+    ids_.clear();
+    for (int i = 0; i < V; ++i)
+      if (x[i] != kOut) ids_.push_back(i);
+    return from_ids(x, false, argmax_only);
   }
+
+  // 4 with a constraint: the ids it allows, ascending (usually far fewer than V), gathered.
+  ids_.clear();
+  for (int w = 0; w < mask_words; ++w) {
+    for (uint32_t bits = mask[w]; bits; bits &= bits - 1) {
+      const int i = w * 32 + __builtin_ctz(bits);
+      if (i >= V) break;
+      ids_.push_back(i);
+    }
+  }
+  if (ids_.empty()) throw std::invalid_argument("the constraint admits no token here");
+  if (ban) {
+    const auto& s = p_.stop_ids;
+    auto is_stop = [&](int t) { return std::binary_search(s.begin(), s.end(), t); };
+    // A constraint that admits nothing but stop ids has its output whole: it ends the sequence rather than
+    // min_tokens leaving no token at all.
+    if (!std::all_of(ids_.begin(), ids_.end(), is_stop))
+      ids_.erase(std::remove_if(ids_.begin(), ids_.end(), is_stop), ids_.end());
+  }
+  return from_ids(x, cut, argmax_only);
+}
+
+SampleResult RowSampler::from_ids(const float* x, bool cut, bool argmax_only) {
+  const float T = p_.sample.temperature;
   vals_.resize(ids_.size());
   for (size_t i = 0; i < ids_.size(); ++i) vals_[i] = x[ids_[i]];
   int n = int(vals_.size());
@@ -117,7 +154,6 @@ SampleResult RowSampler::next(float* x, const uint32_t* mask, int mask_words) {
   const float mx = ops::max_finite(vals_.data(), n, &finite);
   if (!finite) throw std::invalid_argument("sample: logits contain NaN or infinity");
   if (cut) {
-    // p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
     const float thr = mx + float(double(T) * std::log(double(p_.min_p)));
     int k = 0;
     for (int i = 0; i < n; ++i)

@@ -13,7 +13,8 @@
 //      greedy): ids whose probability is below min_p times the largest are dropped.
 //   5. sample() over what is left (temperature, top_k, top_p, the draw, n_logprobs). A single id left is forced:
 //      no draw, logprob 0.
-// Steps 1-3 rewrite the row in place, so the caller's array holds the processed logits afterwards.
+// Steps 1-3 rewrite the row in place, so the caller's array holds the processed logits afterwards; without a mask,
+// step 4 sets the logits of the ids it excludes to the lowest float (-FLT_MAX) in place too.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +56,9 @@ class RowSampler {
   int vocab_size() const { return vocab_; }
 
  private:
+  // sample() over the ids in ids_ (ascending), after min_p when `cut`.
+  SampleResult from_ids(const float* x, bool cut, bool argmax_only);
+
   RowSamplerParams p_;
   int vocab_;
   uint64_t rng_;
