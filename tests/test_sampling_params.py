@@ -201,7 +201,7 @@ def test_include_stop_str_in_output(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"presence_penalty": 2.5}, "presence_penalty"),

@@ -35,7 +35,8 @@ from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
+from splitgemma.serving.worker import (MAX_TOP_LOGPROBS, GrpcServer, InvalidRequest, constraint_matcher,
+                                       gen_ai_request_attributes,
                                        open_model, serve_until_signalled, setup_logging,
                                        start_metrics, token_message, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
@@ -222,7 +223,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
                                   kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens,
                                   queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
-                                  last_chunk_step=r.last_step)
+                                  last_chunk_step=r.last_step, prompt_logprobs=r.prompt_logprobs)
 
     def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampler,
                 matcher) -> PrefillJob | None:
@@ -294,6 +295,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         bad = int(tokens.max())
         if bad >= m.vocab_size:
             raise InvalidRequest(f"prompt token {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        if request.HasField("prompt_logprobs") and request.prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
         return tokens
 
     def _arena(self, lease) -> MappedArena:

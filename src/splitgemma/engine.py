@@ -1,5 +1,5 @@
 """Python conveniences over the native engine (splitgemma._native.Model / KvArena / sample / RowSampler /
-sample_rows); see docs/engine-api.md.
+sample_rows / prompt_logprobs); see docs/engine-api.md.
 
 The native objects are the API; this module only adds an arena constructor over (shared) memory and named results
 for sample() and sample_rows().
@@ -11,11 +11,11 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from splitgemma._native import KvArena, Model, RowSampler
+from splitgemma._native import KvArena, Model, RowSampler, prompt_logprobs
 from splitgemma._native import sample as _native_sample
 from splitgemma._native import sample_rows as _native_sample_rows
 
-__all__ = ["KvArena", "Model", "RowSampler", "Sample", "open_arena", "sample", "sample_rows"]
+__all__ = ["KvArena", "Model", "RowSampler", "Sample", "open_arena", "prompt_logprobs", "sample", "sample_rows"]
 
 
 def open_arena(model: Model, n_slots: int, path: str | os.PathLike | None = None) -> KvArena:

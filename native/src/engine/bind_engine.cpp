@@ -454,6 +454,37 @@ void bind_engine(py::module_& m) {
       "failed (its random state unchanged). Does not observe() the tokens drawn.");
 
   m.def(
+      "prompt_logprobs",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, py::object tokens, int top_n) {
+        if (logits.ndim() != 2) throw py::value_error("prompt_logprobs: logits must be a 2-D [rows, vocab] array");
+        const std::vector<int32_t> t = int_vector(tokens, "tokens");
+        const py::ssize_t R = logits.shape(0), V = logits.shape(1);
+        if (py::ssize_t(t.size()) != R)
+          throw py::value_error("prompt_logprobs: " + std::to_string(t.size()) + " tokens for " + std::to_string(R) +
+                                " rows");
+        if (top_n < 0 || top_n > V) throw py::value_error("prompt_logprobs: top_n must lie in [0, vocab]");
+        py::array_t<float> lp(R), top_lp({R, py::ssize_t(top_n)});
+        py::array_t<int32_t> rank(R), top_ids({R, py::ssize_t(top_n)});
+        float *plp = lp.mutable_data(), *ptl = top_lp.mutable_data();
+        int32_t *prk = rank.mutable_data(), *pti = top_ids.mutable_data();
+        const float* x = logits.data();
+        {
+          py::gil_scoped_release nogil;
+          for (py::ssize_t r = 0; r < R; ++r) {
+            int rk = 0;
+            const sg::SampleResult s = sg::token_logprob(x + r * V, int(V), t[r], top_n, &rk);
+            plp[r] = s.logprob;
+            prk[r] = rk;
+            for (int i = 0; i < top_n; ++i) pti[r * top_n + i] = s.top[i].first, ptl[r * top_n + i] = s.top[i].second;
+          }
+        }
+        return py::make_tuple(lp, rank, top_ids, top_lp);
+      },
+      py::arg("logits"), py::arg("tokens"), py::arg("top_n") = 0,
+      "Row r's log-softmax at tokens[r] (the token that followed), its rank (1 = most likely) and the top_n "
+      "(id, logprob), best first: (logprob [R], rank [R], top_ids [R, top_n], top_logprobs [R, top_n]).");
+
+  m.def(
       "sample",
       [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, float temperature, int top_k,
          float top_p, py::object rng_state, int n_logprobs) {

@@ -140,4 +140,25 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   return res;
 }
 
+SampleResult token_logprob(const float* x, int n, int token, int k, int* rank) {
+  if (token < 0 || token >= n) throw std::invalid_argument("token_logprob: token " + std::to_string(token) + " out of range");
+  if (k < 0 || k > n) throw std::invalid_argument("token_logprob: k must lie in [0, " + std::to_string(n) + "]");
+  static const bool cpu_ok = ops::cpu_has_avx2_fma_f16c();
+  if (!cpu_ok) throw std::runtime_error("token_logprob: needs a CPU with AVX2, FMA and F16C");
+  bool finite = true;
+  const float mx = ops::max_finite(x, n, &finite);
+  if (!finite) throw std::invalid_argument("token_logprob: logits contain NaN or infinity");
+  const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, -1, nullptr));
+  SampleResult res;
+  res.token = token;
+  res.logprob = float(double(x[token]) - mx - log_z);
+  *rank = 1 + int(std::count_if(x, x + n, [&](float v) { return v > x[token]; }));
+  if (k > 0) {
+    thread_local std::vector<int> idx;
+    best_k(x, n, k, idx);
+    for (int i = 0; i < k; ++i) res.top.emplace_back(idx[i], float(double(x[idx[i]]) - mx - log_z));
+  }
+  return res;
+}
+
 }  // namespace sg
