@@ -61,7 +61,7 @@ def log_softmax(z):
 
 def complete(client, **kw):
     extra = {k: kw.pop(k) for k in ("min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search") if k in kw}
+                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search", "top_k") if k in kw}
     kw.setdefault("temperature", 0)
     return client.completions.create(model=MODEL_NAME, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
 
@@ -217,3 +217,18 @@ def test_out_of_range_or_unimplemented_is_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_top_k_1_is_greedy(client):
+    # top_k (vLLM, llama-server) at the gateway: one id kept, whatever the temperature.
+    greedy = complete(client, max_tokens=6, temperature=0)
+    cut = complete(client, max_tokens=6, temperature=1.5, seed=3, top_k=1)
+    assert cut.choices[0].text == greedy.choices[0].text
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0)
+    thinking = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert thinking.usage.prompt_tokens != plain.usage.prompt_tokens
