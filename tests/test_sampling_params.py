@@ -1,8 +1,9 @@
-"""Logits processing end to end (the native RowSampler, splitgemma/serving/logits.py): logit_bias, presence/frequency penalties,
-repetition_penalty, min_p, min_tokens and include_stop_str_in_output, through the official openai client against
-real gateway, prefill and decode processes; each checked against its definition applied with numpy to the engine's
-raw logits (the same engine and weights policy in-process, test_gateway.Reference). The fixture model's 1,024
-tokens decode to distinct texts, so the logprobs' token texts name the ids."""
+"""Logits processing end to end (the native RowSampler, splitgemma/serving/logits.py): logit_bias,
+presence/frequency penalties, repetition_penalty, min_p, min_tokens, include_stop_str_in_output, top_k and
+chat_template_kwargs, through the official openai client against real gateway, prefill and decode processes; each
+checked against its definition applied with numpy to the engine's raw logits (the same engine and weights policy
+in-process, test_gateway.Reference). The fixture model's 1,024 tokens decode to distinct texts, so the logprobs'
+token texts name the ids. The native sampler itself against transformers' processors: tests/test_row_sampler.py."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def log_softmax(z):
 
 def complete(client, **kw):
     extra = {k: kw.pop(k) for k in ("min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search", "top_k") if k in kw}
+                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search", "top_k")
+             if k in kw}
     kw.setdefault("temperature", 0)
     return client.completions.create(model=MODEL_NAME, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
 

@@ -405,7 +405,8 @@ void bind_engine(py::module_& m) {
       "sample_rows",
       [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks) {
         if (logits.ndim() != 2) throw py::value_error("sample_rows: logits must be a 2-D [rows, vocab] float32 array");
-        if (!logits.writeable()) throw py::value_error("sample_rows: logits must be writable (rows are processed in place)");
+        if (!logits.writeable())
+          throw py::value_error("sample_rows: logits must be writable (rows are processed in place)");
         const py::ssize_t B = logits.shape(0), V = logits.shape(1);
         if (py::ssize_t(py::len(samplers)) != B)
           throw py::value_error("sample_rows: " + std::to_string(py::len(samplers)) + " samplers for " +

@@ -141,7 +141,8 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
 }
 
 SampleResult token_logprob(const float* x, int n, int token, int k, int* rank) {
-  if (token < 0 || token >= n) throw std::invalid_argument("token_logprob: token " + std::to_string(token) + " out of range");
+  if (token < 0 || token >= n)
+    throw std::invalid_argument("token_logprob: token " + std::to_string(token) + " out of range");
   if (k < 0 || k > n) throw std::invalid_argument("token_logprob: k must lie in [0, " + std::to_string(n) + "]");
   static const bool cpu_ok = ops::cpu_has_avx2_fma_f16c();
   if (!cpu_ok) throw std::runtime_error("token_logprob: needs a CPU with AVX2, FMA and F16C");
