@@ -31,12 +31,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
 from splitgemma.serving.grammar import Grammars, worker_grammars
-from splitgemma.serving.logits import processor as logits_processor
+from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
-                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging,
+from splitgemma.serving.worker import (MAX_TOP_LOGPROBS, GrpcServer, InvalidRequest, constraint_matcher,
+                                       gen_ai_request_attributes,
+                                       open_model, serve_until_signalled, setup_logging,
                                        start_metrics, token_message, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
@@ -156,11 +157,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is draining")
         try:
-            sampling = sampling_kwargs(request.sampling)
             tokens = self._check(request)
             stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else self.stop_tokens)
-            proc = logits_processor(request.sampling, vocab_size=self.model.vocab_size, prompt_ids=tokens,
-                                    stop_ids=stop_ids)
+            seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
+            sampler = row_sampler(request.sampling, vocab_size=self.model.vocab_size, rng_state=seed,
+                                  want_logprob=True, prompt_ids=tokens, stop_ids=stop_ids)
             digest = lease_digest(lease.worker_id, lease.slot, lease.generation, lease.secret)
             view = self._arena(lease)
         except ArenaMissing as e:
@@ -172,7 +173,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
                                 "written")
         matcher = await constraint_matcher(self.grammars, request.sampling, context)
-        job = self._accept(context, view, request, tokens, sampling, matcher, proc)
+        job = self._accept(context, view, request, tokens, sampler, matcher)
         if job is None:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
@@ -222,10 +223,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
                                   kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens,
                                   queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
-                                  last_chunk_step=r.last_step)
+                                  last_chunk_step=r.last_step, prompt_logprobs=r.prompt_logprobs)
 
-    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict,
-                matcher, proc) -> PrefillJob | None:
+    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampler,
+                matcher) -> PrefillJob | None:
         """A job for the call, counted in flight; None when --max-prompts are in flight already."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < self.max_seconds:
@@ -233,10 +234,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         else:
             deadline, reason = time.monotonic() + self.max_seconds, \
                 f"the worker's limit of {self.max_seconds:g} s per prompt (--max-prefill-seconds)"
-        seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
-        job = PrefillJob(self.model, view, request, tokens, sampling, seed, deadline, reason,
+        job = PrefillJob(self.model, view, request, tokens, sampler, deadline, reason,
                          prefix_cache=self.prefix_cache, release=lambda: self._release(job),
-                         loop=asyncio.get_running_loop(), matcher=matcher, logits=proc)
+                         loop=asyncio.get_running_loop(), matcher=matcher)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_prompts:
                 return None
@@ -295,6 +295,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         bad = int(tokens.max())
         if bad >= m.vocab_size:
             raise InvalidRequest(f"prompt token {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        if request.HasField("prompt_logprobs") and request.prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
         return tokens
 
     def _arena(self, lease) -> MappedArena:
