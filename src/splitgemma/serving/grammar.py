@@ -162,6 +162,24 @@ class Matcher:
     def set_mask(self, row: np.ndarray) -> None:
         self._bits = row.view(np.uint8)
 
+    @property
+    def has_mask(self) -> bool:
+        return self._bits is not None
+
+    def forced(self) -> int | None:
+        """The one token the mask admits, or None when it admits several (or none: allowed() says why). Cheaper
+        than allowed(): it looks at the nonzero bytes only."""
+        if self._bits is None:
+            raise RuntimeError("forced() before the mask was computed")
+        nz = np.flatnonzero(self._bits)
+        if len(nz) != 1:
+            return None
+        byte = int(self._bits[nz[0]])
+        if byte & (byte - 1):
+            return None
+        token = int(nz[0]) * 8 + byte.bit_length() - 1
+        return token if token < self.vocab_size else None
+
     def allowed(self) -> np.ndarray:
         """The ids the constraint admits next, ascending (computed by the last mask)."""
         if self._bits is None:
@@ -202,7 +220,7 @@ def sample_allowed(row: np.ndarray, allowed: np.ndarray, *, argmax_only: bool, r
     is the masked one, renormalised over the allowed tokens. A single allowed token is forced: no draw (the rng
     state is unchanged), logprob 0."""
     if len(allowed) == 1:
-        return Sample(int(allowed[0]), rng_state, 0.0, [(int(allowed[0]), 0.0)][:sampling["n_logprobs"]])
+        return forced_sample(int(allowed[0]), rng_state, sampling)
     sub = np.ascontiguousarray(row[allowed], dtype=np.float32)
     if argmax_only:
         t = int(sub.argmax())
@@ -212,3 +230,10 @@ def sample_allowed(row: np.ndarray, allowed: np.ndarray, *, argmax_only: bool, r
     s = sample(sub, rng_state=rng_state, **kw)
     return Sample(int(allowed[s.token]), s.rng_state, s.logprob,
                   [(int(allowed[t]), lp) for t, lp in s.top_logprobs])
+
+
+def forced_sample(token: int, rng_state: int, sampling: dict) -> Sample:
+    """The Sample of a token the constraint forces (the only one it admits): no draw, the rng state unchanged,
+    logprob 0. The decode worker takes forced tokens without computing their logits at all (docs/speculation.md);
+    this is the Sample a sampled row would give, so the stream is the same either way."""
+    return Sample(token, rng_state, 0.0, [(token, 0.0)][:sampling["n_logprobs"]])
