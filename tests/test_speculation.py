@@ -161,3 +161,17 @@ def test_ngram_index_drafts_what_followed_the_last_occurrence():
     assert idx.draft(3) == [1, 2, 3]  # (9, 4, 5) is new; the bigram (4, 5) was followed by 1 2 3
     idx.append(1)
     assert idx.draft(8) == [2, 3, 9, 4, 5, 1]  # (4, 5, 1): its first occurrence; the draft stops at the end
+
+
+def test_draft_length_follows_acceptance_and_measured_cost():
+    from splitgemma.services.decode.speculation import StepCosts, choose_k
+    costs = StepCosts()
+    assert choose_k(0.5, costs, 1, 8) == 1  # nothing measured: explore one row
+    costs.observe(1, 0.100)
+    costs.observe(2, 0.116)  # one more logits row costs 16% (measured on E2B, docs/speculation.md)
+    assert choose_k(0.5, costs, 1, 8) == 2  # 1.75 tokens at (assumed) 1.16: try the next length
+    costs.observe(3, 0.153)
+    assert choose_k(0.5, costs, 1, 8) == 1  # 1.75 / 1.53 < 1.5 / 1.16
+    assert choose_k(0.1, costs, 1, 8) == 0  # 1.1 tokens for 1.16: not worth a row
+    assert choose_k(0.9, costs, 1, 8) == 3  # long drafts pay while they are accepted
+    assert choose_k(0.9, costs, 1, 1) == 1  # never past k_max

@@ -33,7 +33,7 @@ from splitgemma.serving.logits import choose
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
 
-from .speculation import LookupState, NgramIndex, SpeculationConfig
+from .speculation import LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_k
 
 log = logging.getLogger("splitgemma.decode.batch")
 
@@ -158,6 +158,7 @@ class BatchLoop:
                  speculation: SpeculationConfig = SpeculationConfig()):
         self.model = model
         self.spec = speculation
+        self.costs = StepCosts()  # Model.decode time by logits rows: what a draft costs here
         self.arena = arena
         self.table = table
         self.loop = loop
@@ -289,6 +290,7 @@ class BatchLoop:
             masks.result()
         self._engine_seconds = dt
         self.stats.decode_seconds += dt
+        self.costs.observe(len(batch) + sum(map(len, drafts)), dt)
         n = len(batch)
         generated = sum(s.generated for s in batch)
         i = 0
@@ -323,12 +325,13 @@ class BatchLoop:
         drafts = []
         for seq in batch:
             k = 0
-            if seq.lookup is not None and seq.lookup.worth_drafting(cfg):
+            if seq.lookup is not None:
                 # The run stays within a chunk and the context; a step takes at most len(draft) + 1 tokens, so no
                 # draft past max_tokens.
                 k = min(cfg.lookup_k, chunk - len(seq.pending), ctx - seq.position - len(seq.pending))
                 if seq.max_tokens:
                     k = min(k, seq.max_tokens - seq.generated - 1)
+                k = choose_k(seq.lookup.p, self.costs, len(batch), k) if k > 0 else 0
             drafts.append(seq.lookup.index.draft(k) if k > 0 else [])
         return drafts
 
@@ -351,6 +354,7 @@ class BatchLoop:
         if draft:
             seq.lookup.drafted += len(draft)
             seq.lookup.accepted += taken
+            seq.lookup.rejections += taken < len(draft)
             self.stats.drafted += len(draft)
             self.stats.accepted += taken
             self.metrics.lookup(len(draft), taken, self.stats.accepted / self.stats.drafted)

@@ -4,7 +4,8 @@ beyond its next token.
 * Forced tokens: where a sequence's constraint admits exactly one token, that token is taken without the model
   (the Sample a sampled row would give: grammar.forced_sample), and a run of them is fed in the next step as one
   multi-token run whose rows compute no logits (Model.decode's logits flags), except the last one's.
-* Prompt lookup: a draft of up to k tokens copied from what followed the most recent earlier occurrence of the
+* Prompt lookup: a draft of up to k tokens (k chosen per step from the sequence's acceptance and the measured cost
+  of a step with that many more logits rows: choose_k) copied from what followed the most recent earlier occurrence of the
   sequence's last n tokens (n = 3, else 2) in its prompt and output so far; the step computes logits for every
   draft row and the batch loop keeps the drafts its own choice confirms, one by one. Only for greedy rows without
   logits processing: the choice is then a function of the logits row alone, so the tokens are those of plain
@@ -24,18 +25,54 @@ NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better
 class SpeculationConfig:
     forced: bool = True  # take grammar-forced tokens without the model, fed as one run
     lookup_k: int = 4  # longest draft (0: no prompt lookup); at most 8
-    # Draft only in steps with at most this many sequences: at batch 1 a step is bound by reading the weights, so
-    # extra rows are almost free; in a wide batch they cost compute every row pays (docs/benchmarks.md).
-    lookup_max_batch: int = 2
-    # A sequence whose drafts are accepted less often than this, once it has drafted `probe` tokens, stops drafting.
-    min_acceptance: float = 0.1
-    probe: int = 32
+    # Draft only in steps with at most this many sequences: a draft's rows are paid by the whole step, and the
+    # draft length is chosen for one sequence's acceptance against the step's measured cost (choose_k).
+    lookup_max_batch: int = 1
 
     def __post_init__(self):
         if not 0 <= self.lookup_k <= 8:
             raise ValueError(f"lookup_k must be in [0, 8], got {self.lookup_k}")
         if self.lookup_max_batch < 1:
             raise ValueError(f"lookup_max_batch must be at least 1, got {self.lookup_max_batch}")
+
+
+class StepCosts:
+    """Model.decode's time by the number of logits rows in the step (a moving average per count), measured by the
+    batch loop as it runs: what a draft's extra rows cost on this host, with these kernels, at this load. Rows
+    without logits are nearly free (no LM head, no shared layers), so they do not count."""
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def ratio(self, rows: int, base: int) -> float | None:
+        """cost(rows) / cost(base), None while either is unmeasured."""
+        a, b = self.seconds.get(rows), self.seconds.get(base)
+        return a / b if a is not None and b else None
+
+
+def choose_k(p: float, costs: StepCosts, base_rows: int, k_max: int) -> int:
+    """The draft length that maximises expected tokens per second for a sequence whose drafted tokens are accepted
+    with probability p each (given the previous one was): a step with a k-token draft yields 1 + p + … + p^k tokens
+    and costs ratio(base_rows + k) plain steps. Lengths are explored one row at a time: an unmeasured length counts
+    at the cost of the one below it, and only once that one is measured, so the table fills only as far as longer
+    drafts could still pay."""
+    best, best_rate = 0, 1.0
+    expect, prev = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        expect += p ** k
+        r = costs.ratio(base_rows + k, base_rows)
+        rate = expect / (r if r is not None else prev)
+        if rate > best_rate:
+            best, best_rate = k, rate
+        if r is None:
+            break
+        prev = r
+    return best
 
 
 class NgramIndex:
@@ -69,10 +106,13 @@ class NgramIndex:
 
 @dataclass
 class LookupState:
-    """One sequence's lookup: its index and its own acceptance (the rule that turns drafting off for it)."""
+    """One sequence's lookup: its index and its own acceptance, counted as a geometric rate (drafted tokens
+    accepted, against the drafts that ended in a rejection), starting from one accept and one reject."""
     index: NgramIndex
     drafted: int = 0
     accepted: int = 0
+    rejections: int = 0
 
-    def worth_drafting(self, cfg: SpeculationConfig) -> bool:
-        return self.drafted < cfg.probe or self.accepted >= cfg.min_acceptance * self.drafted
+    @property
+    def p(self) -> float:
+        return (self.accepted + 1) / (self.accepted + self.rejections + 2)
