@@ -51,6 +51,16 @@ def plain_steps(m, a, slots, seqs, start, steps):
     return out
 
 
+def plain_reference(m, seq, start, steps):
+    """(a one-slot arena prefilled with seq[:start] then plain-decoded over the next `steps` tokens, the bytes of
+    the prefilled slot, plain decode's logits after each of those tokens)."""
+    buf = bytearray(m.kv_slot_bytes)
+    plain = N.KvArena(m, buf, 1)
+    m.prefill(plain, 0, seq[:start])
+    init = bytes(buf)
+    return plain, init, [r[0] for r in plain_steps(m, plain, [0], [seq], start, steps)]
+
+
 def copy_arena(m, buf, n):
     b = bytearray(buf)
     return N.KvArena(m, b, n), b
@@ -66,11 +76,8 @@ def test_a_run_equals_plain_decode(name, backend, converted_fgm, gemma3_tiny):
     m = N.Model(fixture_path(name, converted_fgm, gemma3_tiny), threads=2, max_context=256, chunk=8, weights="auto:2",
                 backend=backend)
     seq = rand_seq(80, seed=3, vocab=m.vocab_size)
-    buf = bytearray(m.kv_slot_bytes)
-    plain = N.KvArena(m, buf, 1)
-    m.prefill(plain, 0, seq[:20])
-    multi, _ = copy_arena(m, buf, 1)
-    ref = [r[0] for r in plain_steps(m, plain, [0], [seq], 20, 50)]
+    plain, init, ref = plain_reference(m, seq, 20, 50)
+    multi, _ = copy_arena(m, init, 1)
     p = 20
     rng = np.random.default_rng(0)
     while p < 70:
@@ -129,12 +136,8 @@ def test_rejected_drafts_never_corrupt_the_rings(kv_dtype, backend):
     m = N.Model(fastgemma_fgm(TAME), threads=2, max_context=256, chunk=8, weights="int4", backend=backend,
                 kv_dtype=kv_dtype)
     seq = rand_seq(150, seed=7, vocab=m.vocab_size)
-    buf = bytearray(m.kv_slot_bytes)
-    plain = N.KvArena(m, buf, 1)
-    m.prefill(plain, 0, seq[:5])
-    init = bytes(buf)  # the prefilled slot
+    _, init, ref = plain_reference(m, seq, 5, 140)
     spec, _ = copy_arena(m, init, 1)
-    ref = [r[0] for r in plain_steps(m, plain, [0], [seq], 5, 140)]
     rng = np.random.default_rng(1)
     p = 5
     while p < 140:
@@ -212,11 +215,8 @@ def test_full_size_e2b_runs_equal_plain_decode(backend):
     weights under the default auto:16): a forced-style run without logits, then a draft with every row flagged."""
     m = N.Model(E2B, threads=2, max_context=1024, chunk=256, backend=backend)
     seq = rand_seq(100, seed=4, vocab=m.vocab_size)
-    buf = bytearray(m.kv_slot_bytes)
-    plain = N.KvArena(m, buf, 1)
-    m.prefill(plain, 0, seq[:80])
-    multi, _ = copy_arena(m, buf, 1)
-    ref = [r[0] for r in plain_steps(m, plain, [0], [seq], 80, 12)]
+    plain, init, ref = plain_reference(m, seq, 80, 12)
+    multi, _ = copy_arena(m, init, 1)
     got = m.decode(multi, [0] * 4, seq[80:84], list(range(80, 84)), logits=[False, False, False, True])
     np.testing.assert_array_equal(got[0], ref[3])
     got = m.decode(multi, [0] * 8, seq[84:92], list(range(84, 92)))
