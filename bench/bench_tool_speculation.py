@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         metrics = DecodeMetrics(CollectorRegistry(), _Slots())
         loops[a] = BatchLoop(model, arena, _Slots(), loop, metrics, configs[a])
         loops[a].start()
-    res = {a: {"tokens": 0, "seconds": 0.0, "outputs": []} for a in arms}
+    res = {a: {"tokens": 0, "seconds": 0.0, "outputs": [], "rates": []} for a in arms}
     for i, user in enumerate(user_messages(args.requests)):
         _, suffix = prompt_ids(enc, user)
         arena.copy_slot(1, arena, 0)
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
             res[a]["tokens"] += len(toks) - 1  # the first token is the prefill's
             res[a]["seconds"] += secs
             res[a]["outputs"].append(toks)
+            res[a]["rates"].append((len(toks) - 1) / secs)
     for a in arms:
         loops[a].stop()
     ref = res[arms[0]]["outputs"]
@@ -209,6 +210,13 @@ def main(argv=None) -> int:
             "finished_by_grammar": sum(1 for o in r["outputs"] if o and o[-1] in stop or len(o) < args.max_tokens)}
     report["tok_s_vs_" + arms[0]] = {a: round(report["arms"][a]["decode_tok_s"]
                                               / report["arms"][arms[0]]["decode_tok_s"], 3) for a in arms}
+    # Paired per request (the arms of one request ran back to back, so they saw about the same load): the median
+    # and range of each arm's tok/s over the first arm's.
+    for a in arms:
+        ratios = sorted(x / b for x, b in zip(res[a]["rates"], res[arms[0]]["rates"]))
+        report["arms"][a]["per_request_tok_s_median"] = round(statistics.median(res[a]["rates"]), 3)
+        report["arms"][a]["paired_ratio_median"] = round(statistics.median(ratios), 3)
+        report["arms"][a]["paired_ratio_range"] = [round(ratios[0], 3), round(ratios[-1], 3)]
     report["sample_output"] = tok.decode(ref[0], skip_special_tokens=False)
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
