@@ -192,7 +192,7 @@ def test_bad_runs_are_refused_before_anything_is_written():
     m.prefill(a, 0, [2, 5, 6, 7])
     m.prefill(a, 1, [2, 5, 6, 7])
     before = a.checksum(0), a.n_tokens(0)
-    with pytest.raises(ValueError, match="consecutive positions"):
+    with pytest.raises(ValueError, match="only a run at consecutive positions"):
         m.decode(a, [0, 0], [3, 4], [4, 6])
     with pytest.raises(ValueError, match="more than the chunk"):
         m.decode(a, [0] * 9, [3] * 9, list(range(4, 13)))

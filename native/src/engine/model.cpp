@@ -565,9 +565,10 @@ int Model::check_decode(const KvArena& arena, const DecodeRow* in, int n) const 
     int j = i + 1;
     for (; j < n && in[j].slot == in[i].slot; ++j)
       if (in[j].pos != in[j - 1].pos + 1)
-        throw std::invalid_argument("decode: the tokens of slot " + std::to_string(in[i].slot) +
-                                    " must be at consecutive positions (entry " + std::to_string(j) + " is at " +
-                                    std::to_string(in[j].pos) + " after " + std::to_string(in[j - 1].pos) + ")");
+        throw std::invalid_argument("decode: slot " + std::to_string(in[i].slot) +
+                                    " appears twice in one batch, which only a run at consecutive positions may (entry " +
+                                    std::to_string(j) + " is at " + std::to_string(in[j].pos) + " after " +
+                                    std::to_string(in[j - 1].pos) + ")");
     arena.check_slot(in[i].slot);
     // A run writes all its K/V before attending: the rings' headroom (kv_layout.h) bounds it as it bounds a chunk.
     if (j - i > layout_.chunk())
