@@ -61,15 +61,15 @@ def assert_exact(values: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     return q, s
 
 
-def random_blocks(qtype, rows: int, k: int, seed: int, scale_at: int | None) -> np.ndarray:
-    """Random raw GGML blocks ([rows, bytes]) with a finite f16 scale `d` at byte `scale_at` of each block (None:
-    every byte pattern is valid)."""
+def random_blocks(qtype, rows: int, k: int, seed: int, scale_at) -> np.ndarray:
+    """Random raw GGML blocks ([rows, bytes]) with a finite f16 scale at byte `scale_at` (an int, or a tuple of
+    them: d and dmin) of each block (None: every byte pattern is valid)."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * k // block, nbytes), dtype=np.uint8)
-    if scale_at is not None:
+    for at in () if scale_at is None else (scale_at,) if isinstance(scale_at, int) else scale_at:
         d = (rng.uniform(1e-4, 1e-1, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])).astype(np.float16)
-        raw[:, scale_at:scale_at + 2] = d.view(np.uint8).reshape(-1, 2)
+        raw[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -339,12 +339,15 @@ GGUF_TYPES = {"token_embd": "Q8_0", "attn_q": "Q5_0", "attn_k": "Q4_0", "attn_v"
               "ffn_gate": "F16", "ffn_up": "Q4_1", "ffn_down": "Q3_K"}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-_SCALE_AT = {"Q6_K": 208, "Q3_K": 108}
+# where each random-block type keeps its f16 fields (d, and dmin / m)
+_SCALE_AT = {"Q6_K": 208, "Q3_K": 108, "Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_1": (0, 2)}
 
 
-def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, types=None) -> dict[str, np.ndarray]:
     """The tiny Gemma 3 as a GGUF (gemma3 keys, a SentencePiece-style vocabulary); returns each weight's values as
-    the gguf package dequantises them, by GGUF name."""
+    the gguf package dequantises them, by GGUF name. types(layer, name) gives each tensor's GGML type (layer None
+    for token_embd; default GGUF_TYPES[name])."""
+    types = types or (lambda layer, name: GGUF_TYPES[name])
     cfg, weights = load_hf_checkpoint(TINY)
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_block_count(6)
@@ -381,7 +384,7 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
         w.add_tensor(name, raw, raw_dtype=QT[qtype])
         values[name] = gguf_dequantize(raw, QT[qtype]).reshape(a.shape)
 
-    add("token_embd.weight", weights[LM + "embed_tokens.weight"], GGUF_TYPES["token_embd"])
+    add("token_embd.weight", weights[LM + "embed_tokens.weight"], types(None, "token_embd"))
     w.add_tensor("output_norm.weight", 1 + weights[LM + "norm.weight"])
     for i in range(6):
         pre = f"{LM}layers.{i}."
@@ -391,7 +394,7 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
             w.add_tensor(f"blk.{i}.{g}.weight", 1 + weights[pre + hf + ".weight"])
         for p, g in GGUF_NAMES.items():
             hf = f"{pre}{'mlp' if p in LINEARS[4:] else 'self_attn'}.{p}.weight"
-            add(f"blk.{i}.{g}.weight", weights[hf], GGUF_TYPES[g])
+            add(f"blk.{i}.{g}.weight", weights[hf], types(i, g))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -413,17 +416,19 @@ def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
     t = fgm_header(out)["tensors"]
     assert t["embed_tokens"]["dtype"] == "q8g" and "lm_head" not in t
     rd = FgmReader(out)
-    exact_types = {"Q8_0", "Q5_0", "Q4_0", "Q6_K", "Q3_K"}
+    exact_types = {"Q8_0", "Q5_0", "Q4_0", "Q6_K", "Q3_K", "Q4_1"}
     for i in range(6):
         for p, g in GGUF_NAMES.items():
             name, qtype = f"l{i}.{p}", GGUF_TYPES[g]
             group = 16 if qtype in ("Q6_K", "Q3_K") else 32
-            assert t[name]["dtype"] == "q8g" and t[name]["meta"] == {"hadamard": 0, "group": group}, name
+            dtype = "q8ga" if qtype == "Q4_1" else "q8g"   # Q4_1 has a minimum per block: an offset
+            assert t[name]["dtype"] == dtype and t[name]["meta"] == {"hadamard": 0, "group": group}, name
             want = values[f"blk.{i}.{g}.weight"]
-            q, s = quant.quantize_q8_groups(want, group)
             codes, scales = rd.codes_and_scales(name)
-            np.testing.assert_array_equal(codes, q, err_msg=name)
-            np.testing.assert_array_equal(scales, s.T, err_msg=name)
+            if qtype in ("Q3_K", "F16"):   # no block reader (tests/test_gguf_exact.py has those): the grid search
+                q, s = quant.quantize_q8_groups(want, group)
+                np.testing.assert_array_equal(codes, q, err_msg=name)
+                np.testing.assert_array_equal(scales, s.T, err_msg=name)
             got = rd.dequantize(name)
             if qtype in exact_types:   # the GGUF's own values, bit for bit
                 np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=name)

@@ -160,9 +160,9 @@ void backend_thread_init() {
 }
 
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
-  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G && t.dtype != DType::Q8G)
+  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G && !is_paneled(t.dtype))
     throw FgmError(f.path() + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
-                   ", not a linear weight (q8c, q4g or q8g)");
+                   ", not a linear weight (q8c, q4g, q8g or q8ga)");
   if (t.shape.size() != 2) throw FgmError(f.path() + ": linear weight '" + t.name + "' is not 2-D");
   const TensorInfo& s = f.require(t.name + ".scale");
   const int64_t n = t.rows(), k = t.cols();
@@ -171,14 +171,21 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
   const bool scale_ok = s.dtype == scale_type && (q8 ? s.shape == std::vector<int64_t>{n}
                                                      : t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n});
   if (!scale_ok) throw FgmError(f.path() + ": '" + t.name + ".scale' does not match its weight");
+  const TensorInfo* o = nullptr;
+  if (t.dtype == DType::Q8GA) {
+    o = &f.require(t.name + ".offset");
+    if (o->dtype != DType::F32 || o->shape != s.shape)
+      throw FgmError(f.path() + ": '" + t.name + ".offset' does not match its weight");
+  }
   QLinear w;
-  w.dtype = t.dtype;
+  w.dtype = is_paneled(t.dtype) ? DType::Q8G : t.dtype;  // one kernel family; the offsets tell q8ga apart
   w.n = int(n);
   w.k = int(k);
   w.group = q8 ? 0 : t.group;
   w.hadamard = t.hadamard;
   w.codes = t.data;
   w.scales = s.data;
+  if (o) w.offsets = reinterpret_cast<const float*>(o->data);
   return w;
 }
 

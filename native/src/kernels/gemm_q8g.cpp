@@ -5,7 +5,8 @@
 // are widened to two ymm of f32 and each of MR activation rows adds x[m, k] · code to the group's partial sum with one
 // FMA per column, k ascending; at the group's end acc = fma(partial, s[g], acc). That sequence per output is fixed
 // by the format (gemm.h), not by the blocking, so every row count and thread count gives the same bits, and so does
-// the AVX-512 kernel (gemm_q8g_avx512.cpp), whose lanes run the same sequences.
+// the AVX-512 kernel (gemm_q8g_avx512.cpp), whose lanes run the same sequences. A q8ga weight (with offsets) adds
+// acc = fma(Σx over the group, o, acc) after each group's scale step.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -24,9 +25,9 @@ namespace {
 // by that latency otherwise, prefill by the FMA ports.
 constexpr int kMaxRows = 6;
 
-template <int MR, int NP>
-void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales, int n_total, int k_total, int group,
-               float* y, int ldy) {
+template <int MR, int NP, bool OFF>
+void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales, const float* offsets,
+               const float* xsum, int n_total, int k_total, int group, float* y, int ldy) {
   const size_t panel_bytes = size_t(k_total) * 16;
   // acc is touched once per group (and spilled by the compiler when MR·NP is large); part is the hot FMA chain.
   __m256 acc[MR][NP][2];
@@ -58,6 +59,18 @@ void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales
         acc[i][p][1] = _mm256_fmadd_ps(part[i][p][1], s1, acc[i][p][1]);
       }
     }
+    if constexpr (OFF) {  // q8ga: + o · Σx over the group (gemm.h)
+      const int ng = k_total / group;
+      const float* o = offsets + size_t(k0 / group) * n_total;
+      for (int p = 0; p < NP; ++p) {
+        const __m256 o0 = _mm256_loadu_ps(o + 16 * p), o1 = _mm256_loadu_ps(o + 16 * p + 8);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xs = _mm256_broadcast_ss(xsum + size_t(i) * ng + k0 / group);
+          acc[i][p][0] = _mm256_fmadd_ps(xs, o0, acc[i][p][0]);
+          acc[i][p][1] = _mm256_fmadd_ps(xs, o1, acc[i][p][1]);
+        }
+      }
+    }
   }
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) {
@@ -70,16 +83,21 @@ void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales
 // panel range). Measured on Zen 3 (bench/bench_gemm.py, LM head N=262144 at M=1): 3 panels for one row beat 1 (too
 // few FMA chains) and 6 (spills, and six weight streams at once); 2 for two rows.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 3, 2, 1, 1, 1, 1};
-constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,           q8g_block<1, 3>, q8g_block<2, 2>, q8g_block<3, 1>,
-                                            q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
-constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,           q8g_block<1, 1>, q8g_block<2, 1>, q8g_block<3, 1>,
-                                           q8g_block<4, 1>, q8g_block<5, 1>, q8g_block<6, 1>};
+template <bool OFF>
+constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,
+                                            q8g_block<1, 3, OFF>, q8g_block<2, 2, OFF>, q8g_block<3, 1, OFF>,
+                                            q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
+template <bool OFF>
+constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,
+                                           q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
+                                           q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
 
 }  // namespace
 
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;  // 6 panels of K=2048: 192 KB of codes, within Zen 3's 512 KB L2
-  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
+  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
+            ldx, m, w, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail
