@@ -498,20 +498,28 @@ def test_random_model_int8g_layout_equals_converter(tmp_path, monkeypatch):
         assert rd.info(name)["dtype"] == "q8g" and 0.02 <= rd.dequantize(name).std() <= 0.05, name
 
 
-def test_engine_runs_int8g(tiny_int8g):
-    """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights."""
+def test_engine_runs_int8g(tiny_int8g, report):
+    """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights, with the
+    f16 K/V the file asks for and with the f32 K/V option (fidelity checks: no rounding of the cached K/V at all)."""
     from tools.reference_forward import forward
 
     cfg, _ = load_hf_checkpoint(TINY)
     decoded = FgmReader(tiny_int8g).hf_weights(ffn="int8")
     ids = np.load(TINY / "reference.npz")["prompt_ids_1"]
-    m = N.Model(str(tiny_int8g), max_context=128, threads=2)
-    got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
     want = forward(decoded, cfg, ids, norms_as_stored=True)
-    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    err = {}
+    for kv in (None, "f32"):
+        m = N.Model(str(tiny_int8g), max_context=128, threads=2, kv_dtype=kv)
+        assert m.kv_layout["kv_dtype"] == (kv or "f16")
+        got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
+        cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+        err[kv or "f16"] = (1 - float(cos.min()), float(np.abs(got - want).max()))
+    report(f"tiny Gemma 3 int8g, engine vs float64 reference (1 - cosine min, max |logit difference|): {err}")
     # Nothing is quantised at run time (f32 activations, the f16 K/V the file asks for): only float rounding is left
-    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06).
-    assert 1 - cos.min() <= 1e-5 and np.abs(got - want).max() <= 0.01, (cos.min(), np.abs(got - want).max())
+    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06). f32 K/V
+    # removes the f16 rounding of the cache as well.
+    assert err["f16"][0] <= 1e-5 and err["f16"][1] <= 0.01, err
+    assert err["f32"][1] < err["f16"][1] and err["f32"][0] <= err["f16"][0], err
 
 
 def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkeypatch):
@@ -535,11 +543,12 @@ def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkey
     fgm = d / f"{dm.MODEL_NAME}.fgm"
     fgm.write_bytes(b"o" * 50)
     fgm.with_suffix(".tokenizer.json").write_text("{}")
-    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8-q8r-1",
+    # the cache an existing user has: revision 4, whose Q4_K tensors were rounded into q8g
+    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8g-g32-r4",
                                                   "fgm_bytes": 50}))
     assert dm.resolve_default_model(progress=False)[0] == str(fgm)
     assert calls == [{"weights": "int8g", "group": 32, "progress": False}], "an old cache is converted again"
     stamp = json.loads((d / "converted.json").read_text())
-    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r4" and stamp["fgm_bytes"] == 100
+    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r5" and stamp["fgm_bytes"] == 100
     dm.resolve_default_model(progress=False)
     assert len(calls) == 1, "the new cache is reused"
