@@ -263,12 +263,13 @@ def test_gguf_conversion(real):
                                 ("l7.q_norm", "blk.7.attn_q_norm.weight"), ("l17.k_norm", "blk.17.attn_k_norm.weight"),
                                 ("l9.post_feedforward_layernorm", "blk.9.post_ffw_norm.weight")):
         np.testing.assert_array_equal(rd.dequantize(fgm_name), np.asarray(g[gguf_name].data, np.float64))
-    # q8g keeps the symmetric blocks (Q8_0, Q5_0, Q6_K's 16-wide sub-blocks) exactly and rounds the asymmetric Q4_K
-    # to int8 per group of 32 (the embedding, which is also the tied LM head: its first rows)
+    # q8g keeps the symmetric blocks (Q8_0, Q5_0, Q6_K's 16-wide sub-blocks) exactly and q8ga the Q4_K ones, whose
+    # blocks have a minimum (the embedding, which is also the tied LM head: its first rows; every tensor, every row:
+    # tests/test_gguf_exact.py)
     assert "lm_head" not in f.tensor_names
     rows = 4096
-    for fgm_name, gguf_name, exact in (("l3.down_proj", "blk.3.ffn_down.weight", False),       # Q4_K
-                                       ("l0.o_proj", "blk.0.attn_output.weight", False),       # Q4_K
+    for fgm_name, gguf_name, exact in (("l3.down_proj", "blk.3.ffn_down.weight", True),        # Q4_K
+                                       ("l0.o_proj", "blk.0.attn_output.weight", True),        # Q4_K
                                        ("l4.down_proj", "blk.4.ffn_down.weight", True),        # Q6_K
                                        ("l0.q_proj", "blk.0.attn_q.weight", True),             # Q5_0
                                        ("l11.v_proj", "blk.11.attn_v.weight", True),           # Q5_0
@@ -289,15 +290,18 @@ def test_gguf_conversion(real):
 
 
 def _first_rows(rd: FgmReader, name: str, rows: int) -> np.ndarray:
-    """Rows [0, rows) of a q8g weight or table, dequantised (without decoding the whole 262144-row embedding): its
-    16-row panels are contiguous, and its scales are [K/G, N]."""
+    """Rows [0, rows) of a q8g/q8ga weight or table, dequantised (without decoding the whole 262144-row embedding):
+    its 16-row panels are contiguous, and its scales (and q8ga offsets) are [K/G, N]. In float32 as the format
+    defines the values: fl(code · s), then + o (docs/fgm-extensions.md)."""
     info = rd.info(name)
     n, k = info["shape"]
     rows = min(rows, n)
-    assert info["dtype"] == "q8g" and rows % 16 == 0, info
-    codes = _panels_to_rows(rd.file.raw(name).view(np.int8)[: rows * k], rows, k).astype(np.float64)
-    scale = rd.file.raw(name + ".scale").view(np.float32).reshape(k // info["group"], n)[:, :rows]
-    return codes * np.repeat(scale.T.astype(np.float64), info["group"], axis=1)
+    assert info["dtype"] in ("q8g", "q8ga") and rows % 16 == 0, info
+    codes = _panels_to_rows(rd.file.raw(name).view(np.int8)[: rows * k], rows, k).astype(np.float32)
+    groups = lambda t: np.repeat(rd.file.raw(name + t).view(np.float32).reshape(k // info["group"], n)[:, :rows].T,
+                                 info["group"], axis=1)
+    v = codes * groups(".scale")
+    return v + groups(".offset") if info["dtype"] == "q8ga" else v
 
 
 def test_truncated_gguf_is_refused(real, tmp_path):
