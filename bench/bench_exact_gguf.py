@@ -1,7 +1,7 @@
 """Two conversions of the same model, alternated finely in one process: what exact GGUF weights (q8ga, issue 14)
 cost against the former rounding of the Q4_K tensors into q8g.
 
-    python bench/bench_exact_gguf.py OLD.fgm NEW.fgm [--rounds 12] [--prompt 512] [--steps 16]
+    python bench/bench_exact_gguf.py OLD.fgm NEW.fgm [--rounds 12] [--prompt 512] [--steps 16] [--kernel-rounds 20]
 
 Each round times, for both files in turn (the order flips every round), one prefill of --prompt random ids and
 --steps decode steps at batch 1 and at batch 8 from that context (the context's K/V copied into 8 slots). A round
@@ -40,6 +40,29 @@ def one_round(m, arena8, prompt: np.ndarray, steps: int) -> dict[str, float]:
     return out
 
 
+def kernel_rounds(rounds: int, threads: int) -> None:
+    """The GEMM alone on the 270M's Q4_K shapes (o_proj 640×1024, down_proj 640×2048, group 32): the same codes and
+    scales without and with offsets, alternated; the minimum over the rounds (the least disturbed run) per arm."""
+    rng = np.random.default_rng(1)
+    for n, k in ((640, 1024), (640, 2048)):
+        blob = rng.integers(0, 16, n * k).astype(np.uint8)
+        scale = rng.uniform(1e-3, 1e-2, (k // 32, n)).astype(np.float32)
+        offset = -rng.uniform(0, 1e-2, (k // 32, n)).astype(np.float32)
+        for m in (1, 8, 256):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            best = {"q8g": np.inf, "q8ga": np.inf}
+            for r in range(rounds):
+                for arm in (("q8g", "q8ga") if r % 2 == 0 else ("q8ga", "q8g")):
+                    off = offset if arm == "q8ga" else None
+                    t0 = time.perf_counter()
+                    for _ in range(20 if m < 256 else 4):
+                        N.kernels.linear_packed(x, blob, scale, "q8g", n, k, group=32, threads=threads, offsets=off)
+                    best[arm] = min(best[arm], time.perf_counter() - t0)
+            print(f"GEMM M={m:3d} N={n} K={k}: q8g {best['q8g'] * 1e3:7.2f} ms, q8ga {best['q8ga'] * 1e3:7.2f} ms "
+                  f"(per {20 if m < 256 else 4} calls, each with its own thread pool), q8ga/q8g "
+                  f"{best['q8ga'] / best['q8g']:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("old")
@@ -48,7 +71,12 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--kernel-rounds", type=int, default=0, help="also time the GEMM alone, this many rounds")
     args = ap.parse_args()
+    if args.kernel_rounds:
+        kernel_rounds(args.kernel_rounds, args.threads)
+    if args.rounds < 1:
+        return
     arms = {}
     for name, path in (("old", args.old), ("new", args.new)):
         m = N.Model(path, max_context=args.prompt + 2 * args.steps + 8, threads=args.threads, max_batch=8)

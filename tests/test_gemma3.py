@@ -28,7 +28,7 @@ import pytest
 from splitgemma import _native as N
 from splitgemma.fgm import ConversionError, convert_checkpoint
 from splitgemma.fgm.hf_config import parse_text_config
-from tools.fgm_decode import FgmReader, _panels_to_rows
+from tools.fgm_decode import FgmReader
 from tools.reference_forward import forward, load_hf_checkpoint, max_rel_err
 
 FIX = Path(__file__).parent / "fixtures"
@@ -277,7 +277,7 @@ def test_gguf_conversion(real):
                                        ("embed_tokens", "token_embd.weight", True)):
         t = g[gguf_name]
         want = gguf.quants.dequantize(t.data[:rows], t.tensor_type).astype(np.float64)
-        got = _first_rows(rd, fgm_name, rows)
+        got = rd.panel_rows(fgm_name, 0, min(rows, rd.info(fgm_name)["shape"][0]))
         assert got.shape == want.shape
         if exact:
             np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=fgm_name)
@@ -287,21 +287,6 @@ def test_gguf_conversion(real):
     rope = rd.rope_inv_freq()
     np.testing.assert_allclose(rope["full_attention"], 1e6 ** (-2 * j / 256), rtol=1e-7)
     np.testing.assert_allclose(rope["sliding_attention"], 1e4 ** (-2 * j / 256), rtol=1e-7)
-
-
-def _first_rows(rd: FgmReader, name: str, rows: int) -> np.ndarray:
-    """Rows [0, rows) of a q8g/q8ga weight or table, dequantised (without decoding the whole 262144-row embedding):
-    its 16-row panels are contiguous, and its scales (and q8ga offsets) are [K/G, N]. In float32 as the format
-    defines the values: fl(code · s), then + o (docs/fgm-extensions.md)."""
-    info = rd.info(name)
-    n, k = info["shape"]
-    rows = min(rows, n)
-    assert info["dtype"] in ("q8g", "q8ga") and rows % 16 == 0, info
-    codes = _panels_to_rows(rd.file.raw(name).view(np.int8)[: rows * k], rows, k).astype(np.float32)
-    groups = lambda t: np.repeat(rd.file.raw(name + t).view(np.float32).reshape(k // info["group"], n)[:, :rows].T,
-                                 info["group"], axis=1)
-    v = codes * groups(".scale")
-    return v + groups(".offset") if info["dtype"] == "q8ga" else v
 
 
 def test_truncated_gguf_is_refused(real, tmp_path):

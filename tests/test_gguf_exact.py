@@ -19,7 +19,7 @@ import pytest
 from splitgemma import _native as N
 from splitgemma.fgm import convert_checkpoint
 from test_q8g_convert import GGUF_NAMES, write_tiny_gguf
-from tools.fgm_decode import FgmReader, _panels_to_rows
+from tools.fgm_decode import FgmReader
 
 gguf = pytest.importorskip("gguf")
 K = N.kernels
@@ -40,21 +40,6 @@ def tiny_type(layer, name):
 
 def bits(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-def rows_f32(rd: FgmReader, name: str, r0: int, r1: int) -> np.ndarray:
-    """Rows [r0, r1) (multiples of 16) of a q8g/q8ga tensor as the format defines them in float32: fl(code · s),
-    then + o in a second float32 step (docs/fgm-extensions.md). Read from the blobs directly, so the 262,144-row
-    table is decoded a slice at a time."""
-    info = rd.info(name)
-    n, k = info["shape"]
-    g = info["group"]
-    codes = _panels_to_rows(rd.file.raw(name).view(np.int8)[r0 * k:r1 * k], r1 - r0, k).astype(np.float32)
-    s = rd.file.raw(name + ".scale").view(np.float32).reshape(k // g, n)[:, r0:r1].T
-    v = codes.reshape(r1 - r0, k // g, g) * s[:, :, None]
-    if info["dtype"] == "q8ga":
-        v = v + rd.file.raw(name + ".offset").view(np.float32).reshape(k // g, n)[:, r0:r1].T[:, :, None]
-    return v.reshape(r1 - r0, k)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +67,7 @@ def test_every_block_type_is_held_bit_for_bit(tiny):
         assert info["dtype"] == ("q8ga" if qtype in _WITH_MINIMUM else "q8g"), (name, qtype)
         assert info["group"] == (16 if qtype == "Q6_K" else 32), (name, qtype)
         want = values[gname]
-        got = rows_f32(rd, name, 0, want.shape[0])
+        got = rd.panel_rows(name, 0, want.shape[0])
         np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{name} ({qtype})")
         # the test decoder's float64 view of the same values
         np.testing.assert_array_equal(rd.dequantize(name).astype(np.float32), want, err_msg=name)
@@ -131,10 +116,11 @@ def test_the_embedding_gather_gives_the_gguf_values(tiny):
     np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def test_q8ga_kernel_follows_its_contract():
+@pytest.mark.parametrize("group", [32, 12])  # 12: the group sum's tail after its eight lanes
+def test_q8ga_kernel_follows_its_contract(group):
     """linear_packed with offsets against the contract of gemm.h, step by step in float32 numpy."""
     rng = np.random.default_rng(9)
-    n, k, group = 48, 96, 32
+    n, k = 48, 96
     codes = rng.integers(-128, 128, (n, k)).astype(np.int8)
     scale = rng.uniform(0.5, 2, (k // group, n)).astype(np.float32)
     offset = rng.standard_normal((k // group, n)).astype(np.float32)
@@ -143,18 +129,31 @@ def test_q8ga_kernel_follows_its_contract():
     want = np.empty((5, n), np.float32)
     for mm in range(5):
         for j in range(n):
-            acc = np.float32(0)
+            acc = off = np.float32(0)
             for g in range(k // group):
-                p = xs = np.float32(0)
+                p = np.float32(0)
                 for kk in range(g * group, (g + 1) * group):
                     p = _fma(x[mm, kk], codes[j, kk], p)
-                    xs = np.float32(xs + x[mm, kk])
+                xs = _group_sum(x[mm, g * group:(g + 1) * group])
                 acc = _fma(p, scale[g, j], acc)
-                acc = _fma(xs, offset[g, j], acc)
-            want[mm, j] = acc
+                off = _fma(xs, offset[g, j], off)
+            want[mm, j] = np.float32(acc + off)
     for b in BACKENDS:
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=b, threads=2, offsets=offset)
         np.testing.assert_array_equal(y, want, err_msg=b)
+
+
+def _group_sum(v: np.ndarray) -> np.float32:
+    """gemm.h's order for a group's sum: eight lanes over the first 8·(G // 8) values, a fixed tree, then the rest."""
+    full = len(v) // 8 * 8
+    t = [np.float32(0)] * 8
+    for i in range(0, full, 8):
+        t = [np.float32(t[j] + v[i + j]) for j in range(8)]
+    s = np.float32(np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
+                   + np.float32(np.float32(t[4] + t[5]) + np.float32(t[6] + t[7])))
+    for x in v[full:]:
+        s = np.float32(s + x)
+    return s
 
 
 def _fma(a, b, c) -> np.float32:
@@ -200,7 +199,7 @@ def test_default_model_every_tensor_equals_the_gguf_dequantisation(default_model
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             want = np.asarray(gguf.quants.dequantize(t.data[r0:r1], t.tensor_type), np.float32).reshape(r1 - r0, k)
-            np.testing.assert_array_equal(bits(rows_f32(rd, name, r0, r1)), bits(want), err_msg=f"{name} [{r0}:{r1})")
+            np.testing.assert_array_equal(bits(rd.panel_rows(name, r0, r1)), bits(want), err_msg=f"{name} [{r0}:{r1})")
         # through the GEMM of every backend: 8 unit rows (columns of W) spread over the groups
         cols = np.sort(rng.choice(k, 8, replace=False))
         want = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(n, k)[:, cols].T

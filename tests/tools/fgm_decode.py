@@ -222,6 +222,25 @@ class FgmReader:
             return (q.reshape(n, k // Q4R_GROUP, Q4R_GROUP) * s[:, :, None]).reshape(n, k)
         return q * s[:, None]
 
+    def panel_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) (multiples of 16) of a q8g/q8ga tensor in float32 as the format defines them: fl(code * s),
+        then + o in a second float32 step (docs/fgm-extensions.md). Its 16-row panels are contiguous and its scales
+        (offsets) [K/G, N], so a slice of the 262,144-row embedding is decoded without the rest."""
+        info = self.info(name)
+        n, k = info["shape"]
+        g = info["group"]
+        if info["dtype"] not in ("q8g", "q8ga") or r0 % PANEL_N or (r1 % PANEL_N and r1 != n) or not 0 <= r0 < r1 <= n:
+            raise ValueError(f"{name}: rows [{r0}, {r1}) of a {info['dtype']} tensor of {n} rows")
+        codes = _panels_to_rows(self.file.raw(name).view(np.int8)[r0 * k:r1 * k], r1 - r0, k).astype(np.float32)
+
+        def groups(suffix):
+            return self._plain(name + suffix, "f32").reshape(k // g, n)[:, r0:r1].T[:, :, None]
+
+        v = codes.reshape(r1 - r0, k // g, g) * groups(".scale")
+        if info["dtype"] == "q8ga":
+            v = v + groups(".offset")
+        return v.reshape(r1 - r0, k)
+
     def weight(self, name: str) -> np.ndarray:
         """The tensor in float64 in the checkpoint's own basis: dequantised and, if rotated, un-rotated."""
         w = self.dequantize(name)

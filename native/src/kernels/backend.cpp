@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "gemm.h"
 #include "kernels_impl.h"
@@ -247,6 +248,14 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm_q8g: this CPU cannot run the ") + backend_name(b) +
                                                  " backend");
   if (m == 0) return;
+  // q8ga: each row's group sums, once per call for all N outputs, by one routine for every backend (AVX2 is the
+  // floor of all of them). One buffer per calling thread.
+  thread_local std::vector<float> xsum;
+  if (w.offsets) {
+    xsum.resize(size_t(m) * (w.k / w.group));
+    detail::q8g_group_sums(x, ldx, m, w.k, w.group, xsum.data());
+  }
+  const float* xs = w.offsets ? xsum.data() : nullptr;
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
   // 12 panels a task: a whole number of the kernel's panel blocks for every row count (6, 3, 2 or 1 panels).
   constexpr int kTaskPanels = 12;
@@ -254,7 +263,7 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   const int n_tasks = (panels + kTaskPanels - 1) / kTaskPanels;
   auto task = [&](int t, int) {
     const int p0 = t * kTaskPanels;
-    panels_fn(x, ldx, m, w, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
+    panels_fn(x, ldx, m, w, xs, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
   };
   detail::run_tasks(pool, n_tasks, task);
 }

@@ -104,9 +104,12 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
 // with ymm, the VNNI and AMX backends with zmm (one panel a register); every lane follows that sequence, so all
 // backends give the same bits. Work is split over the pool in whole 16-column panels, so the result depends neither
 // on the thread count nor on m.
-// With offsets (a q8ga weight, W[n, k] = code · s[g][n] + o[g][n]) each group also adds o[g][n] times the group's
-// sum of x: xs = +0; for k in the group, ascending: xs = xs + x[m, k] (f32 adds); after acc = fmaf(p, s, acc) comes
-// acc = fmaf(xs, o[g][n], acc). For x = a unit row e_k this returns fl(code · s + o) = the stored value of W[n, k].
+// With offsets (a q8ga weight, W[n, k] = fl(fl(code · s[g][n]) + o[g][n])) the offsets get a chain of their own:
+// xs_g = the group's sum of x[m, k] in f32 adds: lanes t[j] = Σ_i x[gG + 8i + j] (i ascending, from +0) over its
+// first 8·⌊G/8⌋ values, then ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)), then the other values one by one
+// in order; off = +0; for each group g in order:
+// off = fmaf(xs_g, o[g][n], off); y = acc + off (one f32 add). For x = a unit row e_k this returns
+// fl(code · s + o), the stored value of W[n, k].
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 // The same on an explicit backend. Throws std::runtime_error when the CPU cannot run it.
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);

@@ -38,15 +38,22 @@ void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* sc
       const __m512 sv = _mm512_loadu_ps(s + 16 * p);
       for (int i = 0; i < MR; ++i) acc[i][p] = _mm512_fmadd_ps(part[i][p], sv, acc[i][p]);
     }
-    if constexpr (OFF) {  // q8ga: + o · Σx over the group, as the AVX2 kernel
-      const int ng = k_total / group;
-      const float* o = offsets + size_t(k0 / group) * n_total;
+  }
+  if constexpr (OFF) {  // q8ga: the offsets' own chain after the groups, then one add, as the AVX2 kernel
+    const int ng = k_total / group;
+    __m512 off[MR][NP];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) off[i][p] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      const float* o = offsets + size_t(g) * n_total;
       for (int p = 0; p < NP; ++p) {
         const __m512 ov = _mm512_loadu_ps(o + 16 * p);
         for (int i = 0; i < MR; ++i)
-          acc[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + k0 / group]), ov, acc[i][p]);
+          off[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + g]), ov, off[i][p]);
       }
     }
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_add_ps(acc[i][p], off[i][p]);
   }
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + size_t(i) * ldy + 16 * p, acc[i][p]);
@@ -80,10 +87,11 @@ uint64_t peak_loop_fma512(uint64_t iters) {
   return iters * 10 * 16 * 2;
 }
 
-void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
+void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
+                                int p0, int p1) {
   constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; Intel L2 is 1–2 MB
   q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
-            ldx, m, w, y, ldy, p0, p1);
+            ldx, m, w, xsum, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include "gemm.h"
 
@@ -28,42 +27,26 @@ struct Q8gKernels {
   const Q8gBlockFn* one_off;
 };
 
-// xs[i][g] = Σ x[i, k] over group g, k ascending, plain f32 adds from +0 (gemm.h). Scalar code on purpose: without
-// -ffast-math the compiler keeps the order, so the AVX2 and AVX-512 translation units compute the same sums.
-inline void q8g_group_sums(const float* x, int ldx, int mr, int k_total, int group, float* xs) {
-  const int ng = k_total / group;
-  for (int i = 0; i < mr; ++i)
-    for (int g = 0; g < ng; ++g) {
-      const float* r = x + size_t(i) * ldx + size_t(g) * group;
-      float s = 0.0f;
-      for (int k = 0; k < group; ++k) s += r[k];
-      xs[size_t(i) * ng + g] = s;
-    }
-}
-
 // Output columns of panels [p0, p1), all m rows. Rows go in balanced blocks of at most max_rows (8 rows on 6: 4 + 4,
 // not 6 + 2, whose 2-row block would be bound by its few FMA chains); panels in blocks of panel_block, outermost.
-inline void q8g_drive(const Q8gKernels& kk, const float* x, int ldx, int m, const QLinear& w, float* y, int ldy,
-                      int p0, int p1) {
+// xsum: with offsets (q8ga), the group sums of the m rows ([m][K/G], gemm_q8g computes them once per call).
+inline void q8g_drive(const Q8gKernels& kk, const float* x, int ldx, int m, const QLinear& w, const float* xsum,
+                      float* y, int ldy, int p0, int p1) {
   const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes);
   const float* scales = static_cast<const float*>(w.scales);
   const bool off = w.offsets != nullptr;
+  const int ng = w.k / w.group;
   const int row_blocks = (m + kk.max_rows - 1) / kk.max_rows;
   const int rows_per_block = (m + row_blocks - 1) / row_blocks;
-  // q8ga: the group sums of one row block, recomputed per panel block (m·K adds against m·K·16·panel_block FMAs);
-  // one buffer per thread, grown once.
-  thread_local std::vector<float> xsum;
-  if (off) xsum.resize(size_t(rows_per_block) * (w.k / w.group));
   for (int pb = p0; pb < p1; pb += kk.panel_block) {
     const int pe = std::min(pb + kk.panel_block, p1);
     for (int m0 = 0; m0 < m; m0 += rows_per_block) {
       const int mr = std::min(rows_per_block, m - m0);
-      if (off) q8g_group_sums(x + size_t(m0) * ldx, ldx, mr, w.k, w.group, xsum.data());
       for (int q = pb; q < pe;) {
         const bool wide = q + kk.panels_for[mr] <= pe;
         const Q8gBlockFn* fns = off ? (wide ? kk.wide_off : kk.one_off) : (wide ? kk.wide : kk.one);
         fns[mr](x + size_t(m0) * ldx, ldx, codes + size_t(q) * w.k * 16, scales + size_t(q) * 16,
-                off ? w.offsets + size_t(q) * 16 : nullptr, off ? xsum.data() : nullptr, w.n, w.k, w.group,
+                off ? w.offsets + size_t(q) * 16 : nullptr, off ? xsum + size_t(m0) * ng : nullptr, w.n, w.k, w.group,
                 y + size_t(m0) * ldy + size_t(q) * 16, ldy);
         q += wide ? kk.panels_for[mr] : 1;
       }

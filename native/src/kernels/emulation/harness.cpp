@@ -120,11 +120,14 @@ int main(int argc, char** argv) {
       std::vector<float> offsets(scales.size());
       for (float& v : offsets) v = normal(rng);
       if (with_offsets) w.offsets = offsets.data();
+      std::vector<float> xsum(size_t(m) * (sh.k / sh.group));  // the group sums gemm_q8g passes with offsets
+      detail::q8g_group_sums(x.data(), sh.k, m, sh.k, sh.group, xsum.data());
+      const float* xs = with_offsets ? xsum.data() : nullptr;
       std::vector<float> ya(size_t(m) * sh.n, -1.f), yz(ya);
-      detail::gemm_q8g_panels(x.data(), sh.k, m, w, ya.data(), sh.n, 0, sh.n / 16);
+      detail::gemm_q8g_panels(x.data(), sh.k, m, w, xs, ya.data(), sh.n, 0, sh.n / 16);
       // the zmm kernel on another split of the panels (its result must not depend on it either)
       for (int p = 0; p < sh.n / 16; p += 5)
-        detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
+        detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, xs, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
       ++runs;
       if (std::memcmp(ya.data(), yz.data(), ya.size() * sizeof(float))) {
         ++failures;
