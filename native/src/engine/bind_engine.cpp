@@ -165,7 +165,7 @@ void bind_engine(py::module_& m) {
            "Open a .fgm file. threads: pool size (None: FGM_THREADS or all CPUs); max_context: longest sequence a "
            "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
            "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
-           "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16, the K/V cache element type (None: what the file's "
+           "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16 | f32, the K/V cache element type (None: what the file's "
            "config asks for, else int8).")
       .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
       .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
@@ -247,7 +247,21 @@ void bind_engine(py::module_& m) {
             return d;
           },
           "Per-phase (seconds, calls) since construction or reset_profile(); all zero unless FGM_PROFILE=1.")
-      .def("reset_profile", &sg::Model::reset_profile);
+      .def("reset_profile", &sg::Model::reset_profile)
+      .def(
+          "embedding_rows",
+          [](const sg::Model& md, const std::vector<int>& tokens) {
+            const sg::GatherTable& t = md.embedding();
+            for (int r : tokens)
+              if (r < 0 || r >= t.rows) throw std::invalid_argument("embedding_rows: token " + std::to_string(r) +
+                                                                    " outside [0, " + std::to_string(t.rows) + ")");
+            py::array_t<float> out({py::ssize_t(tokens.size()), py::ssize_t(t.cols)});
+            for (size_t i = 0; i < tokens.size(); ++i) t.row(tokens[i], 1.0f, out.mutable_data() + i * t.cols);
+            return out;
+          },
+          py::arg("tokens"),
+          "Rows of the token-embedding table through the forward pass's own gather, unscaled (times 1): float32 "
+          "[len(tokens), hidden_size].");
 
   py::class_<PyKvArena>(m, "KvArena",
                         "n_slots KV slots of model.kv_slot_bytes each, in a caller-owned writable buffer.")

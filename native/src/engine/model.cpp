@@ -80,7 +80,8 @@ void GatherTable::row(int r, float mult, float* out) const {
                     cols, mult, out);
   else if (dtype == DType::Q8G)
     ops::gather_q8g(reinterpret_cast<const int8_t*>(codes) + int64_t(r / 16) * cols * 16, r % 16,
-                    static_cast<const float*>(scales) + r, rows, group, cols, mult, out);
+                    static_cast<const float*>(scales) + r, offsets ? offsets + r : nullptr, rows, group, cols, mult,
+                    out);
   else
     ops::gather_q8r(reinterpret_cast<const int8_t*>(codes) + int64_t(r) * cols, static_cast<const float*>(scales)[r],
                     cols, mult, out);
@@ -198,7 +199,8 @@ void Model::resolve_weights() {
   auto table = [&](const std::string& name) {
     const TensorInfo& t = file_->require(name);
     GatherTable g;
-    g.dtype = t.dtype;
+    g.dtype = is_paneled(t.dtype) ? DType::Q8G : t.dtype;  // q8ga: q8g with offsets
+    if (t.dtype == DType::Q8GA) g.offsets = reinterpret_cast<const float*>(file_->require(name + ".offset").data);
     g.rows = int(t.rows());
     g.cols = int(t.cols());
     g.group = t.group;
@@ -207,7 +209,7 @@ void Model::resolve_weights() {
     return g;
   };
   embed_ = table("embed_tokens");
-  // Without an lm_head tensor the reader has checked that embed_tokens is q8g: the tied table is the head.
+  // Without an lm_head tensor the reader has checked that embed_tokens is q8g/q8ga: the tied table is the head.
   if (file_->find("lm_head")) lm_head_ = dual("lm_head");
   else lm_head_.w = qlinear_from(*file_, file_->require("embed_tokens"));
   final_norm_ = f32("norm");
@@ -359,8 +361,9 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     const LayerSpec& ls = c.layers[l];
     const LayerWeights& W = layers_[l];
     const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
-    const bool f16_kv = layout_.dtype() == KvDtype::F16;
-    const int rot = f16_kv ? 1 : ops::kv_rotation_block(hd);  // f16 has no scale to share: nothing to spread
+    const KvDtype kvt = layout_.dtype();
+    const bool float_kv = kvt != KvDtype::Int8;
+    const int rot = float_kv ? 1 : ops::kv_rotation_block(hd);  // f16/f32 have no scale to share: nothing to spread
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---
@@ -397,7 +400,10 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         ops::fwht_blocks(vr, kvw, rot);
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
-        if (f16_kv) {
+        if (kvt == KvDtype::F32) {
+          std::memcpy(reinterpret_cast<float*>(s + kl.k_off) + row * kvw, kr, sizeof(float) * kvw);
+          std::memcpy(reinterpret_cast<float*>(s + kl.v_off) + row * kvw, vr, sizeof(float) * kvw);
+        } else if (kvt == KvDtype::F16) {
           ops::store_row_f16(kr, kvw, reinterpret_cast<uint16_t*>(s + kl.k_off) + row * kvw);
           ops::store_row_f16(vr, kvw, reinterpret_cast<uint16_t*>(s + kl.v_off) + row * kvw);
         } else {
@@ -425,9 +431,9 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         uint8_t* s = rows[r].slot;
         const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
         const ops::AttnCache cache{s + src.k_off, s + src.v_off,
-                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
-                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
-                                   g * hd * (f16_kv ? 2 : 1), src.cap};
+                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
+                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
+                                   g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
         ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
                     &row_scratch_[size_t(w) * row_scratch_per_worker_]);

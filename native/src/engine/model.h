@@ -64,6 +64,7 @@ struct GatherTable {
   int group = 0;  // q8g: scale group along the row
   const uint8_t* codes = nullptr;
   const void* scales = nullptr;  // f16 [rows][cols/64] (q4r), f32 [rows] (q8r) or f32 [cols/group][rows] (q8g)
+  const float* offsets = nullptr;  // a q8ga table (dtype Q8G here): f32 [cols/group][rows]; else null
   void row(int r, float mult, float* out) const;
 };
 
@@ -100,6 +101,8 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const FgmFile& file() const { return *file_; }
+  // The token-embedding gather table as the forward pass reads it (tests: its rows against the GGUF's values).
+  const GatherTable& embedding() const { return embed_; }
   const ModelConfig& config() const { return file_->config(); }
   const KvLayout& kv_layout() const { return layout_; }
   int threads() const { return pool_->size(); }
