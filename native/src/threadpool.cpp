@@ -1,6 +1,13 @@
 #include "threadpool.h"
 
-#include <xmmintrin.h>
+#include <immintrin.h>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
 
 namespace sg {
 
@@ -11,18 +18,65 @@ constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 flush-to-zero, bit 6 denor
 ScopedFlushDenormals::ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
 ScopedFlushDenormals::~ScopedFlushDenormals() { _mm_setcsr(saved_); }
 
-ThreadPool::ThreadPool(int n_threads, std::function<void()> thread_init) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+int ThreadPool::default_spin_us() {
+  const char* v = std::getenv("FGM_POOL_SPIN_US");
+  if (!v || !*v) return kDefaultSpinUs;
+  char* end = nullptr;
+  const long us = std::strtol(v, &end, 10);
+  if (*end || us < 0 || us > 1000000)
+    throw std::invalid_argument(std::string("FGM_POOL_SPIN_US must be an integer in [0, 1000000], got '") + v + "'");
+  return int(us);
+}
+
+ThreadPool::ThreadPool(int n_threads, std::function<void()> thread_init, int spin_us)
+    : n_threads_(n_threads < 1 ? 1 : n_threads), spin_us_(spin_us < 0 ? default_spin_us() : spin_us) {
   for (int w = 1; w < n_threads_; ++w) threads_.emplace_back(&ThreadPool::worker_loop, this, w, thread_init);
 }
 
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    stop_ = true;
-    ++generation_;
+    stop_.store(true);
   }
   cv_start_.notify_all();
   for (auto& t : threads_) t.join();
+}
+
+namespace {
+constexpr int64_t kGovernorCheck = 2'000'000;  // ns between looks at the thread's involuntary context switches
+constexpr int64_t kGovernorHold = 50'000'000;  // ns without spinning after a preemption was seen
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+bool ThreadPool::SpinGovernor::allowed() {
+  const int64_t now = now_ns();
+  if (now >= next_check_ns_) {
+    next_check_ns_ = now + kGovernorCheck;
+    rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) == 0) {
+      if (nivcsw_ >= 0 && ru.ru_nivcsw > nivcsw_) hold_until_ns_ = now + kGovernorHold;
+      nivcsw_ = ru.ru_nivcsw;
+    }
+  }
+  return now >= hold_until_ns_;
+}
+
+template <class P>
+bool ThreadPool::spin_until(P&& pred, SpinGovernor& gov) const {
+  if (pred()) return true;
+  if (spin_us_ == 0 || !gov.allowed()) return false;
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      _mm_pause();
+      if (pred()) return true;
+    }
+    if (std::chrono::steady_clock::now() >= until) return false;
+  }
 }
 
 void ThreadPool::drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int worker) {
@@ -48,19 +102,20 @@ void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
     for (int t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
     return;
   }
-  uint32_t gen;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    gen = ++generation_;
-    fn_ = fn;
-    ctx_ = ctx;
-    n_tasks_ = n_tasks;
-    done_.store(0, std::memory_order_relaxed);
-    claim_.store(uint64_t(gen) << 32, std::memory_order_release);
+  const uint32_t gen = ++generation_;
+  fn_.store(fn, std::memory_order_relaxed);
+  ctx_.store(ctx, std::memory_order_relaxed);
+  n_tasks_.store(n_tasks, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  claim_.store(uint64_t(gen) << 32, std::memory_order_seq_cst);
+  // A worker increments sleepers_ before its last look at claim_ (both seq_cst), so either it sees this job or we
+  // see it asleep; the lock orders the notify after its wait began.
+  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+    { std::lock_guard<std::mutex> lk(mu_); }
+    cv_start_.notify_all();
   }
-  cv_start_.notify_all();
   drain(gen, fn, ctx, n_tasks, 0);
-  if (done_.load(std::memory_order_acquire) == n_tasks) return;
+  if (spin_until([&] { return done_.load(std::memory_order_acquire) == n_tasks; }, caller_gov_)) return;
   std::unique_lock<std::mutex> lk(mu_);
   cv_done_.wait(lk, [&] { return done_.load(std::memory_order_acquire) == n_tasks; });
 }
@@ -69,21 +124,20 @@ void ThreadPool::worker_loop(int worker, std::function<void()> init) {
   _mm_setcsr(_mm_getcsr() | kFtzDaz);  // for good: a worker runs nothing but tasks
   if (init) init();
   uint32_t seen = 0;
+  SpinGovernor gov;
+  auto fresh = [&] { return uint32_t(claim_.load(std::memory_order_seq_cst) >> 32) != seen; };
   for (;;) {
-    uint32_t gen;
-    TaskFn fn;
-    void* ctx;
-    int n;
-    {
+    if (!spin_until([&] { return fresh() || stop_.load(std::memory_order_relaxed); }, gov)) {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_start_.wait(lk, [&] { return generation_ != seen || stop_; });
-      if (stop_) return;
-      seen = gen = generation_;
-      fn = fn_;
-      ctx = ctx_;
-      n = n_tasks_;
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      cv_start_.wait(lk, [&] { return fresh() || stop_.load(); });
+      sleepers_.fetch_sub(1, std::memory_order_relaxed);
     }
-    drain(gen, fn, ctx, n, worker);
+    if (stop_.load()) return;
+    const uint32_t gen = uint32_t(claim_.load(std::memory_order_acquire) >> 32);
+    seen = gen;
+    drain(gen, fn_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
+          n_tasks_.load(std::memory_order_relaxed), worker);
   }
 }
 
