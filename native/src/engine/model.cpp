@@ -273,22 +273,36 @@ void Model::for_rows(int m, int64_t work_per_row, F&& f) {
 }
 
 void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase) {
-  int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  // The int8-activation GEMMs that share a quantised input go out in one dispatch (gemm_multi); a q8g one reads x
+  // itself.
+  GemmTarget batch[4];
+  int n = 0, quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  auto flush = [&] {
+    if (!n) return;
+    Timer t(this, phase);
+    gemm_multi(qact_, batch, n, pool_.get(), backend_);
+    n = 0;
+  };
   for (const GemmOut& o : outs) {
     const QLinear& w = o.w->pick(m, policy_);
+    const int ldy = o.ldy ? o.ldy : w.n;
     if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
+      flush();
       Timer t(this, phase);
-      gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
+      gemm_q8g(x, ldx, m, w, o.y, ldy, pool_.get(), backend_);
       continue;
     }
-    if (w.hadamard != quantised_for) {
-      Timer t(this, kActQuant);
-      quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
-      quantised_for = w.hadamard;
+    if (w.hadamard != quantised_for || n == 4) {
+      flush();
+      if (w.hadamard != quantised_for) {
+        Timer t(this, kActQuant);
+        quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
+        quantised_for = w.hadamard;
+      }
     }
-    Timer t(this, phase);
-    gemm(qact_, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
+    batch[n++] = GemmTarget{&w, o.y, ldy};
   }
+  flush();
 }
 
 void Model::embed(const int32_t* tokens, int m, int full_from) {
