@@ -432,6 +432,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (base_items < pool_->size()) per = std::max(1, (group * base_items + pool_->size() - 1) / pool_->size());
       const int nch = (group + per - 1) / per;
       const int window = c.sliding_window;
+      // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
+      const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;
       pool_->parallel_for(base_items * nch, [&](int it, int w) {
         const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
         const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
@@ -442,8 +444,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
                                    f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
                                    g * hd * (f16_kv ? 2 : 1), src.cap};
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
-        ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
-                    &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+        attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
+               &row_scratch_[size_t(w) * row_scratch_per_worker_]);
         ops::fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
       });
     }
