@@ -732,3 +732,21 @@ def test_avx512_attention_matches_avx2(kv_dtype):
     assert cosines(v, x).min() >= 0.999
     assert (v.argmax(-1) == x.argmax(-1)).mean() >= 0.95
     np.testing.assert_allclose(vs_ref["vnni"], vs_ref["avx2"], rtol=0, atol=2e-4)
+
+
+def test_pool_spin_setting(monkeypatch):
+    """FGM_POOL_SPIN_US lets the pool's threads spin for the next job before they sleep (threadpool.h): the results
+    are the same bits with and without the spin, and a value that is not a microsecond count is refused by name."""
+    prompt = rand_prompt(40, seed=6)
+    outs = []
+    for spin in ("0", "300"):
+        monkeypatch.setenv("FGM_POOL_SPIN_US", spin)
+        m = model(weights="int4")
+        a = arena(m)
+        logits = m.prefill(a, 0, prompt, all_logits=True)
+        outs.append(np.concatenate([logits, m.decode(a, [0], [3], [len(prompt)])]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    for bad in ("-1", "fast", "2000000"):
+        monkeypatch.setenv("FGM_POOL_SPIN_US", bad)
+        with pytest.raises(ValueError, match="FGM_POOL_SPIN_US"):
+            model()

@@ -14,15 +14,18 @@
 // tens of microseconds of scheduler latency before the worker runs; a decode step dispatches
 // ~400 small jobs (the GEMMs of 35 layers, attention), back to back with microseconds between
 // them, so a worker that went to sleep after each one left the caller streaming alone for part
-// of every job. So a worker that finds no task spins on the claim word for a while (spin_us,
-// default kDefaultSpinUs; FGM_POOL_SPIN_US overrides it, 0 = sleep at once) before it sleeps,
+// of every job. So a worker that finds no task may spin on the claim word for a while (spin_us;
+// FGM_POOL_SPIN_US, default kDefaultSpinUs = 0: sleep at once) before it sleeps,
 // and the caller signals the condition variable only when a worker is asleep; the caller too
 // spins that long for the last task to finish before it sleeps. The spin is bounded so an
 // idle pool uses no CPU. On an oversubscribed machine spinning is a loss (the scheduler
 // shares the CPU between threads, and a spinning thread spends its share on nothing: measured
-// on the shared 2-core host at load 7-12, decode took 1.8x as long with spinning), so each
-// thread checks every kGovernorCheck whether it was preempted (getrusage's involuntary context
-// switches) and, if so, sleeps at once for the next kGovernorHold.
+// on the shared 2-core host at load 7-12, decode took 1.8x as long with an ungoverned spin), so
+// each thread looks every 5 ms at the threads runnable on the machine (/proc/loadavg) and spins
+// only while they are no more than the CPUs. Even so, on the shared host (load 11-20, session 5)
+// a 300 us spin ran decode B=1 at 0.88x of no spin, twice, in alternated in-process runs, and a
+// quiet machine to show the gain was not to be had; so the spin is off unless FGM_POOL_SPIN_US
+// asks for it, for that measurement (docs/benchmarks.md).
 //
 // Every task runs with denormal floats flushed to zero (MXCSR FTZ + DAZ): on Intel cores an
 // operation that meets a denormal takes a microcode assist of ~100 cycles, and attention
@@ -66,7 +69,7 @@ class ThreadPool {
   explicit ThreadPool(int n_threads, std::function<void()> thread_init = {}, int spin_us = -1);
   // What a spin_us of -1 means: FGM_POOL_SPIN_US when set (a non-negative integer; anything else throws
   // std::invalid_argument), else this many microseconds.
-  static constexpr int kDefaultSpinUs = 300;
+  static constexpr int kDefaultSpinUs = 0;
   static int default_spin_us();
   // Per thread: whether it may spin now (see above).
   class SpinGovernor {
@@ -74,8 +77,8 @@ class ThreadPool {
     bool allowed();
 
    private:
-    int64_t next_check_ns_ = 0, hold_until_ns_ = 0;
-    long nivcsw_ = -1;
+    int64_t next_check_ns_ = 0;
+    bool allowed_ = true;
   };
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
