@@ -2,10 +2,12 @@
 
 #include <immintrin.h>
 
-#include <sys/resource.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -43,12 +45,30 @@ ThreadPool::~ThreadPool() {
 }
 
 namespace {
-constexpr int64_t kGovernorCheck = 2'000'000;  // ns between looks at the thread's involuntary context switches
-constexpr int64_t kGovernorHold = 50'000'000;  // ns without spinning after a preemption was seen
+constexpr int64_t kGovernorCheck = 5'000'000;  // ns between looks at the machine's runnable threads
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+// Threads runnable right now on the whole machine (the 4th field of /proc/loadavg, "running/total"), this one
+// included; -1 when unknown.
+int runnable_threads() {
+  static const int fd = open("/proc/loadavg", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[128];
+  const ssize_t n = pread(fd, buf, sizeof(buf) - 1, 0);
+  if (n <= 0) return -1;
+  buf[n] = 0;
+  const char* p = buf;
+  for (int field = 0; field < 3 && p; ++field) p = std::strchr(p, ' '), p = p ? p + 1 : nullptr;
+  return p ? std::atoi(p) : -1;
+}
+
+int online_cpus() {
+  static const int n = int(sysconf(_SC_NPROCESSORS_ONLN));
+  return n > 0 ? n : 1;
 }
 }  // namespace
 
@@ -56,13 +76,10 @@ bool ThreadPool::SpinGovernor::allowed() {
   const int64_t now = now_ns();
   if (now >= next_check_ns_) {
     next_check_ns_ = now + kGovernorCheck;
-    rusage ru;
-    if (getrusage(RUSAGE_THREAD, &ru) == 0) {
-      if (nivcsw_ >= 0 && ru.ru_nivcsw > nivcsw_) hold_until_ns_ = now + kGovernorHold;
-      nivcsw_ = ru.ru_nivcsw;
-    }
+    const int running = runnable_threads();
+    allowed_ = running < 0 || running <= online_cpus();
   }
-  return now >= hold_until_ns_;
+  return allowed_;
 }
 
 template <class P>
