@@ -119,18 +119,20 @@ void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
     for (int t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
     return;
   }
-  const uint32_t gen = ++generation_;
-  fn_.store(fn, std::memory_order_relaxed);
-  ctx_.store(ctx, std::memory_order_relaxed);
-  n_tasks_.store(n_tasks, std::memory_order_relaxed);
-  done_.store(0, std::memory_order_relaxed);
-  claim_.store(uint64_t(gen) << 32, std::memory_order_seq_cst);
-  // A worker increments sleepers_ before its last look at claim_ (both seq_cst), so either it sees this job or we
-  // see it asleep; the lock orders the notify after its wait began.
-  if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-    { std::lock_guard<std::mutex> lk(mu_); }
-    cv_start_.notify_all();
+  uint32_t gen;
+  {
+    // The job's fields and its generation change together under mu_, so a worker that reads them under mu_ never
+    // pairs one job's generation with another's task count.
+    std::lock_guard<std::mutex> lk(mu_);
+    gen = ++generation_;
+    fn_ = fn;
+    ctx_ = ctx;
+    n_tasks_ = n_tasks;
+    done_.store(0, std::memory_order_relaxed);
+    claim_.store(uint64_t(gen) << 32, std::memory_order_release);
   }
+  // A worker counts itself in sleepers_ under mu_ before it waits, so after the lock above we see it.
+  if (sleepers_.load(std::memory_order_relaxed) > 0) cv_start_.notify_all();
   drain(gen, fn, ctx, n_tasks, 0);
   if (spin_until([&] { return done_.load(std::memory_order_acquire) == n_tasks; }, caller_gov_)) return;
   std::unique_lock<std::mutex> lk(mu_);
@@ -142,19 +144,28 @@ void ThreadPool::worker_loop(int worker, std::function<void()> init) {
   if (init) init();
   uint32_t seen = 0;
   SpinGovernor gov;
-  auto fresh = [&] { return uint32_t(claim_.load(std::memory_order_seq_cst) >> 32) != seen; };
   for (;;) {
-    if (!spin_until([&] { return fresh() || stop_.load(std::memory_order_relaxed); }, gov)) {
+    // The spin watches the claim word (a hint); the job itself is read under mu_.
+    spin_until([&] { return uint32_t(claim_.load(std::memory_order_acquire) >> 32) != seen ||
+                            stop_.load(std::memory_order_relaxed); }, gov);
+    uint32_t gen;
+    TaskFn fn;
+    void* ctx;
+    int n;
+    {
       std::unique_lock<std::mutex> lk(mu_);
-      sleepers_.fetch_add(1, std::memory_order_seq_cst);
-      cv_start_.wait(lk, [&] { return fresh() || stop_.load(); });
-      sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      if (generation_ == seen && !stop_.load()) {
+        sleepers_.fetch_add(1, std::memory_order_relaxed);
+        cv_start_.wait(lk, [&] { return generation_ != seen || stop_.load(); });
+        sleepers_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      if (stop_.load()) return;
+      seen = gen = generation_;
+      fn = fn_;
+      ctx = ctx_;
+      n = n_tasks_;
     }
-    if (stop_.load()) return;
-    const uint32_t gen = uint32_t(claim_.load(std::memory_order_acquire) >> 32);
-    seen = gen;
-    drain(gen, fn_.load(std::memory_order_relaxed), ctx_.load(std::memory_order_relaxed),
-          n_tasks_.load(std::memory_order_relaxed), worker);
+    drain(gen, fn, ctx, n, worker);
   }
 }
 

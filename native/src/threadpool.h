@@ -111,16 +111,14 @@ class ThreadPool {
   std::condition_variable cv_start_;
   std::condition_variable cv_done_;
   std::atomic<bool> stop_{false};
-  // Current job: the caller writes fn_, ctx_, n_tasks_, then publishes it with claim_ = (generation << 32) | next
-  // task index (release). A worker reads the fields after seeing a new generation; when they already belong to a
-  // newer job, that job's generation differs from the one it saw and drain() runs nothing.
-  uint32_t generation_ = 0;  // the caller's own count
-  std::atomic<TaskFn> fn_{nullptr};
-  std::atomic<void*> ctx_{nullptr};
-  std::atomic<int> n_tasks_{0};
+  // Current job, published under mu_. claim_ = (generation << 32) | next task index.
+  uint32_t generation_ = 0;
+  TaskFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int n_tasks_ = 0;
   std::atomic<uint64_t> claim_{0};
   std::atomic<int> done_{0};
-  std::atomic<int> sleepers_{0};  // workers blocked (or about to block) on cv_start_
+  std::atomic<int> sleepers_{0};  // workers waiting on cv_start_ (changed under mu_)
   SpinGovernor caller_gov_;       // the calling thread's (run() has one caller at a time)
 };
 

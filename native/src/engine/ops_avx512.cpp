@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "attend_common.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -41,17 +42,6 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
   if constexpr (F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i)));
   else
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
-}
-
-struct Run {
-  int row, len, off;  // as ring_runs in ops_avx2.cpp
-};
-int ring_runs(int lo, int span, int cap, Run* runs) {
-  const int r0 = lo % cap, n0 = span < cap - r0 ? span : cap - r0;
-  runs[0] = Run{r0, n0, 0};
-  if (n0 == span) return 1;
-  runs[1] = Run{0, span - n0, n0};
-  return 2;
 }
 
 template <int NH, bool F16>
@@ -129,17 +119,8 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
       _mm512_mask_storeu_ps(sh + j, k, e);
       sv = _mm512_mask_add_ps(sv, k, sv, e);
     }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sv);
     // Fold the normaliser and each position's V scale into the weights.
-    for (int ri = 0; ri < n_runs; ++ri) {
-      float* w = sh + runs[ri].off;
-      if constexpr (F16) {
-        for (int i = 0; i < runs[ri].len; ++i) w[i] *= inv;
-      } else {
-        const float* vs = c.vs + runs[ri].row;
-        for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
-      }
-    }
+    fold_weights<F16>(sh, c, runs, n_runs, 1.0f / _mm512_reduce_add_ps(sv));
   }
   if constexpr (NH <= 4) {
     if (hd % 64 == 0) return pv_accumulate<NH, 4, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
@@ -148,33 +129,21 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
   pv_accumulate<NH, 1, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
-template <bool F16>
-void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
-                  int out_stride, float* scratch) {
-  switch (nh) {
-    case 1: return attend_block<1, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 2: return attend_block<2, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 3: return attend_block<3, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 4: return attend_block<4, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 5: return attend_block<5, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 6: return attend_block<6, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 7: return attend_block<7, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    default: return attend_block<8, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+
+template <int NH, bool F16>
+struct ZmmBlock {
+  static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
+                  int out_stride, float* s) {
+    attend_block<NH, F16>(q, q_stride, hd, c, lo, hi, out, out_stride, s);
   }
-}
+};
 
 }  // namespace
 
 void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
                    int out_stride, float* scratch) {
   if (hd % 16) return attend(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);  // zmm reads 16 dims
-  for (int h0 = 0; h0 < nq; h0 += 8) {
-    const int nh = nq - h0 < 8 ? nq - h0 : 8;
-    const float* qh = q + int64_t(h0) * q_stride;
-    float* oh = out + int64_t(h0) * out_stride;
-    if (c.ks) attend_heads<false>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else attend_heads<true>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-  }
+  attend_in_blocks<ZmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);
 }
 
 }  // namespace sg::ops
