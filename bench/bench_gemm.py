@@ -33,6 +33,7 @@ N, K_DIM, GROUP = 6144, 1536, 256
 PREFILL_M = 512
 DECODE_M = (1, 8, 32)
 STREAM_SET_BYTES = 96 << 20  # the cycled weight copies: well above a 32 MB L3
+DRAM_PROBE_BYTES = 1 << 30  # the bandwidth probe's buffer: of the order of an E2B decode step (1.3 GB)
 
 
 def random_weights(rng, dtype: str, copies: int):
@@ -70,8 +71,10 @@ def main() -> None:
 
     print(f"machine: {cpu_model()}, {os.cpu_count()} CPUs; threads {args.threads}; "
           f"load average {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    dram = statistics.median(K.read_bandwidth(1 << 28, args.threads) for _ in range(args.repeats))
-    print(f"DRAM streaming read: {dram:.1f} GB/s (median of {args.repeats})")
+    passes = K.read_bandwidth(DRAM_PROBE_BYTES, args.threads, args.repeats)
+    dram = statistics.median(passes)
+    print(f"DRAM streaming read: {dram:.1f} GB/s (median of {args.repeats} passes over {DRAM_PROBE_BYTES >> 20} MB, "
+          f"range {min(passes):.1f}–{max(passes):.1f})")
 
     q8_codes, q8_scales = random_weights(rng, "q8c", 1)
     q4_bytes = N * K_DIM // 2 + (K_DIM // GROUP) * N * 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -244,9 +245,16 @@ def test_bench_json_shape(capsys):
     assert backend in ("amx", "vnni", "avx2") and r["threads"] == 2
     assert set(r["limits"]) == {f"{backend}_int8_tops", "dram_read_gbs"}
     assert all(v > 0 for v in r["limits"].values())
-    # the limits are the best of the readings taken before and after the figures
-    assert [len(v) for v in r["limit_readings"].values()] == [6, 6]
-    assert r["limits"]["dram_read_gbs"] == max(r["limit_readings"]["dram_gbs"])
+    # the peak is the best of the readings taken before and after the figures; the bandwidth the median of the
+    # passes over a buffer no smaller than the largest decode step's weight bytes, the same number before and after
+    from splitgemma.commands.bench import DRAM_PASSES
+    assert [len(v) for v in r["limit_readings"].values()] == [6, 2 * DRAM_PASSES]
+    assert r["limits"][f"{backend}_int8_tops"] == max(r["limit_readings"]["peak_tops"])
+    assert r["limits"]["dram_read_gbs"] == statistics.median(r["limit_readings"]["dram_gbs"])
+    probe = r["dram_probe"]
+    assert probe["passes"] == 2 * DRAM_PASSES
+    assert probe["range_gbs"] == [min(r["limit_readings"]["dram_gbs"]), max(r["limit_readings"]["dram_gbs"])]
+    assert probe["bytes"] >= max(d["weight_bytes_per_step"] for d in r["decode"])
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
     assert [(d["batch"], d["context"]) for d in r["decode"]] == [(1, 20), (3, 20)]
     for row in r["prefill"] + r["decode"]:

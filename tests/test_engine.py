@@ -707,3 +707,53 @@ def test_rewinding_respects_the_rings():
         m.decode(a, [0], [5], [40])
     m.prefill(a, 0, seq[:10])  # from position 0 a slot can always be rewritten
     assert a.n_tokens(0) == 10
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_avx512_attention_matches_avx2(kv_dtype):
+    """The VNNI (and AMX) backends attend with the zmm kernels of ops_avx512.cpp, the AVX2 backend with the ymm ones;
+    the GEMMs are bit-identical across backends (test_kernels), so any difference between the two runs is the
+    attention's f32 reassociation, carried through the layers, where the int8 rounding of the activations and K/V
+    moves a value next to a rounding boundary by one code and so amplifies it (measured on this fixture: cosine
+    0.99967-0.99981 between the two after 60 tokens; the largest logit difference 0.055-0.070). Stated tolerance:
+    every logit row at cosine >= 0.999, the argmax the same on every row whose top-1 leads its top-2 by 0.05 or more
+    (the rows that differ are near-ties: leads of 0.0003-0.03 on this random fixture), and against transformers' logits (the fastgemma reference) each run as close as
+    the other (min and mean cosine within 2e-4); and not bit for bit the same, so the zmm path did run."""
+    if not N.kernels.cpu_supports("vnni"):
+        pytest.skip("the zmm attention runs on the vnni backend, which this CPU cannot run")
+    ref = np.load(FASTGEMMA[TAME] / "reference.npz")
+    prompt = rand_prompt(60, seed=11)  # 60 > the window of 16: sliding and full layers, a wrapped ring
+    runs, vs_ref = {}, {}
+    for backend in ("vnni", "avx2"):
+        m = model(backend=backend, weights="int8", kv_dtype=kv_dtype)
+        a = arena(m)
+        logits = m.prefill(a, 0, prompt, all_logits=True)
+        steps = [m.decode(a, [0], [int(prompt[i % 7])], [len(prompt) + i])[0] for i in range(4)]
+        runs[backend] = np.concatenate([logits, np.stack(steps)])
+        c = cosines(m.prefill(arena(m), 0, ref["prompt_ids"], all_logits=True), ref["fgm_int8_logits"])
+        vs_ref[backend] = (c.min(), c.mean())
+    v, x = runs["vnni"], runs["avx2"]
+    assert not np.array_equal(v, x)
+    assert cosines(v, x).min() >= 0.999
+    top2 = np.sort(x, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] >= 0.05
+    assert clear.mean() > 0.8 and (v.argmax(-1) == x.argmax(-1))[clear].all()
+    np.testing.assert_allclose(vs_ref["vnni"], vs_ref["avx2"], rtol=0, atol=2e-4)
+
+
+def test_pool_spin_setting(monkeypatch):
+    """FGM_POOL_SPIN_US lets the pool's threads spin for the next job before they sleep (threadpool.h): the results
+    are the same bits with and without the spin, and a value that is not a microsecond count is refused by name."""
+    prompt = rand_prompt(40, seed=6)
+    outs = []
+    for spin in ("0", "300"):
+        monkeypatch.setenv("FGM_POOL_SPIN_US", spin)
+        m = model(weights="int4")
+        a = arena(m)
+        logits = m.prefill(a, 0, prompt, all_logits=True)
+        outs.append(np.concatenate([logits, m.decode(a, [0], [3], [len(prompt)])]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    for bad in ("-1", "fast", "2000000"):
+        monkeypatch.setenv("FGM_POOL_SPIN_US", bad)
+        with pytest.raises(ValueError, match="FGM_POOL_SPIN_US"):
+            model()

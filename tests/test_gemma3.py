@@ -317,7 +317,9 @@ def test_top1_agreement_with_transformers(real, report):
 def test_exact_weights_and_f32_kv_agree_with_transformers(real, report):
     """The fidelity check of issue 14: with every weight exactly the GGUF's (q8g/q8ga) and the f32 K/V option, only
     float32 rounding separates the engine from transformers on the same GGUF: every top-1 equal (the f16 K/V the file
-    asks for misses one position, a 0.0016 near-tie), and the same bits on every backend."""
+    asks for misses one position, a 0.0016 near-tie), on every backend. The GEMMs give the same bits on every backend;
+    the attention does not (zmm on vnni/amx, ymm on avx2: f32 reassociation, test_engine's
+    test_avx512_attention_matches_avx2), so each backend is held to transformers on its own."""
     p = real["ref"]["passage"]
     ids = np.asarray(p["ids"], np.int32)
     top_ids, top_logits = np.asarray(p["top_ids"]), np.asarray(p["top_logits"])
@@ -325,14 +327,12 @@ def test_exact_weights_and_f32_kv_agree_with_transformers(real, report):
     for b in [b for b in ("avx2", "vnni", "amx") if N.kernels.cpu_supports(b)]:
         m = N.Model(str(real["fgm"]), max_context=1024, threads=2, kv_dtype="f32", backend=b)
         outs[b] = m.prefill(arena(m), 0, ids, all_logits=True)
-    got = outs["avx2"]
-    for b, y in outs.items():
-        np.testing.assert_array_equal(y, got, err_msg=b)
-    err = np.abs(np.take_along_axis(got, top_ids, -1) - top_logits)
-    agree = (got.argmax(-1) == top_ids[:, 0]).mean()
-    report(f"gemma3-270m passage, f32 K/V: engine top-1 = transformers' at {agree:.1%}; |logit difference| on its "
-           f"top-10 mean {err.mean():.2e}, max {err.max():.2e} ({', '.join(outs)}: the same bits)")
-    assert agree == 1.0 and err.max() <= 1e-3  # measured: mean 3.8e-5, max 2.1e-4
+    for b, got in outs.items():
+        err = np.abs(np.take_along_axis(got, top_ids, -1) - top_logits)
+        agree = (got.argmax(-1) == top_ids[:, 0]).mean()
+        report(f"gemma3-270m passage, f32 K/V, {b}: engine top-1 = transformers' at {agree:.1%}; |logit difference| "
+               f"on its top-10 mean {err.mean():.2e}, max {err.max():.2e}")
+        assert agree == 1.0 and err.max() <= 1e-3, b  # measured (avx2): mean 3.8e-5, max 2.1e-4
 
 
 def test_greedy_continuations_match_transformers(real, report):

@@ -510,3 +510,15 @@ def test_emulated_vnni_and_amx_match_avx2(tmp_path):
         # Simulated tile-state loss must be detected and repaired (3: always, so the scalar
         # fallback runs); without loss nothing is recomputed.
         assert (recoveries > 0) == bool(loss_every), r.stdout
+
+
+def test_read_bandwidth_gives_one_reading_per_pass():
+    """The bandwidth probe (splitgemma bench's DRAM limit): one positive GB/s reading per pass over the buffer, on
+    every thread count; a pass count below 1 or a buffer below a page per thread is refused by name."""
+    for threads in (1, 2):
+        readings = K.read_bandwidth(8 << 20, threads, 3)
+        assert len(readings) == 3 and all(r > 0 for r in readings)
+    with pytest.raises(ValueError, match="passes"):
+        K.read_bandwidth(8 << 20, 1, 0)
+    with pytest.raises(ValueError, match="too small"):
+        K.read_bandwidth(4096, 2, 1)

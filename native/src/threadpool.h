@@ -10,6 +10,23 @@
 // Worker threads call the per-thread initialiser once at start (AMX tile permission is
 // per thread).
 //
+// Waking a sleeping worker through the condition variable costs a futex call on the caller and
+// tens of microseconds of scheduler latency before the worker runs; a decode step dispatches
+// ~400 small jobs (the GEMMs of 35 layers, attention), back to back with microseconds between
+// them, so a worker that went to sleep after each one left the caller streaming alone for part
+// of every job. So a worker that finds no task may spin on the claim word for a while (spin_us;
+// FGM_POOL_SPIN_US, default kDefaultSpinUs = 0: sleep at once) before it sleeps,
+// and the caller signals the condition variable only when a worker is asleep; the caller too
+// spins that long for the last task to finish before it sleeps. The spin is bounded so an
+// idle pool uses no CPU. On an oversubscribed machine spinning is a loss (the scheduler
+// shares the CPU between threads, and a spinning thread spends its share on nothing: measured
+// on the shared 2-core host at load 7-12, decode took 1.8x as long with an ungoverned spin), so
+// each thread looks every 5 ms at the threads runnable on the machine (/proc/loadavg) and spins
+// only while they are no more than the CPUs. Even so, on the shared host (load 11-20, session 5)
+// a 300 us spin ran decode B=1 at 0.88x of no spin, twice, in alternated in-process runs, and a
+// quiet machine to show the gain was not to be had; so the spin is off unless FGM_POOL_SPIN_US
+// asks for it, for that measurement (docs/benchmarks.md).
+//
 // Every task runs with denormal floats flushed to zero (MXCSR FTZ + DAZ): on Intel cores an
 // operation that meets a denormal takes a microcode assist of ~100 cycles, and attention
 // weights of far-away positions (exp of a very negative score, times a V scale) fall there
@@ -49,7 +66,20 @@ class ThreadPool {
 
   // n_threads includes the calling thread. thread_init runs once on every worker thread
   // (not on the caller, which must initialise itself).
-  explicit ThreadPool(int n_threads, std::function<void()> thread_init = {});
+  explicit ThreadPool(int n_threads, std::function<void()> thread_init = {}, int spin_us = -1);
+  // What a spin_us of -1 means: FGM_POOL_SPIN_US when set (a non-negative integer; anything else throws
+  // std::invalid_argument), else this many microseconds.
+  static constexpr int kDefaultSpinUs = 0;
+  static int default_spin_us();
+  // Per thread: whether it may spin now (see above).
+  class SpinGovernor {
+   public:
+    bool allowed();
+
+   private:
+    int64_t next_check_ns_ = 0;
+    bool allowed_ = true;
+  };
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -68,15 +98,19 @@ class ThreadPool {
 
  private:
   void worker_loop(int worker, std::function<void()> init);
+  // Spins up to spin_us_ until pred() holds; returns whether it did.
+  template <class P>
+  bool spin_until(P&& pred, SpinGovernor& gov) const;
   // Claims and runs tasks of job `gen` until none is left (or another job has started).
   void drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int worker);
 
   int n_threads_;
+  int spin_us_;
   std::vector<std::thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_start_;
   std::condition_variable cv_done_;
-  bool stop_ = false;
+  std::atomic<bool> stop_{false};
   // Current job, published under mu_. claim_ = (generation << 32) | next task index.
   uint32_t generation_ = 0;
   TaskFn fn_ = nullptr;
@@ -84,6 +118,8 @@ class ThreadPool {
   int n_tasks_ = 0;
   std::atomic<uint64_t> claim_{0};
   std::atomic<int> done_{0};
+  std::atomic<int> sleepers_{0};  // workers waiting on cv_start_ (changed under mu_)
+  SpinGovernor caller_gov_;       // the calling thread's (run() has one caller at a time)
 };
 
 }  // namespace sg

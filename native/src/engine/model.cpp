@@ -275,22 +275,36 @@ void Model::for_rows(int m, int64_t work_per_row, F&& f) {
 }
 
 void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase) {
-  int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  // The int8-activation GEMMs that share a quantised input go out in one dispatch (gemm_multi); a q8g one reads x
+  // itself.
+  GemmTarget batch[4];
+  int n = 0, quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  auto flush = [&] {
+    if (!n) return;
+    Timer t(this, phase);
+    gemm_multi(qact_, batch, n, pool_.get(), backend_);
+    n = 0;
+  };
   for (const GemmOut& o : outs) {
     const QLinear& w = o.w->pick(shape_rows(m), policy_);
+    const int ldy = o.ldy ? o.ldy : w.n;
     if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
+      flush();
       Timer t(this, phase);
-      gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
+      gemm_q8g(x, ldx, m, w, o.y, ldy, pool_.get(), backend_);
       continue;
     }
-    if (w.hadamard != quantised_for) {
-      Timer t(this, kActQuant);
-      quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
-      quantised_for = w.hadamard;
+    if (w.hadamard != quantised_for || n == 4) {
+      flush();
+      if (w.hadamard != quantised_for) {
+        Timer t(this, kActQuant);
+        quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
+        quantised_for = w.hadamard;
+      }
     }
-    Timer t(this, phase);
-    gemm(qact_, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
+    batch[n++] = GemmTarget{&w, o.y, ldy};
   }
+  flush();
 }
 
 void Model::embed(const int32_t* tokens, int m, int full_from) {
@@ -425,6 +439,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (shape_items < pool_->size()) per = std::max(1, (group * shape_items + pool_->size() - 1) / pool_->size());
       const int nch = (group + per - 1) / per;
       const int window = c.sliding_window;
+      // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
+      const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;
       pool_->parallel_for(base_items * nch, [&](int it, int w) {
         const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
         const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
@@ -435,8 +451,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
                                    float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
                                    g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
-        ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
-                    &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+        attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
+               &row_scratch_[size_t(w) * row_scratch_per_worker_]);
         ops::fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
       });
     }

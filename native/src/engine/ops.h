@@ -58,6 +58,10 @@ struct AttnCache {
 };
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch);
+// The same on zmm (ops_avx512.cpp, AVX-512F): call only when the CPU has AVX-512 (the VNNI and AMX backends). Equal to
+// attend() up to f32 reassociation (relative ~1e-6), not bit for bit.
+void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
+                   int out_stride, float* scratch);
 
 // Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
 // e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; with stop_at >= 0 it stops at the

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "attend_common.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -115,18 +116,6 @@ float rms_inv(const float* x, int n, float eps) {
   return float(1.0 / std::sqrt(double(sum_squares(x, n)) / n + double(eps)));
 }
 
-// The cached positions [lo, lo + span) as at most two runs of consecutive cache rows (the ring wraps once at most).
-struct Run {
-  int row, len, off;  // first cache row, row count, offset of the run's first position within [lo, lo + span)
-};
-int ring_runs(int lo, int span, int cap, Run* runs) {
-  const int r0 = lo % cap, n0 = span < cap - r0 ? span : cap - r0;
-  runs[0] = Run{r0, n0, 0};
-  if (n0 == span) return 1;
-  runs[1] = Run{0, span - n0, n0};
-  return 2;
-}
-
 // Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j (times kscale_j for int8).
 template <int NH, int E>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
@@ -204,16 +193,7 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     float sum = hsum(sv);
     for (; j < span; ++j) sum += (sh[j] = exp1(sh[j] - m));
     // Fold the normaliser and each position's V scale into the weights.
-    const float inv = 1.0f / sum;
-    for (int ri = 0; ri < n_runs; ++ri) {
-      float* w = sh + runs[ri].off;
-      if constexpr (E != 1) {
-        for (int i = 0; i < runs[ri].len; ++i) w[i] *= inv;
-      } else {
-        const float* vs = c.vs + runs[ri].row;
-        for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
-      }
-    }
+    fold_weights<E>(sh, c, runs, n_runs, 1.0f / sum);
   }
   if constexpr (NH <= 2) {
     if (hd % 32 == 0) return pv_accumulate<NH, 4, E>(s, span, hd, c, runs, n_runs, out, out_stride);
@@ -223,6 +203,14 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
   }
   pv_accumulate<NH, 1, E>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
+
+template <int NH, int E>
+struct YmmBlock {
+  static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
+                  int out_stride, float* s) {
+    attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s);
+  }
+};
 
 }  // namespace
 
@@ -383,32 +371,10 @@ void fwht_blocks(float* x, int n, int block) {
 
 int kv_rotation_block(int head_dim) { return std::min(128, head_dim & -head_dim); }
 
-template <int E>
-void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
-                  int out_stride, float* scratch) {
-  switch (nh) {
-    case 1: return attend_block<1, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 2: return attend_block<2, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 3: return attend_block<3, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 4: return attend_block<4, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 5: return attend_block<5, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 6: return attend_block<6, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 7: return attend_block<7, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    default: return attend_block<8, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-  }
-}
 
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch) {
-  // Heads are processed in blocks of up to 8 so each block reads (and converts) every K/V row once.
-  for (int h0 = 0; h0 < nq; h0 += 8) {
-    const int nh = nq - h0 < 8 ? nq - h0 : 8;
-    const float* qh = q + int64_t(h0) * q_stride;
-    float* oh = out + int64_t(h0) * out_stride;
-    if (c.ks) attend_heads<1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else if (c.f32) attend_heads<4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else attend_heads<2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-  }
+  attend_in_blocks<YmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);
 }
 
 float max_finite(const float* x, int n, bool* all_finite) {

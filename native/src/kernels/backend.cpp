@@ -201,29 +201,53 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool) 
 // 1.5 at 16.
 constexpr int kAmxVnniRowsQ4 = 8;
 
+namespace {
+
+using Kernel = void (*)(const QAct&, const QLinear&, float*, int, int, int);
+
+Kernel pick_kernel(const QAct& a, const QLinear& w, Backend b) {
+  if (b == Backend::Vnni) return detail::gemm_vnni;
+  if (b == Backend::Amx) {
+    if (w.dtype == DType::Q4G && a.m <= kAmxVnniRowsQ4) return detail::gemm_vnni;  // same bits by the kernel contract
+    detail::amx_prepare();
+    return detail::gemm_amx;
+  }
+  return detail::gemm_avx2;
+}
+
+}  // namespace
+
 void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b) {
-  check_gemm_args(a, w, y, ldy);
+  const GemmTarget t{&w, y, ldy};
+  gemm_multi(a, &t, 1, pool, b);
+}
+
+void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* pool, Backend b) {
+  constexpr int kMaxTargets = 8;
+  if (n < 1 || n > kMaxTargets)
+    throw std::invalid_argument("gemm_multi: between 1 and " + std::to_string(kMaxTargets) + " targets, got " +
+                                std::to_string(n));
+  for (int i = 0; i < n; ++i) check_gemm_args(a, *targets[i].w, targets[i].y, targets[i].ldy);
   if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm: this CPU cannot run the ") + backend_name(b) + " backend");
   if (a.m == 0) return;
-  using Kernel = void (*)(const QAct&, const QLinear&, float*, int, int, int);
-  Kernel kernel = detail::gemm_avx2;
-  if (b == Backend::Vnni) kernel = detail::gemm_vnni;
-  if (b == Backend::Amx) {
-    if (w.dtype == DType::Q4G && a.m <= kAmxVnniRowsQ4) {
-      kernel = detail::gemm_vnni;  // same bits by the kernel contract
-    } else {
-      detail::amx_prepare();
-      kernel = detail::gemm_amx;
-    }
+  // Task t belongs to the target whose range [first[i], first[i + 1]) holds it; a task is kTaskBlocks column blocks.
+  Kernel kernel[kMaxTargets];
+  int first[kMaxTargets + 1] = {0};
+  for (int i = 0; i < n; ++i) {
+    kernel[i] = pick_kernel(a, *targets[i].w, b);
+    const int NB = targets[i].w->n / 16;
+    first[i + 1] = first[i] + (NB + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
   }
-  const int NB = w.n / 16;
-  const int n_tasks = (NB + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
   auto task = [&](int t, int) {
-    const int nb0 = t * detail::kTaskBlocks;
+    int i = 0;
+    while (t >= first[i + 1]) ++i;
+    const GemmTarget& g = targets[i];
+    const int NB = g.w->n / 16;
+    const int nb0 = (t - first[i]) * detail::kTaskBlocks;
     const int nb1 = nb0 + detail::kTaskBlocks < NB ? nb0 + detail::kTaskBlocks : NB;
-    kernel(a, w, y, ldy, nb0, nb1);
+    kernel[i](a, *g.w, g.y, g.ldy, nb0, nb1);
   };
-  detail::run_tasks(pool, n_tasks, task);
+  detail::run_tasks(pool, first[n], task);
 }
 
 }  // namespace sg

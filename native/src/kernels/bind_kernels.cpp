@@ -280,12 +280,14 @@ void bind_kernels(py::module_& parent) {
 
   m.def(
       "read_bandwidth",
-      [](size_t bytes, int threads) {
+      [](size_t bytes, int threads, int passes) {
         py::gil_scoped_release nogil;
         sg::ThreadPool pool(threads);
-        return sg::read_bandwidth_gbs(bytes, &pool);
+        return sg::read_bandwidth_gbs(bytes, &pool, passes);
       },
-      py::arg("bytes") = size_t(1) << 28, py::arg("threads") = 1, "Streaming read bandwidth in GB/s (1e9 B/s).");
+      py::arg("bytes"), py::arg("threads") = 1, py::arg("passes") = 3,
+      "Streaming read bandwidth in GB/s (1e9 B/s) of `threads` threads reading a fresh `bytes`-long buffer: a list "
+      "of `passes` readings, one per pass over the whole buffer.");
 
   m.def(
       "tile_guard_status",

@@ -98,6 +98,17 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 // cannot run it.
 void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
 
+// Several GEMMs of the same activations (a.hadamard equal to every w's) in ONE pool dispatch: their 16-column
+// blocks form one task list that the threads share, so a step pays one wake-up and one barrier for e.g. q, k and v
+// (or gate and up) instead of one each, and a GEMM too narrow to keep every thread busy (k, v: 256 columns) shares
+// its dispatch with a wide one. Each output gets the bits gemm() would give it.
+struct GemmTarget {
+  const QLinear* w;
+  float* y;
+  int ldy;
+};
+void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* pool, Backend b);
+
 // Weight-only int8 on a q8g weight (docs/fgm-extensions.md): y[m, n] = Σ_g s[g][n] · Σ_{k in group g} x[m, k] · code
 // with x in f32 (no rotation, no quantisation), as: acc = +0; for each group g in order { p = +0; for k in the group,
 // ascending: p = fmaf(x[m, k], (float)code, p); acc = fmaf(p, s[g][n], acc) }; y = acc. The AVX2 backend runs it

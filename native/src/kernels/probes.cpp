@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels_impl.h"
 
@@ -90,7 +91,8 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds) {
   return run_peak(peak_loop_for(b), pool, seconds) / 1e12;
 }
 
-double read_bandwidth_gbs(size_t bytes, ThreadPool* pool) {
+std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes) {
+  if (passes < 1) throw std::invalid_argument("read_bandwidth_gbs: passes must be at least 1");
   const int n = pool ? pool->size() : 1;
   const size_t slice = (bytes / n) / 4096 * 4096;
   if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
@@ -111,14 +113,17 @@ double read_bandwidth_gbs(size_t bytes, ThreadPool* pool) {
       a3 = _mm256_add_epi64(a3, _mm256_load_si256(p + i + 3));
     }
     const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
-    sink[t % 64] = uint64_t(_mm256_extract_epi64(s, 0));
+    sink[t % 64] += uint64_t(_mm256_extract_epi64(s, 0));
   };
-  const auto t0 = Clock::now();
-  detail::run_tasks(pool, n, read);
-  const double dt = seconds_since(t0);
+  std::vector<double> gbs;
+  for (int i = 0; i < passes; ++i) {
+    const auto t0 = Clock::now();
+    detail::run_tasks(pool, n, read);
+    gbs.push_back(double(slice) * n / seconds_since(t0) / 1e9);
+  }
   volatile uint64_t keep = sink[0];
   (void)keep;
-  return double(slice) * n / dt / 1e9;
+  return gbs;
 }
 
 }  // namespace sg

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "gemm.h"
 
@@ -18,8 +19,11 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds = 0.2);
 // FMA per weight and row.
 double peak_f32_gflops(Backend b, ThreadPool* pool, double seconds = 0.2);
 
-// Streaming read bandwidth in GB/s (1e9 bytes/s): every pool thread reads its slice of a
-// `bytes`-long buffer (allocated and touched here, much larger than the caches) once.
-double read_bandwidth_gbs(size_t bytes, ThreadPool* pool);
+// Streaming read bandwidth in GB/s (1e9 bytes/s), one reading per pass: every pool thread reads its slice of a
+// `bytes`-long buffer (allocated and touched here; it should be at least what the measured work streams, e.g. the
+// weight bytes of one decode step, so no cache level holds a useful part of it) `passes` times, each pass timed
+// from the dispatch until the slowest thread is done. Throws std::invalid_argument when passes < 1 or the buffer
+// is smaller than a page per thread.
+std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes);
 
 }  // namespace sg

@@ -1,0 +1,74 @@
+// The ISA-independent half of the attention kernels, shared by ops_avx2.cpp (ymm) and ops_avx512.cpp (zmm): the
+// ring runs of the cached positions, the folding of the softmax normaliser and the V scales into the weights, and
+// the loop over blocks of up to 8 query heads. Everything here has internal linkage (an unnamed namespace), so each
+// of the two files compiles its own copy with its own ISA flags and the linker never hands the AVX-512 copy to the
+// AVX2 path.
+#pragma once
+
+#include <cstdint>
+
+#include "ops.h"
+
+namespace sg::ops {
+namespace {
+
+// The cached positions [lo, lo + span) as at most two runs of consecutive cache rows (the ring wraps once at most).
+struct Run {
+  int row, len, off;  // first cache row, row count, offset of the run's first position within [lo, lo + span)
+};
+inline int ring_runs(int lo, int span, int cap, Run* runs) {
+  const int r0 = lo % cap, n0 = span < cap - r0 ? span : cap - r0;
+  runs[0] = Run{r0, n0, 0};
+  if (n0 == span) return 1;
+  runs[1] = Run{0, span - n0, n0};
+  return 2;
+}
+
+// The exponentials of one head's scores (sh, by position) times the softmax normaliser inv and, for int8 K/V (E, the
+// bytes per cached element, 1), each position's V scale: the weights the P·V pass multiplies the V codes by.
+template <int E>
+inline void fold_weights(float* sh, const AttnCache& c, const Run* runs, int n_runs, float inv) {
+  for (int ri = 0; ri < n_runs; ++ri) {
+    float* w = sh + runs[ri].off;
+    if constexpr (E != 1) {
+      for (int i = 0; i < runs[ri].len; ++i) w[i] *= inv;
+    } else {
+      const float* vs = c.vs + runs[ri].row;
+      for (int i = 0; i < runs[ri].len; ++i) w[i] *= vs[i] * inv;
+    }
+  }
+}
+
+// attend() over blocks of up to 8 heads, so each block reads (and converts) every K/V row once:
+// Block<NH, E>::run(q, q_stride, hd, cache, lo, hi, out, out_stride, scratch) attends NH heads whose cached
+// elements are E bytes: int8 codes (1), f16 (2) or f32 (4).
+template <template <int, int> class Block, int E>
+inline void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
+                         int out_stride, float* scratch) {
+  switch (nh) {
+    case 1: return Block<1, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 2: return Block<2, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 3: return Block<3, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 4: return Block<4, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 5: return Block<5, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 6: return Block<6, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 7: return Block<7, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    default: return Block<8, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+  }
+}
+
+template <template <int, int> class Block>
+inline void attend_in_blocks(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
+                             float* out, int out_stride, float* scratch) {
+  for (int h0 = 0; h0 < nq; h0 += 8) {
+    const int nh = nq - h0 < 8 ? nq - h0 : 8;
+    const float* qh = q + int64_t(h0) * q_stride;
+    float* oh = out + int64_t(h0) * out_stride;
+    if (c.ks) attend_heads<Block, 1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    else if (c.f32) attend_heads<Block, 4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    else attend_heads<Block, 2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+  }
+}
+
+}  // namespace
+}  // namespace sg::ops
