@@ -195,7 +195,8 @@ class Stack:
                  prefill_args: tuple = (), decode_args: tuple = (),
                  per_worker: dict[str, list[str]] | None = None, model: Path = MODEL):
         """worker_args go to every worker, prefill_args / decode_args to every worker of that kind, per_worker to
-        the one named (e.g. {"prefill": ["--max-prompts", "1"]}); `model` is the .fgm all three load."""
+        the one named (e.g. {"prefill": ["--max-prompts", "1"]}, {"decode-2": ["--shm-dir", D]}); `model` is the .fgm
+        all three load."""
         self.folder = folder
         self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -210,7 +211,8 @@ class Stack:
             name = "decode" if i == 0 else f"decode-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["decode", *common, "--port", self.addresses[name].split(":")[1],
-                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), *decode_args])
+                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), *decode_args,
+                               *(per_worker or {}).get(name, [])])
         for i in range(n_prefill):
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"

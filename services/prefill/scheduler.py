@@ -18,6 +18,10 @@ it again, so a stopped job lets its slot go after at most the chunk in progress;
 A job's steps are where the prefix cache (prefix_cache.py) hooks in: `start` (once, before the first chunk: restore
 a cached prefix and move `pos` past it; srf then counts only what is left) and `after_chunk` (after each chunk:
 capture the blocks it completed).
+
+A job whose K/V goes over the network (splitgemma/serving/kv_transport.py) runs into a staging slot of the worker's
+own (`slot` of that `view`) and hands each chunk's positions, and the restored prefix's blocks, to its `sink` as
+soon as they are computed, so the transfer runs while the next chunk computes.
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ class PrefillJob:
 
     def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampling: dict, seed: int,
                  deadline: float, deadline_reason: str, prefix_cache, release: Callable[[], None],
-                 loop: asyncio.AbstractEventLoop, matcher=None, logits=None):
+                 loop: asyncio.AbstractEventLoop, matcher=None, logits=None, slot: int | None = None, sink=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
+        self.slot = request.lease.slot if slot is None else slot  # in view.arena: the leased slot, or a staging one
+        self.sink = sink  # sink(pos0, export) from the model thread: the network transport's KvSender.send
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
         self.proc = logits  # splitgemma.serving.logits.LogitsProcessor: bias, penalties, min_p, min_tokens
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
@@ -105,34 +111,41 @@ class PrefillJob:
     def start(self, step: int) -> None:
         """Before the first chunk (the caller checked the slot's lease stamp when it took the writer lock, which it
         still holds): restore the prompt's cached prefix into the slot and start after it."""
-        self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.lease.slot, self.tokens)
+        parts = [] if self.sink is not None else None
+        self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.slot, self.tokens, parts)
+        pos = 0
+        for part in parts or ():
+            self.sink(pos, part)
+            pos += len(part) // self.model.kv_layout["position_bytes"]
         self.started = time.monotonic()
         self.first_step = step
 
     def run_chunk(self, step: int) -> None:
         n = min(self.model.chunk, self.remaining)
         t0 = time.perf_counter()
-        self.logits = self.model.prefill(self.view.arena, self.lease.slot, self.tokens[self.pos:self.pos + n],
+        self.logits = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
                                          pos0=self.pos)
+        if self.sink is not None:
+            self.sink(self.pos, self.view.arena.export_positions(self.slot, self.pos, self.pos + n))
         self.busy_seconds += time.perf_counter() - t0
         self.after_chunk(self.pos, n, step)
 
     def after_chunk(self, pos0: int, n: int, step: int) -> None:
         """Positions pos0 … pos0+n-1 are in the slot: keep the blocks they complete while the rings still hold them."""
-        self.prefix_cache.capture(self.view.arena, self.lease.slot, self.tokens, pos0, n)
+        self.prefix_cache.capture(self.view.arena, self.slot, self.tokens, pos0, n)
         self.pos = pos0 + n
         self.last_step = step
 
     def finish(self) -> Result:
         """Seal the slot header and sample the first token from the last chunk's logits."""
         t1 = time.perf_counter()
-        self.view.arena.seal(self.lease.slot, request_key(self.request.request_id), self.lease.generation)
+        self.view.arena.seal(self.slot, request_key(self.request.request_id), self.lease.generation)
         t2 = time.perf_counter()
         if self.matcher is not None:
             self.matcher.mask()
         first = choose(self.logits, allowed=self.matcher.allowed() if self.matcher is not None else None,
                        proc=self.proc, argmax_only=False, rng_state=self.seed, sampling=self.sampling)
-        return Result(first, self.view.arena.header(self.lease.slot)["checksum"], self.cached_tokens,
+        return Result(first, self.view.arena.header(self.slot)["checksum"], self.cached_tokens,
                       time.monotonic() - self.started,
                       t2 - t1, self.started - self.accepted, self.first_step, self.last_step)
 

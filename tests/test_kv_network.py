@@ -1,0 +1,294 @@
+"""The network KV transport (splitgemma/serving/kv_transport.py) between real processes. The decode worker `decode`
+keeps its arena in a folder the prefill worker is not told about (its own --shm-dir), so the only way K/V can reach
+its slots is Decode.PushKv; a second decode worker (`visible`) shares the prefill worker's folder, so its leases go
+through shared memory. Everything runs with a service token, so the prefill worker must present it on PushKv.
+
+Shown: greedy outputs through the gateway over the network equal the in-process engine (which the shared-memory
+path equals: tests/test_gateway.py) token for token, and one prompt run over both transports gives the same events,
+logprobs included; the choice of transport is per lease and reported; a forged, stale or malformed lease writes
+nothing; a prefill killed mid-transfer leaves a half-written slot that Generate refuses, and the lease can still be
+prefilled afterwards."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from splitgemma.engine import Model
+from splitgemma.serving.shm_arena import open_shared_arena
+from splitgemma.v1 import serving_pb2 as pb
+from splitgemma.v1 import serving_pb2_grpc as pbg
+from test_gateway import CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, MODEL_NAME, PREFILL_WEIGHTS, Reference, Stack
+from tools.procs import (DIE_WITH_PARENT, SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm,
+                         wait_decode_idle, wait_until)
+
+TOKEN = "kv-network-test-token-0123456789"
+BEARER = (("authorization", f"Bearer {TOKEN}"),)
+RPC = 30
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kvnet")
+    with private_shm("kvnet-hidden") as hidden:
+        s = Stack(folder, env={"SPLITGEMMA_SERVICE_TOKEN": TOKEN}, per_worker={"decode": ["--shm-dir", str(hidden)]})
+        s.hidden = hidden
+        (port,) = free_ports(1)
+        s.visible_addr = f"127.0.0.1:{port}"
+        s.procs["visible"] = LoggedProcess(
+            [*SPLITGEMMA, "decode", "--model", MODEL, "--max-context", MAX_CONTEXT, "--chunk", CHUNK, "--threads", 1,
+             "--shm-dir", s.shm, "--port", port, "--weights", DECODE_WEIGHTS, "--slots", 4],
+            folder / "visible.log", env=s.env)
+        try:
+            s.channels["visible"] = grpc.insecure_channel(s.visible_addr)
+            wait_until(lambda: grpc_serving(s.channels["visible"]), "visible decode worker", 60, watch=s.procs)
+            yield s
+        finally:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Reference()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(str(MODEL), threads=1, max_context=MAX_CONTEXT, chunk=CHUNK, max_batch=1, weights=PREFILL_WEIGHTS)
+
+
+def decode_stub(s, name="decode") -> pbg.DecodeStub:
+    return pbg.DecodeStub(s.channels[name])
+
+
+def stats(s, name):
+    stub = (pbg.DecodeStub if name in ("decode", "visible") else pbg.PrefillStub)(s.channels[name])
+    return stub.Stats(pb.StatsRequest(), timeout=RPC, metadata=BEARER)
+
+
+def reserve(s, name, rid, n, max_tokens=8) -> pb.Lease:
+    lease = decode_stub(s, name).Reserve(pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
+                                         timeout=RPC, metadata=BEARER)
+    lease.kv_address = s.addresses.get(name, s.visible_addr)  # as the gateway fills it in
+    return lease
+
+
+def prefill(s, rid, prompt, lease) -> pb.PrefillResponse:
+    return pbg.PrefillStub(s.channels["prefill"]).Prefill(
+        pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt, lease=lease,
+                          sampling=pb.SamplingParams(temperature=0, logprobs=True, top_logprobs=3)),
+        timeout=RPC, metadata=BEARER)
+
+
+def generate(s, name, rid, lease, prompt, pre, max_tokens=8) -> list:
+    return list(decode_stub(s, name).Generate(
+        pb.GenerateRequest(request_id=rid, lease=lease, prompt_tokens=len(prompt), first_token=pre.first_token,
+                           sampling=pb.SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+                           max_tokens=max_tokens, rng_state=pre.rng_state, ignore_eos=True),
+        timeout=RPC, metadata=BEARER))
+
+
+def code_of(call):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code(), e.value.details()
+
+
+def ids(seed: int, n: int) -> list[int]:
+    import random
+    r = random.Random(seed)
+    return [r.randrange(4, 1024) for _ in range(n)]
+
+
+def slot_bytes(s, model, lease) -> bytes:
+    """The leased slot's bytes, read from the hidden arena (the test may look where the prefill worker may not)."""
+    view = open_shared_arena(model, lease.arena_path, lease.n_slots, lease.slot_bytes, str(s.hidden))
+    try:
+        return bytes(view.buf[lease.slot * lease.slot_bytes:(lease.slot + 1) * lease.slot_bytes])
+    finally:
+        view.locks.close()
+
+
+def header(s, model, lease) -> dict:
+    view = open_shared_arena(model, lease.arena_path, lease.n_slots, lease.slot_bytes, str(s.hidden))
+    try:
+        return view.arena.header(lease.slot)
+    finally:
+        view.locks.close()
+
+
+def metric(url: str, name: str, **labels) -> float:
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_through_the_gateway_over_the_network_equals_the_engine(net, ref, stream):
+    """Every prompt's K/V reaches the hidden decode worker over PushKv; the text is the engine's, token for token,
+    for prompts of one chunk, of many, and again with the prefix cache's blocks sent for the repeated prefix."""
+    c = net.client()
+    before = stats(net, "prefill")
+    shared = ids(10 + stream, 5 * CHUNK)
+    prompts = [ids(1 + stream, 7), ids(2 + stream, 3 * CHUNK + 5), shared + ids(3, 9), shared + ids(4, 21)]
+    cached = []
+    for prompt in prompts:
+        want = ref.text(ref.greedy(prompt, 12, ignore_eos=True))
+        kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            text, usage = "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage
+        else:
+            r = c.completions.create(**kw)
+            text, usage = r.choices[0].text, r.usage
+        assert text == want
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+    assert cached[-1] == 5 * CHUNK  # the repeated prefix came from the cache and went over the wire as blocks
+    after = stats(net, "prefill")
+    assert after.kv_network_prompts - before.kv_network_prompts == len(prompts)
+    assert after.kv_shm_prompts == before.kv_shm_prompts
+    tokens = after.kv_network_tokens - before.kv_network_tokens
+    assert tokens == sum(map(len, prompts))
+    # The bytes on the wire are the positions' K/V as export_positions packs them: position_bytes each, exactly.
+    assert after.kv_wire_bytes - before.kv_wire_bytes == tokens * ref.prefill_model.kv_layout["position_bytes"]
+    d = stats(net, "decode")
+    assert d.kv_pushes_open == 0 and d.kv_push_bytes >= after.kv_wire_bytes - before.kv_wire_bytes
+    assert metric(net.url + "/metrics", "splitgemma_gateway_kv_transport_total", transport="network") >= len(prompts)
+    wait_decode_idle(lambda: stats(net, "decode"), 10)
+
+
+def test_one_prompt_over_both_transports_gives_the_same_stream(net):
+    """The choice is per lease: the visible worker's lease goes through shared memory, the hidden one's over the
+    network; the first token, logprobs, checksum and every generated token agree."""
+    prompt = ids(50, 4 * CHUNK + 17)
+    runs = {}
+    for name in ("visible", "decode"):
+        rid = f"both-{name}"
+        lease = reserve(net, name, rid, len(prompt))
+        pre = prefill(net, rid, prompt, lease)
+        runs[name] = (pre, generate(net, name, rid, lease, prompt, pre))
+    (shm_pre, shm_events), (net_pre, net_events) = runs["visible"], runs["decode"]
+    assert (shm_pre.kv_transport, shm_pre.kv_wire_bytes) == ("shm", 0)
+    assert net_pre.kv_transport == "network" and net_pre.kv_wire_bytes > 0
+    assert net_pre.first_token == shm_pre.first_token and net_pre.kv_checksum == shm_pre.kv_checksum
+    assert [list(e.tokens) for e in net_events] == [list(e.tokens) for e in shm_events]
+    assert len([t for e in net_events for t in e.tokens]) == 8
+
+
+def test_a_forged_stale_or_malformed_lease_writes_nothing(net, model):
+    prompt = ids(60, 2 * CHUNK + 3)
+    lease = reserve(net, "decode", "forged", len(prompt))
+    before, pushed = slot_bytes(net, model, lease), stats(net, "decode").kv_push_bytes
+    forged = pb.Lease()
+    forged.CopyFrom(lease)
+    forged.secret = bytes(32) if lease.secret != bytes(32) else b"\x01" * 32
+    code, details = code_of(lambda: prefill(net, "forged", prompt, forged))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "nothing was written" in details
+    short = pb.Lease()
+    short.CopyFrom(lease)
+    short.secret = lease.secret[:16]
+    assert code_of(lambda: prefill(net, "forged", prompt, short))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    # A push straight to the decode worker with the forged lease is refused before any part is read.
+    parts = iter([pb.KvPush(open=pb.KvPushOpen(request_id="forged", lease=forged, prompt_tokens=len(prompt))),
+                  pb.KvPush(positions=pb.KvPositions(pos0=0, data=bytes(model.kv_layout["position_bytes"])))])
+    code, _ = code_of(lambda: list(decode_stub(net).PushKv(parts, timeout=RPC, metadata=BEARER)))
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    assert slot_bytes(net, model, lease) == before
+    # Stale: the lease was given back; its generation no longer matches the slot's stamp.
+    decode_stub(net).Release(pb.ReleaseRequest(request_id="forged", lease=lease), timeout=RPC, metadata=BEARER)
+    before = slot_bytes(net, model, lease)  # the release cleared the header's lease stamp
+    code, details = code_of(lambda: prefill(net, "forged", prompt, lease))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "nothing was written" in details
+    assert slot_bytes(net, model, lease) == before
+    assert stats(net, "decode").kv_push_bytes == pushed
+    wait_decode_idle(lambda: stats(net, "decode"), 10)
+
+
+# A prefill worker that dies mid-transfer: it computes the prompt's first chunk with the engine, streams it with the
+# project's KvSender, says so, and waits to be SIGKILLed.
+_DYING_PREFILL = textwrap.dedent("""
+    import asyncio, sys
+    import numpy as np
+    from splitgemma.engine import Model, open_arena
+    from splitgemma.serving.kv_transport import KvChannels, KvSender
+    from splitgemma.v1 import serving_pb2 as pb
+    model_path, ctx, chunk, weights, token, lease_hex, prompt = sys.argv[1:8]
+    lease = pb.Lease.FromString(bytes.fromhex(lease_hex))
+    tokens = np.array(list(map(int, prompt.split(","))), dtype=np.int64)
+    model = Model(model_path, threads=1, max_context=int(ctx), chunk=int(chunk), max_batch=1, weights=weights)
+    arena = open_arena(model, 1)
+    n = int(chunk)
+    model.prefill(arena, 0, tokens[:n])
+    async def main():
+        channels = KvChannels(token, None)
+        sender = KvSender(channels.stub(lease.kv_address), "dying", lease, len(tokens),
+                          model.kv_layout["position_bytes"], timeout=60)
+        await sender.open()
+        sender.send(0, arena.export_positions(0, 0, n))
+        while sender.wire_bytes < n * model.kv_layout["position_bytes"]:
+            await asyncio.sleep(0.01)
+        print("sent", flush=True)
+        await asyncio.sleep(3600)
+    asyncio.run(main())
+""")
+
+
+def test_a_prefill_killed_mid_transfer_leaves_no_admitted_slot(net, model, ref, tmp_path):
+    prompt = ids(70, 3 * CHUNK + 9)
+    lease = reserve(net, "decode", "dying", len(prompt), max_tokens=6)
+    dying = subprocess.Popen([*DIE_WITH_PARENT, sys.executable, "-c", _DYING_PREFILL, str(MODEL), str(MAX_CONTEXT),
+                              str(CHUNK), PREFILL_WEIGHTS, TOKEN, lease.SerializeToString().hex(),
+                              ",".join(map(str, prompt))],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "dying.log", "wb"), env=net.env)
+    try:
+        assert dying.stdout.readline().strip() == b"sent", (tmp_path / "dying.log").read_text()
+        wait_until(lambda: header(net, model, lease)["n_tokens"] == CHUNK, "the first chunk written", 20)
+        assert stats(net, "decode").kv_pushes_open == 1
+    finally:
+        dying.send_signal(signal.SIGKILL)
+        dying.wait(10)
+    wait_until(lambda: stats(net, "decode").kv_pushes_open == 0, "the broken stream noticed", 20)
+    h = header(net, model, lease)
+    assert h["n_tokens"] == CHUNK and not h["sealed"]  # half written, and not sealed
+    # The lease is alive and its slot unsealed: a Generate now would be refused. The gateway's retry (another
+    # Prefill of the same lease) writes the whole prompt, and the stream is the engine's.
+    pre = prefill(net, "dying", prompt, lease)
+    assert pre.kv_transport == "network"
+    events = generate(net, "decode", "dying", lease, prompt, pre, max_tokens=6)
+    assert [t.token_id for e in events for t in e.tokens] == ref.greedy(prompt, 6, ignore_eos=True)
+    wait_decode_idle(lambda: stats(net, "decode"), 10)
+    # Killed again, and this time Generate comes before any retry: refused, the half-written slot is not admitted.
+    lease = reserve(net, "decode", "dying-2", len(prompt), max_tokens=6)
+    dying = subprocess.Popen([*DIE_WITH_PARENT, sys.executable, "-c", _DYING_PREFILL.replace('"dying"', '"dying-2"'),
+                              str(MODEL), str(MAX_CONTEXT), str(CHUNK), PREFILL_WEIGHTS, TOKEN,
+                              lease.SerializeToString().hex(), ",".join(map(str, prompt))],
+                             stdout=subprocess.PIPE, stderr=open(tmp_path / "dying-2.log", "wb"), env=net.env)
+    try:
+        assert dying.stdout.readline().strip() == b"sent", (tmp_path / "dying-2.log").read_text()
+    finally:
+        dying.send_signal(signal.SIGKILL)
+        dying.wait(10)
+    wait_until(lambda: stats(net, "decode").kv_pushes_open == 0, "the broken stream noticed", 20)
+    code, details = code_of(lambda: generate(net, "decode", "dying-2", lease, prompt, pre))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "KV handoff refused" in details
+    wait_decode_idle(lambda: stats(net, "decode"), 10)
+
+
+def test_decode_metrics_and_trace_names(net):
+    """Stats and the prefill worker's log say which transport each prompt took."""
+    log = net.log("prefill")
+    assert '"kv_transport": "network"' in log and '"kv_transport": "shm"' in log
+    d = stats(net, "decode")
+    assert d.kv_pushes_sealed >= 1 and d.kv_pushes_refused >= 2  # the forged push and the killed ones
