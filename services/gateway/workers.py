@@ -94,6 +94,8 @@ class Worker:
                "in_flight": self.in_flight}
         if self.worker_id:
             out["worker_id"] = self.worker_id
+        if self.kind == "prefill":
+            out["prefix_blocks"] = len(self.prefixes)  # blocks of its prefix cache this gateway routes by
         if self.kind == "decode" and self.stats is not None:
             out.update(slots_total=self.stats.slots_total, slots_leased=self.stats.slots_leased,
                        slots_running=self.stats.slots_running, queued=self.stats.admission.queued,
