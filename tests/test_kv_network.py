@@ -133,6 +133,36 @@ def metric(url: str, name: str, **labels) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# In process: how a computed range is cut into parts
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "f16"])
+def test_parts_of_a_range_rebuild_the_slot_exactly(kv_dtype):
+    """A range sent as exports of sub-ranges (what a chunk larger than PART_BYTES becomes, e.g. E2B's 256 × 9,336
+    bytes) leaves the receiving slot with the sender's checksum, across sliding-window rings; slicing one export's
+    bytes would not (an export is packed layer by layer), which is why the sender exports sub-ranges."""
+    from splitgemma.engine import open_arena
+    from splitgemma.serving.kv_transport import export_parts
+    m = Model(str(MODEL), threads=1, max_context=MAX_CONTEXT, chunk=CHUNK, max_batch=1, weights=PREFILL_WEIGHTS,
+              kv_dtype=kv_dtype)
+    per = m.kv_layout["position_bytes"]
+    src, dst, sliced = open_arena(m, 1), open_arena(m, 1), open_arena(m, 1)
+    prompt = ids(80, 5 * CHUNK + 7)
+    for pos in range(0, len(prompt), CHUNK):
+        end = min(len(prompt), pos + CHUNK)
+        m.prefill(src, 0, prompt[pos:end], pos0=pos)
+        parts = list(export_parts(src, 0, pos, end, part_bytes=5 * per))
+        assert all(len(data) <= 5 * per for _, data in parts) and len(parts) > 1
+        for p0, data in parts:
+            dst.import_positions(0, p0, [data])
+        whole = src.export_positions(0, pos, end)
+        for off in range(0, end - pos, 5):  # the wrong way: one export's bytes cut by position count
+            sliced.import_positions(0, pos + off, [whole[off * per:(off + 5) * per]])
+    assert dst.n_tokens(0) == len(prompt) and dst.checksum(0) == src.checksum(0)
+    assert sliced.n_tokens(0) == len(prompt) and sliced.checksum(0) != src.checksum(0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -233,8 +263,7 @@ _DYING_PREFILL = textwrap.dedent("""
     model.prefill(arena, 0, tokens[:n])
     async def main():
         channels = KvChannels(token, None)
-        sender = KvSender(channels.stub(lease.kv_address), "dying", lease, len(tokens),
-                          model.kv_layout["position_bytes"], timeout=60)
+        sender = KvSender(channels.stub(lease.kv_address), "dying", lease, len(tokens), timeout=60)
         await sender.open()
         sender.send(0, arena.export_positions(0, 0, n))
         while sender.wire_bytes < n * model.kv_layout["position_bytes"]:

@@ -72,7 +72,7 @@ class PrefillJob:
                  loop: asyncio.AbstractEventLoop, matcher=None, logits=None, slot: int | None = None, sink=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
         self.slot = request.lease.slot if slot is None else slot  # in view.arena: the leased slot, or a staging one
-        self.sink = sink  # sink(pos0, export) from the model thread: the network transport's KvSender.send
+        self.sink = sink  # the network transport's KvSender: .send / .send_range from the model thread
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
         self.proc = logits  # splitgemma.serving.logits.LogitsProcessor: bias, penalties, min_p, min_tokens
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
@@ -115,7 +115,7 @@ class PrefillJob:
         self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.slot, self.tokens, parts)
         pos = 0
         for part in parts or ():
-            self.sink(pos, part)
+            self.sink.send(pos, part)
             pos += len(part) // self.model.kv_layout["position_bytes"]
         self.started = time.monotonic()
         self.first_step = step
@@ -126,7 +126,7 @@ class PrefillJob:
         self.logits = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
                                          pos0=self.pos)
         if self.sink is not None:
-            self.sink(self.pos, self.view.arena.export_positions(self.slot, self.pos, self.pos + n))
+            self.sink.send_range(self.view.arena, self.slot, self.pos, self.pos + n)
         self.busy_seconds += time.perf_counter() - t0
         self.after_chunk(self.pos, n, step)
 

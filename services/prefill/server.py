@@ -252,8 +252,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             self.staging.give_back(staging)
             await self._full(context)
         sender = KvSender(self.kv_channels.stub(lease.kv_address), request.request_id, lease, len(tokens),
-                          self.model.kv_layout["position_bytes"], timeout=max(0.0, job.deadline - time.monotonic()))
-        job.sink = sender.send
+                          timeout=max(0.0, job.deadline - time.monotonic()))
+        job.sink = sender
         try:
             try:
                 await sender.open()  # the decode worker holds the slot's lock and checked the stamp

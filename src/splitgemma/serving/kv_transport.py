@@ -44,6 +44,7 @@ import grpc
 
 from splitgemma.engine import KvArena
 from splitgemma.serving import credentials, telemetry
+from splitgemma.serving.worker import MAX_MESSAGE_BYTES
 from splitgemma.serving.shm_arena import (ArenaError, InvalidLease, LEASE_SECRET_BYTES, PREFIX, MappedArena, SlotLocks,
                                           lease_digest, request_key)
 from splitgemma.v1 import serving_pb2 as pb
@@ -52,8 +53,11 @@ from splitgemma.v1 import serving_pb2_grpc as pb_grpc
 log = logging.getLogger("splitgemma.kv_transport")
 
 SHM, NETWORK = "shm", "network"
-# One KvPositions message carries at most this many bytes (whole positions): under gRPC's default 4 MiB message
-# limit for any chunk size, and small enough that the first bytes leave while the rest of the chunk is packed.
+# A computed chunk goes out as exports of at most this many bytes (whole positions; at least one): the first leave
+# while the rest are packed, and no message nears a gRPC message limit whatever the chunk. An export is packed
+# layer by layer (docs/engine-api.md), so a range of positions is cut by exporting sub-ranges, never by slicing
+# bytes. A prefix-cache block is sent whole (one chunk of positions: 2.4 MB for E2B at chunk 256); the decode
+# worker accepts messages up to worker.MAX_MESSAGE_BYTES.
 PART_BYTES = 1 << 20
 _LOCK_POLL_S = (0.002, 0.02)  # as the prefill worker polls a held writer lock
 
@@ -85,12 +89,12 @@ def outside(path: str, directory: str) -> bool:
     return os.path.realpath(os.path.dirname(path)) != os.path.realpath(directory)
 
 
-def parts_of(pos0: int, data, position_bytes: int):
-    """(pos0, bytes) pieces of one export of positions from pos0 on, each at most PART_BYTES (whole positions)."""
-    step = max(1, PART_BYTES // position_bytes) * position_bytes
-    view = memoryview(data)
-    for off in range(0, len(view), step):
-        yield pos0 + off // position_bytes, view[off:off + step]
+def export_parts(arena, slot: int, begin: int, end: int, part_bytes: int = PART_BYTES):
+    """(pos0, export) pieces of positions [begin, end) of the slot, each KvArena.export_positions of a sub-range of
+    at most part_bytes (at least one position): imported in order they leave what one export would."""
+    step = max(1, part_bytes // arena.model.kv_layout["position_bytes"])
+    for p in range(begin, end, step):
+        yield p, arena.export_positions(slot, p, min(end, p + step))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,7 +138,7 @@ class KvChannels:
     def stub(self, address: str) -> pb_grpc.DecodeStub:
         channel = self._channels.get(address)
         if channel is None:
-            options = [("grpc.max_send_message_length", 2 * PART_BYTES)]
+            options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
             channel = (grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors)
                        if self._tls is None else
                        grpc.aio.secure_channel(address, self._tls, options=options, interceptors=self._interceptors))
@@ -156,14 +160,12 @@ class PushRefused(Exception):
 
 
 class KvSender:
-    """One prompt's stream to the decode worker. `open` and `seal` run on the event loop; `send` is called from the
-    model thread after each chunk (it only queues the part: the loop writes it while the next chunk computes)."""
+    """One prompt's stream to the decode worker. `open` and `seal` run on the event loop; `send` and `send_range`
+    are called from the model thread (they only queue parts: the loop writes them while the next chunk computes)."""
 
-    def __init__(self, stub: pb_grpc.DecodeStub, request_id: str, lease, prompt_tokens: int, position_bytes: int,
-                 timeout: float | None):
+    def __init__(self, stub: pb_grpc.DecodeStub, request_id: str, lease, prompt_tokens: int, timeout: float | None):
         self._call = stub.PushKv(timeout=timeout)
         self._open = pb.KvPushOpen(request_id=request_id, lease=lease, prompt_tokens=prompt_tokens)
-        self.position_bytes = position_bytes
         self.wire_bytes = 0  # K/V bytes handed to gRPC
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -181,10 +183,14 @@ class KvSender:
             raise await self._refusal("the decode worker ended the KV stream before accepting the lease")
         self._writer = asyncio.create_task(self._write_parts(), name="kv-push")
 
-    def send(self, pos0: int, data) -> None:
-        """Queue positions from pos0 on (an export; any thread)."""
-        for part in parts_of(pos0, data, self.position_bytes):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, part)
+    def send(self, pos0: int, export) -> None:
+        """Queue an export of positions from pos0 on, as it is (a prefix-cache block; any thread)."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, (pos0, export))
+
+    def send_range(self, arena, slot: int, begin: int, end: int) -> None:
+        """Queue positions [begin, end) of the slot, just computed (the model thread, before the next chunk)."""
+        for part in export_parts(arena, slot, begin, end):
+            self.send(*part)
 
     async def _write_parts(self) -> None:
         while True:
@@ -192,7 +198,7 @@ class KvSender:
             if item is None:
                 return
             pos0, data = item
-            await self._call.write(pb.KvPush(positions=pb.KvPositions(pos0=pos0, data=bytes(data))))
+            await self._call.write(pb.KvPush(positions=pb.KvPositions(pos0=pos0, data=data)))
             self.wire_bytes += len(data)
 
     async def seal(self, n_tokens: int, checksum: int) -> pb.KvPushSealed:
