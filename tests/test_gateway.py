@@ -332,6 +332,16 @@ def ref():
     return Reference()
 
 
+def greedy_completion(c, prompt, max_tokens: int, stream: bool) -> tuple[str, object]:
+    """(text, usage) of a greedy /v1/completions call with ignore_eos, streamed (with the usage chunk) or not."""
+    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage
+    r = c.completions.create(**kw)
+    return r.choices[0].text, r.usage
+
+
 def _words(rng_seed: int, n: int) -> str:
     import random
     r = random.Random(rng_seed)

@@ -25,7 +25,8 @@ from splitgemma.engine import Model
 from splitgemma.serving.shm_arena import open_shared_arena
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
-from test_gateway import CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, MODEL_NAME, PREFILL_WEIGHTS, Reference, Stack
+from test_gateway import (CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, PREFILL_WEIGHTS, Reference, Stack,
+                          greedy_completion)
 from tools.procs import (DIE_WITH_PARENT, SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm,
                          wait_decode_idle, wait_until)
 
@@ -175,15 +176,8 @@ def test_greedy_through_the_gateway_over_the_network_equals_the_engine(net, ref,
     prompts = [ids(1 + stream, 7), ids(2 + stream, 3 * CHUNK + 5), shared + ids(3, 9), shared + ids(4, 21)]
     cached = []
     for prompt in prompts:
-        want = ref.text(ref.greedy(prompt, 12, ignore_eos=True))
-        kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-        if stream:
-            chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-            text, usage = "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage
-        else:
-            r = c.completions.create(**kw)
-            text, usage = r.choices[0].text, r.usage
-        assert text == want
+        text, usage = greedy_completion(c, prompt, 12, stream)
+        assert text == ref.text(ref.greedy(prompt, 12, ignore_eos=True))
         cached.append(usage.prompt_tokens_details.cached_tokens)
     assert cached[-1] == 5 * CHUNK  # the repeated prefix came from the cache and went over the wire as blocks
     after = stats(net, "prefill")

@@ -18,6 +18,7 @@ from splitgemma.services.gateway import routing
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 from test_gateway import CHUNK, MODEL_NAME, Reference, Stack
+from test_kv_network import ids
 from tools.procs import wait_decode_idle, wait_until
 
 
@@ -26,12 +27,6 @@ class W:
     address: str
     in_flight: int = 0
     prefixes: set = field(default_factory=set)
-
-
-def ids(seed: int, n: int) -> list[int]:
-    import random
-    r = random.Random(seed)
-    return [r.randrange(4, 1024) for _ in range(n)]
 
 
 def test_route_keys_chain_the_whole_prefix():
