@@ -227,7 +227,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                             f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
                             "retry later", trailing_metadata=(("retry-after-ms", "1000"),))
 
-    async def _outcome(self, job: PrefillJob, context):
+    async def _outcome(self, job: PrefillJob, context, sender: KvSender | None = None):
         rid, lease = job.request.request_id, job.lease
         try:
             return await job.outcome
@@ -238,9 +238,14 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             log.info("prefill cancelled by the caller", extra={"request_id": rid, "slot": lease.slot})
             raise
         except Stopped as e:
+            if sender is not None and sender.broken is not None:  # the stream broke, which stopped the job
+                await self._push_failed(context, lease, sender.broken)
             await context.abort(e.code, str(e))
         except (ValueError, IndexError) as e:  # the engine refused (its checks run before any slot byte changes)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill refused: {e}")
+
+    async def _push_failed(self, context, lease, e: PushRefused) -> None:
+        await context.abort(_push_code(e.code), f"decode worker {lease.kv_address}: {e.details}")
 
     async def _prefill_network(self, request, context, span, tokens, sampling, matcher, proc) -> pb.PrefillResponse:
         """The prompt into a staging slot here, its K/V streamed to the decode worker chunk by chunk (module doc)."""
@@ -251,27 +256,30 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if job is None:
             self.staging.give_back(staging)
             await self._full(context)
+        # A stream that breaks while the prompt runs stops it before its next chunk: nobody would take its K/V.
         sender = KvSender(self.kv_channels.stub(lease.kv_address), request.request_id, lease, len(tokens),
-                          timeout=max(0.0, job.deadline - time.monotonic()))
+                          timeout=max(0.0, job.deadline - time.monotonic()), on_broken=job.cancel)
         job.sink = sender
+        submitted = False
         try:
             try:
                 await sender.open()  # the decode worker holds the slot's lock and checked the stamp
             except PushRefused as e:
-                self._end_staged(job, staging)
-                await context.abort(_push_code(e.code), f"decode worker {lease.kv_address}: {e.details}")
+                await self._push_failed(context, lease, e)
             try:
                 self.scheduler.submit(job)
             except Stopped as e:
-                self._end_staged(job, staging)
                 await context.abort(e.code, str(e))
-            r = await self._outcome(job, context)
+            submitted = True  # from here on the job's end gives the staging slot back
+            r = await self._outcome(job, context, sender)
             try:
                 sealed = await sender.seal(len(tokens), r.checksum)
             except PushRefused as e:
-                await context.abort(_push_code(e.code), f"decode worker {lease.kv_address}: {e.details}")
+                await self._push_failed(context, lease, e)
         except BaseException:
             sender.cancel()  # the decode worker lets the slot go unsealed
+            if not submitted:
+                self._end_staged(job, staging)
             raise
         if sealed.checksum != r.checksum:
             await context.abort(grpc.StatusCode.DATA_LOSS, f"the decode worker sealed checksum "

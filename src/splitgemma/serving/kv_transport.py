@@ -163,8 +163,12 @@ class KvSender:
     """One prompt's stream to the decode worker. `open` and `seal` run on the event loop; `send` and `send_range`
     are called from the model thread (they only queue parts: the loop writes them while the next chunk computes)."""
 
-    def __init__(self, stub: pb_grpc.DecodeStub, request_id: str, lease, prompt_tokens: int, timeout: float | None):
+    def __init__(self, stub: pb_grpc.DecodeStub, request_id: str, lease, prompt_tokens: int, timeout: float | None,
+                 on_broken=lambda: None):
+        """on_broken() runs (on the loop) when the stream fails while parts are being written."""
         self._call = stub.PushKv(timeout=timeout)
+        self._on_broken = on_broken
+        self.broken: PushRefused | None = None  # why the stream failed under the writer
         self._open = pb.KvPushOpen(request_id=request_id, lease=lease, prompt_tokens=prompt_tokens)
         self.wire_bytes = 0  # K/V bytes handed to gRPC
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,14 +202,24 @@ class KvSender:
             if item is None:
                 return
             pos0, data = item
-            await self._call.write(pb.KvPush(positions=pb.KvPositions(pos0=pos0, data=data)))
+            try:
+                await self._call.write(pb.KvPush(positions=pb.KvPositions(pos0=pos0, data=data)))
+            except grpc.aio.AioRpcError as e:
+                self.broken = PushRefused(e.code(), e.details())
+            except asyncio.InvalidStateError:  # the call ended (the decode worker closed it)
+                self.broken = await self._refusal("the decode worker ended the KV stream")
+            if self.broken is not None:
+                self._on_broken()
+                return
             self.wire_bytes += len(data)
 
     async def seal(self, n_tokens: int, checksum: int) -> pb.KvPushSealed:
         """After the last part: ask the decode worker to seal the slot, and wait for its answer."""
         self._queue.put_nowait(None)
+        await self._writer
+        if self.broken is not None:
+            raise self.broken
         try:
-            await self._writer
             await self._call.write(pb.KvPush(seal=pb.KvPushSeal(n_tokens=n_tokens, checksum=checksum)))
             await self._call.done_writing()
             reply = await self._call.read()
