@@ -9,7 +9,9 @@ One prefill worker and two decode workers, real processes on 127.0.0.1: `shm` sh
 --shm-dir (the prefill maps its arena), `network` has a folder of its own (only Decode.PushKv can reach it). For each
 prompt length the two arms run alternately (shm, network, shm, …; --repeats each), each a fresh prompt (no prefix
 cache hit): Reserve → Prefill → Generate of --max-tokens with ignore_eos, through gRPC as the gateway calls it.
-TTFT = Reserve sent to the first token (the first Generate event); decode tok/s = the tokens after the first over
+TTFT = Reserve sent to the first token (the first Generate event); handoff = TTFT minus the prefill worker's own
+prefill_seconds (first chunk to seal): Reserve, the K/V's last part and the seal, Generate's verify, the first event,
+which is where the transport shows when the load's noise swamps the prefill itself; decode tok/s = the tokens after the first over
 the time from the first event to the last. Medians, and network / shm.
 
 Then the arithmetic for an 8k-token prompt from the measured bytes per token: what its K/V costs on a 10, 25 or
@@ -124,22 +126,26 @@ def main(argv=None) -> int:
         one("shm", lens[0], -1)
         one("network", lens[0], -1)  # warm both paths (page cache, channels)
         wire_per_token = []
-        print(f"{'prompt':>7} {'arm':>8} {'TTFT s':>8} {'prefill s':>9} {'decode tok/s':>12} {'wire B/token':>12}")
+        print(f"{'prompt':>7} {'arm':>8} {'TTFT s':>8} {'prefill s':>9} {'handoff s':>9} {'decode tok/s':>12} "
+              f"{'wire B/token':>12}")
         for n in lens:
             rows = {"shm": [], "network": []}
             for i in range(args.repeats):
                 for arm in ("shm", "network"):
                     rows[arm].append(one(arm, n, i))
-            med = {arm: {k: statistics.median(r[k] for r in rs) for k in ("ttft", "tok_s", "prefill_s", "wire")}
-                   for arm, rs in rows.items()}
+            for rs in rows.values():
+                for r in rs:
+                    r["handoff"] = r["ttft"] - r["prefill_s"]
+            keys = ("ttft", "prefill_s", "handoff", "tok_s", "wire")
+            med = {arm: {k: statistics.median(r[k] for r in rs) for k in keys} for arm, rs in rows.items()}
             for arm in ("shm", "network"):
                 m = med[arm]
-                print(f"{n:>7} {arm:>8} {m['ttft']:>8.3f} {m['prefill_s']:>9.3f} {m['tok_s']:>12.2f} "
-                      f"{m['wire'] / n:>12.0f}")
+                print(f"{n:>7} {arm:>8} {m['ttft']:>8.3f} {m['prefill_s']:>9.3f} {m['handoff']:>9.4f} "
+                      f"{m['tok_s']:>12.2f} {m['wire'] / n:>12.0f}")
             wire_per_token.append(med["network"]["wire"] / n)
-            print(f"{n:>7} {'net/shm':>8} {med['network']['ttft'] / med['shm']['ttft']:>8.3f} "
-                  f"{med['network']['prefill_s'] / med['shm']['prefill_s']:>9.3f} "
-                  f"{med['network']['tok_s'] / med['shm']['tok_s']:>12.3f}")
+            ratio = {k: med["network"][k] / med["shm"][k] for k in ("ttft", "prefill_s", "handoff", "tok_s")}
+            print(f"{n:>7} {'net/shm':>8} {ratio['ttft']:>8.3f} {ratio['prefill_s']:>9.3f} {ratio['handoff']:>9.2f} "
+                  f"{ratio['tok_s']:>12.3f}")
         per_token = statistics.median(wire_per_token)
         total = 8192 * per_token
         last_chunk = args.chunk * per_token
