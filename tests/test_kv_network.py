@@ -11,6 +11,7 @@ prefilled afterwards."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from splitgemma.engine import Model
 from splitgemma.serving.shm_arena import open_shared_arena
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
-from test_gateway import (CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, PREFILL_WEIGHTS, Reference, Stack,
+from test_gateway import (CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, MODEL_NAME, PREFILL_WEIGHTS, Reference, Stack,
                           greedy_completion)
+from tools.otlp_collector import OtlpCollector
 from tools.procs import (DIE_WITH_PARENT, SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm,
                          wait_decode_idle, wait_until)
 
@@ -36,16 +38,25 @@ RPC = 30
 
 
 @pytest.fixture(scope="module")
-def net(tmp_path_factory):
+def collector():
+    c = OtlpCollector()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def net(tmp_path_factory, collector):
     folder = tmp_path_factory.mktemp("kvnet")
     with private_shm("kvnet-hidden") as hidden:
-        s = Stack(folder, env={"SPLITGEMMA_SERVICE_TOKEN": TOKEN}, per_worker={"decode": ["--shm-dir", str(hidden)]})
+        s = Stack(folder, env={"SPLITGEMMA_SERVICE_TOKEN": TOKEN, **collector.env()},
+                  per_worker={"decode": ["--shm-dir", str(hidden)]})
         s.hidden = hidden
         (port,) = free_ports(1)
         s.visible_addr = f"127.0.0.1:{port}"
         s.procs["visible"] = LoggedProcess(
             [*SPLITGEMMA, "decode", "--model", MODEL, "--max-context", MAX_CONTEXT, "--chunk", CHUNK, "--threads", 1,
-             "--shm-dir", s.shm, "--port", port, "--weights", DECODE_WEIGHTS, "--slots", 4],
+             "--shm-dir", s.shm, "--port", port, "--weights", DECODE_WEIGHTS, "--slots", 4,
+             "--advertise-address", s.visible_addr],
             folder / "visible.log", env=s.env)
         try:
             s.channels["visible"] = grpc.insecure_channel(s.visible_addr)
@@ -77,7 +88,9 @@ def stats(s, name):
 def reserve(s, name, rid, n, max_tokens=8) -> pb.Lease:
     lease = decode_stub(s, name).Reserve(pb.ReserveRequest(request_id=rid, prompt_tokens=n, max_tokens=max_tokens),
                                          timeout=RPC, metadata=BEARER)
-    lease.kv_address = s.addresses.get(name, s.visible_addr)  # as the gateway fills it in
+    if name == "visible":  # started with --advertise-address: its leases say where to push
+        assert lease.kv_address == s.visible_addr
+    lease.kv_address = lease.kv_address or s.addresses[name]  # as the gateway fills it in
     return lease
 
 
@@ -309,7 +322,30 @@ def test_a_prefill_killed_mid_transfer_leaves_no_admitted_slot(net, model, ref, 
     wait_decode_idle(lambda: stats(net, "decode"), 10)
 
 
-def test_decode_metrics_and_trace_names(net):
+def test_the_trace_shows_the_transport(net, collector, model):
+    """One trace across the three processes: the prefill span says network and its bytes, and the decode worker's
+    PushKv is a span of the same trace, sealed."""
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    c = net.client(default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    prompt = ids(90, 2 * CHUNK + 1)
+    wire = len(prompt) * model.kv_layout["position_bytes"]
+    c.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+
+    def spans():
+        got = {(sp["service"], sp["name"]): sp for sp in collector.trace(trace_id)}
+        return got if {("splitgemma-prefill", "prefill.forward"), ("splitgemma-decode", "decode.kv_push")} <= \
+            set(got) else None
+
+    wait_until(lambda: spans() is not None, "the spans of the request", 20)
+    got = spans()
+    forward = got[("splitgemma-prefill", "prefill.forward")]["attributes"]
+    assert forward["splitgemma.kv.transport"] == "network"
+    assert forward["splitgemma.kv.wire_bytes"] == wire
+    push = got[("splitgemma-decode", "decode.kv_push")]["attributes"]
+    assert push["splitgemma.kv.outcome"] == "sealed" and push["splitgemma.kv.wire_bytes"] == wire
+
+
+def test_decode_metrics_and_log(net):
     """Stats and the prefill worker's log say which transport each prompt took."""
     log = net.log("prefill")
     assert '"kv_transport": "network"' in log and '"kv_transport": "shm"' in log

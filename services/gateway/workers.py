@@ -205,7 +205,13 @@ class WorkerPool:
         w.caches = stats.prefix_cache.budget_bytes > 0
         if stats.prefix_cache.version == w.prefix_version:
             return
-        index = await w.stub.PrefixIndex(pb.PrefixIndexRequest(), timeout=self.probe_timeout)
+        try:
+            index = await w.stub.PrefixIndex(pb.PrefixIndexRequest(), timeout=self.probe_timeout)
+        except grpc.aio.AioRpcError as e:
+            # Routing hints, not health: the worker stays in rotation with the blocks known so far; the next probe
+            # asks again (its version still differs).
+            log.info("prefix index not read", extra={"worker": w.address, "error": e.code().name})
+            return
         w.prefixes, w.prefix_version = set(index.keys), index.version
 
     def ran_prompt(self, w: Worker, keys: list[int]) -> None:
