@@ -178,7 +178,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             span.end()
 
     async def _prefill(self, request, context, span) -> pb.PrefillResponse:
-        rid, lease = request.request_id, request.lease
+        lease = request.lease
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is draining")
         try:
