@@ -5,11 +5,13 @@ the worker's metrics split them (splitgemma_decode_step_seconds / splitgemma_dec
     python bench/bench_decode_host.py --model /tmp/e2b.fgm --tokenizer tok.json [--batches 1,8,32] [--steps 8]
 
 It runs services/decode/batch.py's BatchLoop itself, in process, over an anonymous arena: every batch size B
-admits B sequences (prompts of --prompt-tokens random ids, prefilled once) and decodes --steps tokens each. Three
+admits B sequences (prompts of --prompt-tokens random ids, prefilled once) and decodes --steps tokens each. Five
 sampling arms, alternated and repeated (--repeats): greedy without logprobs (the argmax path), greedy with the
-token's logprob (a sample() call per row, as every row was before the argmax path) and sampled (temperature 1,
-top-k 64, top-p 0.95) with logprobs and 5 alternatives. Medians per step are printed, with the
-load average (the machine is shared) and the streams that ended with an error (they leave the batch).
+token's logprob, sampled (temperature 1, top-k 64, top-p 0.95) with logprobs and 5 alternatives, and the greedy and
+sampled arms with the logits-processing parameters on (docs/sampling.md: 16 logit_bias entries, presence and
+frequency penalties 0.5, repetition_penalty 1.2 over the prompt and output, min_tokens holding off two stop ids for
+the whole run; the sampled one also min_p 0.05). Medians per step are printed, with the load average (the machine is
+shared) and the streams that ended with an error (they leave the batch).
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ import numpy as np
 
 from splitgemma.engine import Model, Sample, open_arena
 from splitgemma.serving.detokenize import TextStream
+from splitgemma.serving.logits import row_sampler
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
 from splitgemma.services.decode.slots import SlotTable
+from splitgemma.v1 import serving_pb2 as pb
 
-ARMS = {"greedy": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0},
-        "greedy+logprobs": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0},
-        "sampled+logprobs": {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "n_logprobs": 5}}
+_PARAMS = {"logit_bias": {1000 + 37 * i: 0.5 for i in range(16)}, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+           "repetition_penalty": 1.2, "min_tokens": 1 << 20}
+ARMS = {"greedy": pb.SamplingParams(temperature=0.0),
+        "greedy+logprobs": pb.SamplingParams(temperature=0.0, logprobs=True),
+        "sampled+logprobs": pb.SamplingParams(temperature=1.0, top_k=64, top_p=0.95, logprobs=True, top_logprobs=5),
+        "greedy+params": pb.SamplingParams(temperature=0.0, **_PARAMS),
+        "sampled+params": pb.SamplingParams(temperature=1.0, top_k=64, top_p=0.95, logprobs=True, top_logprobs=5,
+                                            min_p=0.05, **_PARAMS)}
+STOP_IDS = (1, 106)
 
 
 class Recorder:
@@ -45,16 +55,17 @@ class Recorder:
         self.hosts.append(seconds)
 
 
-async def run_round(model, arena, tokenizer, batch: int, arm: str, steps: int, prompt_tokens: int) -> Recorder:
+async def run_round(model, arena, tokenizer, batch: int, arm: str, steps: int, prompts) -> Recorder:
     loop = asyncio.get_running_loop()
     rec = Recorder()
-    table = SlotTable(batch, stamp=lambda s, g: None, revoke=lambda s: True)
+    table = SlotTable(batch, stamp=lambda s, g, secret: None, revoke=lambda s: True, writing=lambda s: False)
     bl = BatchLoop(model, arena, table, loop, rec)
     bl.start()
-    kw = ARMS[arm]
-    seqs = [Sequence(request_id=f"r{i}", slot=i, prompt_tokens=prompt_tokens, first=Sample(1000 + i, 1, 0.0, []),
-                     sampling=kw, logprobs=arm != "greedy", rng_state=1 + i, max_tokens=steps + 1,
-                     max_context=model.max_context, stop_ids=frozenset(),
+    p = ARMS[arm]
+    seqs = [Sequence(request_id=f"r{i}", slot=i, prompt_tokens=len(prompts[i]), first=Sample(1000 + i, 1, 0.0, []),
+                     sampler=row_sampler(p, vocab_size=model.vocab_size, rng_state=1 + i, want_logprob=p.logprobs,
+                                         prompt_ids=prompts[i], stop_ids=STOP_IDS),
+                     max_tokens=steps + 1, max_context=model.max_context, stop_ids=frozenset(),
                      text=TextStream(tokenizer) if tokenizer is not None else None, token_name=str,
                      queue=asyncio.Queue()) for i in range(batch)]
     for s in seqs:
@@ -90,16 +101,17 @@ def main() -> None:
                   weights="int4")
     arena = open_arena(model, max(batches))
     rng = np.random.default_rng(0)
-    for s in range(max(batches)):
-        # Ids past the byte-fallback tokens (Gemma's <0x..> are 238-493), so that the text stays valid UTF-8.
-        model.prefill(arena, s, rng.integers(1000, 20000, args.prompt_tokens).tolist())
+    # Ids past the byte-fallback tokens (Gemma's <0x..> are 238-493), so that the text stays valid UTF-8.
+    prompts = [rng.integers(1000, 20000, args.prompt_tokens).tolist() for _ in range(max(batches))]
+    for s, prompt in enumerate(prompts):
+        model.prefill(arena, s, prompt)
     print(f"model {args.model}: backend {model.backend}, {model.threads} threads, vocab {model.vocab_size}, "
           f"load average {os.getloadavg()[0]:.1f}")
     got: dict = {}
     for _ in range(args.repeats):
         for b in batches:
             for arm in ARMS:
-                rec = asyncio.run(run_round(model, arena, tokenizer, b, arm, args.steps, args.prompt_tokens))
+                rec = asyncio.run(run_round(model, arena, tokenizer, b, arm, args.steps, prompts))
                 got.setdefault((b, arm), Recorder())
                 got[(b, arm)].steps += rec.steps
                 got[(b, arm)].hosts += rec.hosts

@@ -143,7 +143,8 @@ def test_chat_template_errors(gemma_template, chat_tokenizer, tmp_path):
     (b'{"model": "m", "prompt": "x", "top_p": 0}', "top_p", "invalid_value"),
     (b'{"model": "m", "prompt": "x", "logprobs": 21}', "logprobs", "invalid_value"),
     (b'{"model": "m", "prompt": [1, "a"]}', "prompt", "invalid_type"),
-    (b'{"model": "m", "prompt": "x", "echo": true}', "echo", "unsupported_parameter"),
+    (b'{"model": "m", "prompt": "x", "echo": true, "stream": true}', "echo", "unsupported_parameter"),
+    (b'{"model": "m", "prompt": "x", "best_of": 1, "n": 2}', "best_of", "invalid_value"),
     (b'{"model": "m"}', "prompt", "missing_required_parameter"),
     (b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}', "stream_options", "invalid_value"),
 ])

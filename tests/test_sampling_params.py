@@ -1,8 +1,9 @@
-"""Logits processing end to end (splitgemma/serving/logits.py): logit_bias, presence/frequency penalties,
-repetition_penalty, min_p, min_tokens and include_stop_str_in_output, through the official openai client against
-real gateway, prefill and decode processes; each checked against its definition applied with numpy to the engine's
-raw logits (the same engine and weights policy in-process, test_gateway.Reference). The fixture model's 1,024
-tokens decode to distinct texts, so the logprobs' token texts name the ids."""
+"""Logits processing end to end (the native RowSampler, splitgemma/serving/logits.py): logit_bias,
+presence/frequency penalties, repetition_penalty, min_p, min_tokens, include_stop_str_in_output, top_k and
+chat_template_kwargs, through the official openai client against real gateway, prefill and decode processes; each
+checked against its definition applied with numpy to the engine's raw logits (the same engine and weights policy
+in-process, test_gateway.Reference). The fixture model's 1,024 tokens decode to distinct texts, so the logprobs'
+token texts name the ids. The native sampler itself against transformers' processors: tests/test_row_sampler.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import numpy as np
 import openai
 import pytest
 
-from splitgemma.serving.logits import processor
-from splitgemma.v1 import serving_pb2 as pb
 
 from test_gateway import MODEL_NAME, STOP_IDS, TEMPLATE, Reference, Stack
 
@@ -63,15 +62,10 @@ def log_softmax(z):
 
 def complete(client, **kw):
     extra = {k: kw.pop(k) for k in ("min_p", "min_tokens", "repetition_penalty", "ignore_eos", "stop_token_ids",
-                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search") if k in kw}
+                                    "include_stop_str_in_output", "prompt_logprobs", "use_beam_search", "top_k")
+             if k in kw}
     kw.setdefault("temperature", 0)
     return client.completions.create(model=MODEL_NAME, prompt=kw.pop("prompt", PROMPT), extra_body=extra, **kw)
-
-
-def test_no_parameter_means_no_processing():
-    # The workers' fast paths (greedy argmax, plain sample()) stay for rows that ask for nothing.
-    assert processor(pb.SamplingParams(temperature=0, repetition_penalty=1.0), vocab_size=8) is None
-    assert processor(pb.SamplingParams(min_p=0.1), vocab_size=8) is not None
 
 
 def test_logit_bias_makes_a_token_the_greedy_choice(client, ref, ids_of):
@@ -209,7 +203,7 @@ def test_include_stop_str_in_output(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [5]}, "allowed_token_ids"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -225,3 +219,18 @@ def test_out_of_range_or_unimplemented_is_refused(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == param, e.value.body
+
+
+def test_top_k_1_is_greedy(client):
+    # top_k (vLLM, llama-server) at the gateway: one id kept, whatever the temperature.
+    greedy = complete(client, max_tokens=6, temperature=0)
+    cut = complete(client, max_tokens=6, temperature=1.5, seed=3, top_k=1)
+    assert cut.choices[0].text == greedy.choices[0].text
+
+
+def test_chat_template_kwargs_reach_the_template(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0)
+    thinking = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert thinking.usage.prompt_tokens != plain.usage.prompt_tokens

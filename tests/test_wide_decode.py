@@ -1,7 +1,7 @@
 """Wide decode: 32 concurrent greedy streams through real prefill and decode workers, decoded in one pass per step,
 each equal to the in-process engine's run of it alone; the decode worker's slot count from its KV memory budget
-(--kv-cache-bytes, or the default rule), the errors of a budget that cannot work, and the batch loop's argmax path
-against sample()."""
+(--kv-cache-bytes, or the default rule), the errors of a budget that cannot work, and one failing row ending alone
+(the argmax path against sample(): tests/test_row_sampler.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from splitgemma.engine import Model, Sample, open_arena, sample
+from splitgemma.engine import Model, RowSampler, Sample, open_arena, sample
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
-from splitgemma.serving.logits import argmax
 from splitgemma.services.decode.slots import SlotTable
 from splitgemma.services.decode.capacity import FOLDER_HEADROOM, CapacityError, default_budget, plan
 from splitgemma.v1 import serving_pb2 as pb
@@ -154,23 +153,6 @@ def test_plan(shm_dir, slot_bytes):
         plan(slot_bytes, slots=None, kv_cache_bytes=None, folder=str(shm_dir / "nope"), model_path=str(FGM))
 
 
-def test_argmax_path_equals_greedy_sample():
-    rng = np.random.default_rng(3)
-    rows = rng.standard_normal((64, 1000)).astype(np.float32)
-    rows[1, [17, 400, 999]] = rows[1].max() + 1  # ties: the lowest id wins
-    rows[2, :] = -3.0
-    for row in rows:
-        fast, ref = argmax(row, 99), sample(row, temperature=0, rng_state=99)
-        assert (fast.token, fast.rng_state) == (ref.token, ref.rng_state)  # greedy consumes no draw
-    assert argmax(rows[1], 0).token == 17
-    for bad in (np.nan, np.inf, -np.inf):
-        row = rows[0].copy()
-        row[123] = bad
-        assert argmax(row, 0) is None  # the batch loop then calls sample(), which raises its own error
-        with pytest.raises(ValueError):
-            sample(row, temperature=0)
-
-
 class _Metrics:
     """What the batch loop reports per step (DecodeMetrics' two calls), kept."""
 
@@ -212,8 +194,8 @@ def test_a_failing_row_ends_alone(ref_model):
                                                      writing=lambda s: False),
                          asyncio.get_running_loop(), metrics)
         seqs = [Sequence(request_id=f"row-{i}", slot=i, prompt_tokens=9, first=firsts[i] if i else Sample(1, 0, 0, []),
-                         sampling={"temperature": 0.0, "top_k": 0, "top_p": 1.0, "n_logprobs": 0}, logprobs=False,
-                         rng_state=0, max_tokens=12, max_context=CTX, stop_ids=frozenset(),
+                         sampler=RowSampler(ref_model.vocab_size, temperature=0.0, want_logprob=False),
+                         max_tokens=12, max_context=CTX, stop_ids=frozenset(),
                          text=bad_text if i == 0 else None, token_name=str, queue=asyncio.Queue()) for i in range(3)]
         loop.start()
         for q in seqs:

@@ -6,12 +6,14 @@ with (the engine's batched decode equals the single one, row by row). Events go 
 through one call_soon_threadsafe per step.
 
 Everything this thread does besides Model.decode (admitting, sampling, stop checks, detokenizing, building events,
-handing them over) holds the GIL and delays the next step, so it is timed per step (DecodeMetrics.host) and kept
-small: a greedy row that reports no logprobs is one argmax over its logits row instead of a sample() call, which
-would also compute the log-softmax over the whole vocabulary (E2B, 262,144 ids: 0.75 ms against under 0.1 ms a row).
+handing them over) delays the next step, so it is timed per step (DecodeMetrics.host) and kept small: the rows of a
+step are sampled in one native call without the GIL (splitgemma.engine.sample_rows, each row with its own
+RowSampler: parameters, logits processing, history, random state; docs/sampling.md), and a greedy row that reports
+no logprobs is one argmax over its logits row there.
 
 A constrained row (structured outputs, splitgemma/serving/grammar.py) is sampled among the ids its constraint
-admits; the masks of a step's constrained rows are computed on a helper thread while Model.decode runs.
+admits (its llguidance bitmask, read natively); the masks of a step's constrained rows are computed on a helper
+thread while Model.decode runs.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from splitgemma.engine import Sample
+import numpy as np
+
+from splitgemma.engine import sample_rows
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import compute_masks
-from splitgemma.serving.logits import choose
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -47,9 +50,7 @@ class Sequence:
     slot: int
     prompt_tokens: int
     first: object  # splitgemma.engine.Sample: the token the prefill worker drew
-    sampling: dict  # sample() keywords
-    logprobs: bool  # the caller reads Token.logprob (SamplingParams.logprobs)
-    rng_state: int
+    sampler: object  # splitgemma.engine.RowSampler: parameters, history and random state (serving/logits.py)
     max_tokens: int  # 0 = until the context is full
     max_context: int
     stop_ids: frozenset
@@ -57,7 +58,6 @@ class Sequence:
     token_name: object  # id -> display string for stop_reason
     queue: asyncio.Queue
     matcher: object = None  # splitgemma.serving.grammar.Matcher of a constrained sequence
-    logits: object = None  # splitgemma.serving.logits.LogitsProcessor (penalties, bias, min_p, min_tokens)
     # state, written by the batch thread only (except cancelled, set by the stream handler or Release)
     generated: int = 0
     last_token: int = 0
@@ -72,11 +72,6 @@ class Sequence:
     def done(self) -> bool:
         return self.finish_reason != 0
 
-    @property
-    def argmax_only(self) -> bool:
-        """Greedy with nothing to report but the token: the argmax is the whole sample."""
-        return self.sampling["temperature"] == 0 and not self.sampling["n_logprobs"] and not self.logprobs
-
     def accept(self, s, batch_size: int) -> pb.GenerateEvent:
         """Take the next token (a Sample), decide whether the sequence ends, and build its event."""
         self.generated += 1
@@ -84,8 +79,7 @@ class Sequence:
         ev = pb.GenerateEvent(completion_tokens=self.generated, batch_size=batch_size)
         if self.matcher is not None:
             self.matcher.advance(s.token)
-        if self.logits is not None:
-            self.logits.observe(s.token)
+        self.sampler.observe(s.token)
         if s.token in self.stop_ids:
             # The stop token is sent (it was generated and counts) but its own text never is.
             self.finish_reason = pb.FINISH_REASON_STOP
@@ -261,22 +255,24 @@ class BatchLoop:
         self.stats.tokens += n
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, n)
         self.metrics.step(dt, n)
-        for i, seq in enumerate(batch):
-            self._accept_row(seq, logits[i], n, out)
+        for seq, s in zip(batch, self._sample(batch, logits)):
+            self._accept_row(seq, s, n, out)
         self._running = [s for s in batch if not s.done]
 
-    def _accept_row(self, seq: Sequence, row, batch_size: int, out: list) -> bool:
-        """Sample the row's token (row: its logits, or the prefill's Sample) and queue its event. A row whose
+    @staticmethod
+    def _sample(batch: list[Sequence], logits) -> list:
+        """The rows' tokens (a Sample, or the error message of a row that failed), in one native call."""
+        rows = logits if isinstance(logits, np.ndarray) else np.stack(logits)
+        return sample_rows(rows, [s.sampler for s in batch],
+                           [s.matcher.bits if s.matcher is not None else None for s in batch])
+
+    def _accept_row(self, seq: Sequence, s, batch_size: int, out: list) -> bool:
+        """Take the row's token (a Sample, or the error message of its sampling) and queue its event. A row whose
         sampling or detokenizing fails ends alone with the error: in a wide batch, one bad row must not take the
         other streams with it. False when it failed."""
         try:
-            if isinstance(row, Sample):
-                s = row
-            else:
-                s = choose(row, allowed=seq.matcher.allowed() if seq.matcher is not None else None,
-                           proc=seq.logits, argmax_only=seq.argmax_only, rng_state=seq.rng_state,
-                           sampling=seq.sampling)
-                seq.rng_state = s.rng_state
+            if isinstance(s, str):
+                raise ValueError(s)
             out.append((seq, seq.accept(s, batch_size=batch_size)))
             return True
         except Exception as e:

@@ -32,11 +32,11 @@ from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.kv_transport import KvReceiver
 from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
-from splitgemma.serving.logits import processor as logits_processor
+from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.tokenizer import find_tokenizer
 from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
-                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging,
+                                       open_model, serve_until_signalled, setup_logging,
                                        start_metrics, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
@@ -335,7 +335,6 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     async def _build(self, request, slot, context) -> Sequence:
         rid, lease = request.request_id, request.lease
         try:
-            sampling = sampling_kwargs(request.sampling)
             if request.first_token.token_id >= self.model.vocab_size:
                 raise InvalidRequest(f"first_token {request.first_token.token_id} is outside the vocabulary "
                                      f"(0..{self.model.vocab_size - 1})")
@@ -345,8 +344,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             stop_ids = set(request.stop_token_ids)
             if not request.ignore_eos:
                 stop_ids |= self.stop_tokens
-            proc = logits_processor(request.sampling, vocab_size=self.model.vocab_size,
-                                    prompt_ids=request.prompt_token_ids, stop_ids=stop_ids)
+            sampler = row_sampler(request.sampling, vocab_size=self.model.vocab_size, rng_state=request.rng_state,
+                                  want_logprob=request.sampling.logprobs, prompt_ids=request.prompt_token_ids,
+                                  stop_ids=stop_ids)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         matcher = await constraint_matcher(self.grammars, request.sampling, context)
@@ -368,13 +368,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             request_id=rid, slot=lease.slot, prompt_tokens=request.prompt_tokens,
             first=Sample(first.token_id, request.rng_state, first.logprob,
                          [(t.token_id, t.logprob) for t in first.top_logprobs]),
-            sampling=sampling, logprobs=request.sampling.logprobs, rng_state=request.rng_state,
-            max_tokens=request.max_tokens or slot.max_tokens,
+            sampler=sampler, max_tokens=request.max_tokens or slot.max_tokens,
             max_context=self.model.max_context, stop_ids=frozenset(stop_ids),
             text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens,
                              include_stop=request.include_stop_str_in_output)
                   if self.tokenizer is not None else None),
-            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher, logits=proc)
+            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher)
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()

@@ -55,6 +55,7 @@ from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
 from .offload import Offload
 from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
+from .prompt_logprobs import PromptPart, best_of, echoed
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
@@ -205,6 +206,15 @@ class Gateway:
                           code="invalid_value")
         return out
 
+    def echo_texts(self, req: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """The prompts as echo repeats them: a text prompt as sent, a token-id prompt decoded."""
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        return [item if isinstance(item, str) else
+                self.config.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                for item, ids in zip(p if p and not isinstance(p[0], int) else [p], prompts)]
+
     def chat_template(self) -> ChatTemplate:
         ct = self.config.chat_template
         if ct is None:
@@ -261,10 +271,15 @@ class Gateway:
 
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
               param: str, constraint: pb.Constraint | None = None,
-              default_max_tokens: int | None = None) -> list[ChoiceSpec]:
-        if len(prompts) * req.n > MAX_CHOICES:
-            raise invalid(f"{len(prompts)} prompts × n={req.n} is more than {MAX_CHOICES} choices per request",
-                          param="n", code="invalid_value")
+              default_max_tokens: int | None = None, per_prompt: int | None = None,
+              prompt_logprobs: int | None = None) -> list[ChoiceSpec]:
+        """The choices to run: per prompt `per_prompt` (best_of's candidates) or n; prompt_logprobs asked of the
+        first choice of each prompt."""
+        per_prompt = per_prompt or req.n
+        if len(prompts) * per_prompt > MAX_CHOICES:
+            what = "n" if per_prompt == req.n else "best_of"
+            raise invalid(f"{len(prompts)} prompts × {what}={per_prompt} is more than {MAX_CHOICES} choices per "
+                          "request", param=what, code="invalid_value")
         stop_token_ids = self._check_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self._check_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
         if max_tokens is not None and req.min_tokens > max_tokens:
@@ -272,14 +287,15 @@ class Gateway:
                           param="min_tokens", code="invalid_value")
         out = []
         for p_index, ids in enumerate(prompts):
-            for j in range(req.n):
-                index = p_index * req.n + j
+            for j in range(per_prompt):
+                index = p_index * per_prompt + j
                 out.append(ChoiceSpec(index=index, prompt_ids=ids, max_tokens=max_tokens,
                                       sampling=self.sampling(req, index, logprobs, top_logprobs, constraint),
                                       stop=req.stop_list, stop_token_ids=stop_token_ids,
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                                       include_stop_str_in_output=req.include_stop_str_in_output,
-                                      prompt_param=param, default_max_tokens=default_max_tokens))
+                                      prompt_param=param, default_max_tokens=default_max_tokens,
+                                      prompt_logprobs=prompt_logprobs if j == 0 else None))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------
@@ -315,6 +331,13 @@ class Gateway:
             raise
         self.metrics.prompt_tokens.inc(render.input_tokens)
         render.cached_tokens = _cached_tokens(runs)
+        render.take_prompt_logprobs(runs)
+        scored = [r for r in runs if r.spec.max_tokens == 0]  # echo with max_tokens 0: the prompt only
+        for r in scored:
+            self.pipelines.release(r)
+            render.finish[r.spec.index] = "length"
+        if scored:
+            runs = [r for r in runs if r.spec.max_tokens != 0]
         self.metrics.cached_prompt_tokens.inc(render.cached_tokens)
         if req.stream:
             close = self._stream_closer(state, runs, render)
@@ -472,6 +495,30 @@ class _Renderer:
         # With tools the text is read for calls (services/gateway/tools.py); streamed, each choice by its own parser.
         self.tools = tools
         self.tool_streams: list[ToolStream] | None = [tools.stream() for _ in range(n_choices)] if tools else None
+        # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
+        self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
+        self.parts: dict[int, PromptPart] = {}  # choice index -> its prompt's part
+        self.echo_texts: list[str] | None = None  # per prompt, with echo
+        self.vllm_prompt_logprobs = False
+        self.per_prompt = 1  # choices run per prompt (best_of's candidates, or n)
+        self.n = 1  # choices returned per prompt
+
+    def prompt_side(self, *, echo_texts: list[str] | None = None, vllm_prompt_logprobs: bool = False,
+                    per_prompt: int = 1, n: int = 1) -> None:
+        self.echo_texts = echo_texts
+        self.vllm_prompt_logprobs = vllm_prompt_logprobs
+        self.per_prompt, self.n = per_prompt, n
+
+    def take_prompt_logprobs(self, runs: list[Run]) -> None:
+        """After the prefills: each choice's prompt part, from the first choice of its prompt."""
+        if self.echo_texts is None and not self.vllm_prompt_logprobs:
+            return
+        firsts = {r.spec.index: r for r in runs if r.spec.index % self.per_prompt == 0}
+        for r in runs:
+            p = r.spec.index // self.per_prompt
+            first = firsts[p * self.per_prompt]
+            self.parts[r.spec.index] = PromptPart(self.echo_texts[p] if self.echo_texts is not None else "",
+                                                  r.spec.prompt_ids, list(first.prefill_result.prompt_logprobs))
 
     def finish_reasons(self) -> list[str]:
         return [f or "stop" for f in self.finish]
@@ -488,6 +535,7 @@ class _Renderer:
         self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
         if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")
+        self.cumulative[index] += sum(t.logprob for t in event.tokens)
         lp = self._logprobs(event.tokens) if self.logprobs else None
         if lp is not None:
             self.lp[index].extend(lp)
@@ -533,11 +581,23 @@ class _Renderer:
                     self.finish[i] = finish
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
-                choices.append({"index": i, "text": self.text[i], "logprobs": lp,
-                                "finish_reason": self.finish[i] or "stop"})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                text, part = self.text[i], self.parts.get(i)
+                if self.echo_texts is not None:
+                    lp = self._text_logprobs(self.lp[i], len(part.text)) if self.logprobs else None
+                    text, lp = echoed(part, text, lp, self.gw.token_text, self.top_logprobs)
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i] or "stop"}
+                if self.vllm_prompt_logprobs:
+                    choice["prompt_logprobs"] = part.vllm_prompt_logprobs(self.gw.token_text)
+                choices.append(choice)
+        if self.per_prompt != self.n:  # best_of: the n best candidates of each prompt, numbered anew
+            keep = best_of(self.cumulative, len(choices) // self.per_prompt, self.per_prompt, self.n)
+            choices = [dict(choices[i], index=k) for k, i in enumerate(keep)]
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.gw.config.model_name, "choices": choices,
                 "usage": self._usage()}
+        if self.chat and self.vllm_prompt_logprobs:  # vLLM: the chat response's, not a choice's
+            body["prompt_logprobs"] = self.parts[0].vllm_prompt_logprobs(self.gw.token_text)
+        return body
 
     # streaming
     def _chunk(self, choices: list[dict]) -> dict:
@@ -771,9 +831,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
             constraint = await gw.constraint(req, len(raw))
             max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
             top = req.logprobs or 0
-            specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None, top, "prompt", constraint)
+            per_prompt = req.best_of or req.n
+            # echo's logprobs come from the prompt's: the top n of either
+            scored = req.prompt_logprobs
+            if req.echo and req.logprobs is not None:
+                scored = max(scored or 0, top)
+            # best_of ranks by the tokens' logprobs, so the workers report them even if the client did not ask
+            specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None or per_prompt > req.n, top,
+                             "prompt", constraint, per_prompt=per_prompt, prompt_logprobs=scored)
             render = _Renderer(gw, False, len(specs), rid, logprobs=req.logprobs is not None, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
+            render.prompt_side(echo_texts=gw.echo_texts(req, prompts) if req.echo else None,
+                               vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=per_prompt,
+                               n=req.n)
             return await gw.run(state, req, specs, render)
 
         return await _until_disconnect(request, work)
@@ -799,12 +869,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
             constraint = await gw.constraint(req, len(raw))
             top = req.top_logprobs or 0
             specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint,
-                             default_max_tokens=config.default_max_tokens)
+                             default_max_tokens=config.default_max_tokens, prompt_logprobs=req.prompt_logprobs)
             if plan is not None:
                 plan.apply(specs, tool_constraint)
             render = _Renderer(gw, True, len(specs), rid, logprobs=req.logprobs, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage),
                                tools=plan)
+            render.prompt_side(vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=req.n,
+                               n=req.n)
             return await gw.run(state, req, specs, render)
 
         return await _until_disconnect(request, work)

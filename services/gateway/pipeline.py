@@ -57,6 +57,7 @@ class ChoiceSpec:
     include_stop_str_in_output: bool = False
     prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
     default_max_tokens: int | None = None
+    prompt_logprobs: int | None = None  # the prompt's logprobs with the top n per position (None: not asked for)
 
     def token_budget(self, context: int) -> int:
         """max_tokens for a slot of `context` positions (checked by check_context first)."""
@@ -246,7 +247,8 @@ class Pipelines:
                         pb.PrefillRequest(request_id=run.request_id, prompt_token_ids=run.spec.prompt_ids,
                                           lease=run.lease, sampling=run.spec.sampling,
                                           stop_token_ids=run.spec.stop_token_ids, ignore_eos=run.spec.ignore_eos,
-                                          response_id=run.response_id, operation=run.operation),
+                                          response_id=run.response_id, operation=run.operation,
+                                          prompt_logprobs=run.spec.prompt_logprobs),
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)

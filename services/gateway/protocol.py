@@ -3,8 +3,8 @@
 Requests are validated with pydantic in strict mode (a string where a number belongs is an error, not a
 conversion) and every failure becomes `{"error": {"message", "type", "param", "code"}}` with status 400, never
 FastAPI's 422. Fields OpenAI or vLLM define that this server does not implement are rejected with a 400 naming them
-when they ask for something (echo, best_of > n, prompt_logprobs, beam search, …: REFUSED) rather than silently
-ignored; unknown fields are ignored, as vLLM does.
+when they ask for something (beam search, bad_words, suffix, …: REFUSED) rather than silently ignored; unknown
+fields are ignored, as vLLM does.
 
 The body itself is held to strict JSON before any field is looked at (RFC 8259; Python's json module is more
 lenient): UTF-8 only, no NaN/Infinity, no number that overflows a double, no integer longer than Python converts,
@@ -136,8 +136,9 @@ class _SamplingRequest(_Strict):
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] = 0
     include_stop_str_in_output: bool = False
+    # vLLM: the prompt's logprobs with the top n per position (services/gateway/prompt_logprobs.py)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM parameters this server does not implement: present only to be refused (REFUSED)
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
@@ -161,6 +162,8 @@ class _SamplingRequest(_Strict):
             if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > UINT32_MAX:
                 raise _Unsupported("logit_bias", f"logit_bias keys must be token ids, got {key[:40]!r}",
                                    code="invalid_value")
+        if self.prompt_logprobs is not None and self.stream:
+            raise _Unsupported("prompt_logprobs", "prompt_logprobs is not supported with stream")
         if self.stream_options is not None and not self.stream:
             raise _Unsupported("stream_options", "stream_options is only allowed when stream is true",
                                code="invalid_value")
@@ -176,7 +179,7 @@ class _SamplingRequest(_Strict):
 
 
 # Accepted-and-refused parameters and the values that ask for nothing (so a client that sends the default works).
-REFUSED = {"prompt_logprobs": (None,), "use_beam_search": (None, False), "bad_words": (None, []),
+REFUSED = {"use_beam_search": (None, False), "bad_words": (None, []),
            "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,), "length_penalty": (None, 1, 1.0)}
 
 
@@ -185,17 +188,26 @@ class CompletionRequest(_SamplingRequest):
     # lists of token ids. Order matters for the union: strict mode keeps each shape to its own member.
     prompt: Union[str, list[str], list[Annotated[int, Field(ge=0, le=UINT32_MAX)]],
                   list[list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]]]
+    # 0 only with echo: the prompt scored, nothing generated (OpenAI's legacy completions)
+    max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _completion_checks(self):
-        if self.echo:
-            raise _Unsupported("echo", "echo is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise _Unsupported("best_of", "best_of must equal n (server-side ranking is not supported)")
+        if self.max_tokens == 0 and not self.echo:
+            raise _Unsupported("max_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt)",
+                               code="invalid_value")
+        if self.echo and self.stream:
+            raise _Unsupported("echo", "echo is not supported with stream")
+        if self.best_of is not None and self.best_of < self.n:
+            raise _Unsupported("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})",
+                               code="invalid_value")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise _Unsupported("best_of", "best_of cannot be used with stream (the candidates are ranked once all "
+                               "are complete)", code="invalid_value")
         if self.suffix:
             raise _Unsupported("suffix", "suffix is not supported by this model")
         return self

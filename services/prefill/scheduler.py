@@ -19,6 +19,13 @@ A job's steps are where the prefix cache (prefix_cache.py) hooks in: `start` (on
 a cached prefix and move `pos` past it; srf then counts only what is left) and `after_chunk` (after each chunk:
 capture the blocks it completed).
 
+A job that asks for prompt logprobs (PrefillRequest.prompt_logprobs) runs its prompt whole (a restored prefix would
+have no logits) with the logits of every position (Model.prefill all_logits: every row through every layer, the LM
+head on every row). Each chunk's [chunk, vocabulary] logits are reduced to its positions' logprobs at once and let
+go, so what it holds is one chunk's (E2B at chunk 256: 256 x 262,144 floats, 256 MiB), whatever the prompt's
+length. The passes keep the chunk boundaries of a run without logprobs: a weights policy that picks int4 or int8 by
+the rows of a pass (auto:M) then writes the same K/V, and the completion is the same.
+
 A job whose K/V goes over the network (splitgemma/serving/kv_transport.py) runs into a staging slot of the worker's
 own (`slot` of that `view`) and hands each chunk's positions, and the restored prefix's blocks, to its `sink` as
 soon as they are computed, so the transfer runs while the next chunk computes.
@@ -37,8 +44,9 @@ import grpc
 import numpy as np
 
 from splitgemma.commands.prefill import POLICIES  # the --prefill-policy choices: rr, srf, fifo
-from splitgemma.serving.logits import choose
+from splitgemma.engine import prompt_logprobs, sample_rows
 from splitgemma.serving.shm_arena import MappedArena, request_key
+from splitgemma.v1 import serving_pb2 as pb
 
 log = logging.getLogger("splitgemma.prefill")
 
@@ -61,27 +69,30 @@ class Result:
     queued_seconds: float  # accepted to first chunk
     first_step: int
     last_step: int
+    prompt_logprobs: list  # pb.PromptLogprob of positions 1 … T-1, when asked for
 
 
 class PrefillJob:
     """One prompt run into one leased slot. The caller holds the slot's writer lock when it submits the job; the
     job gives it back (`release`) when it ends, whichever way. Every step but `cancel` runs on the model thread."""
 
-    def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampling: dict, seed: int,
+    def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampler,
                  deadline: float, deadline_reason: str, prefix_cache, release: Callable[[], None],
-                 loop: asyncio.AbstractEventLoop, matcher=None, logits=None, slot: int | None = None, sink=None):
+                 loop: asyncio.AbstractEventLoop, matcher=None, slot: int | None = None, sink=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
         self.slot = request.lease.slot if slot is None else slot  # in view.arena: the leased slot, or a staging one
         self.sink = sink  # the network transport's KvSender: .send / .send_range from the model thread
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
-        self.proc = logits  # splitgemma.serving.logits.LogitsProcessor: bias, penalties, min_p, min_tokens
+        self.sampler = sampler  # splitgemma.engine.RowSampler (splitgemma.serving.logits.row_sampler), seeded
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
         self.lease = request.lease
-        self.sampling, self.seed = sampling, seed
         self.deadline, self.deadline_reason = deadline, deadline_reason  # time.monotonic()
         self.pos = 0  # the next position to run
         self.cached_tokens = 0
         self.logits = None
+        # Prompt logprobs: the top n per position (None: not asked for), and the scored passes' arrays.
+        self.top_n = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        self._scored: list[tuple] = []
         self.accepted = time.monotonic()
         self.started: float | None = None
         self.first_step = self.last_step = 0
@@ -110,21 +121,32 @@ class PrefillJob:
 
     def start(self, step: int) -> None:
         """Before the first chunk (the caller checked the slot's lease stamp when it took the writer lock, which it
-        still holds): restore the prompt's cached prefix into the slot and start after it."""
-        parts = [] if self.sink is not None else None
-        self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.slot, self.tokens, parts)
-        pos = 0
-        for part in parts or ():
-            self.sink.send(pos, part)
-            pos += len(part) // self.model.kv_layout["position_bytes"]
+        still holds): restore the prompt's cached prefix into the slot and start after it (not for prompt logprobs,
+        which need every position's logits). A network job sends the restored blocks on as they are."""
+        if self.top_n is None:
+            parts = [] if self.sink is not None else None
+            self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.slot, self.tokens, parts)
+            pos = 0
+            for part in parts or ():
+                self.sink.send(pos, part)
+                pos += len(part) // self.model.kv_layout["position_bytes"]
         self.started = time.monotonic()
         self.first_step = step
 
     def run_chunk(self, step: int) -> None:
         n = min(self.model.chunk, self.remaining)
         t0 = time.perf_counter()
-        self.logits = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
-                                         pos0=self.pos)
+        if self.top_n is None:
+            self.logits = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
+                                             pos0=self.pos)
+        else:
+            rows = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
+                                      pos0=self.pos, all_logits=True)
+            # Row i predicts position pos + i + 1: the prompt's token there, while there is one.
+            k = min(n, len(self.tokens) - 1 - self.pos)
+            if k > 0:
+                self._scored.append(prompt_logprobs(rows[:k], self.tokens[self.pos + 1:self.pos + 1 + k], self.top_n))
+            self.logits = rows[-1]
         if self.sink is not None:
             self.sink.send_range(self.view.arena, self.slot, self.pos, self.pos + n)
         self.busy_seconds += time.perf_counter() - t0
@@ -143,11 +165,26 @@ class PrefillJob:
         t2 = time.perf_counter()
         if self.matcher is not None:
             self.matcher.mask()
-        first = choose(self.logits, allowed=self.matcher.allowed() if self.matcher is not None else None,
-                       proc=self.proc, argmax_only=False, rng_state=self.seed, sampling=self.sampling)
+        # The decode worker's call for its rows, on this one row
+        first = sample_rows(self.logits[None, :], [self.sampler],
+                            [self.matcher.bits if self.matcher is not None else None])[0]
+        if isinstance(first, str):
+            raise ValueError(f"sampling the first token failed: {first}")
         return Result(first, self.view.arena.header(self.slot)["checksum"], self.cached_tokens,
                       time.monotonic() - self.started,
-                      t2 - t1, self.started - self.accepted, self.first_step, self.last_step)
+                      t2 - t1, self.started - self.accepted, self.first_step, self.last_step,
+                      self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> list:
+        out, pos = [], 1
+        for lp, rank, top_ids, top_lp in self._scored:
+            for i in range(len(lp)):
+                out.append(pb.PromptLogprob(
+                    token_id=int(self.tokens[pos]), logprob=lp[i], rank=rank[i],
+                    top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(top_ids[i].tolist(),
+                                                                                       top_lp[i].tolist())]))
+                pos += 1
+        return out
 
     def end(self, outcome: Result | BaseException) -> None:
         """Give the slot's writer lock back, then hand the outcome to the caller's event loop."""

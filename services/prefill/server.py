@@ -38,12 +38,13 @@ from splitgemma.serving.credentials import TlsFiles
 from splitgemma.serving.kv_transport import (NETWORK, SHM, KvChannels, KvSender, PushRefused, StagingSlots,
                                              arena_reachable, outside, stamp_refusal)
 from splitgemma.serving.grammar import Grammars, worker_grammars
-from splitgemma.serving.logits import processor as logits_processor
+from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.shm_arena import (ArenaError, ArenaMissing, InvalidLease, MappedArena, lease_digest,
                                           open_shared_arena)
-from splitgemma.serving.worker import (GrpcServer, InvalidRequest, constraint_matcher, gen_ai_request_attributes,
-                                       open_model, sampling_kwargs, serve_until_signalled, setup_logging,
+from splitgemma.serving.worker import (MAX_TOP_LOGPROBS, GrpcServer, InvalidRequest, constraint_matcher,
+                                       gen_ai_request_attributes,
+                                       open_model, serve_until_signalled, setup_logging,
                                        start_metrics, token_message, worker_id)
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pb_grpc
@@ -182,11 +183,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is draining")
         try:
-            sampling = sampling_kwargs(request.sampling)
             tokens = self._check(request)
             stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else self.stop_tokens)
-            proc = logits_processor(request.sampling, vocab_size=self.model.vocab_size, prompt_ids=tokens,
-                                    stop_ids=stop_ids)
+            seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
+            sampler = row_sampler(request.sampling, vocab_size=self.model.vocab_size, rng_state=seed,
+                                  want_logprob=True, prompt_ids=tokens, stop_ids=stop_ids)
             digest = lease_digest(lease.worker_id, lease.slot, lease.generation, lease.secret)
             view = self._shm_view(lease)
         except ArenaMissing as e:
@@ -201,8 +202,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         transport = SHM if view is not None else NETWORK
         span.set_attribute("splitgemma.kv.transport", transport)
         if transport == NETWORK:
-            return await self._prefill_network(request, context, span, tokens, sampling, matcher, proc)
-        job = self._accept(context, view, request, tokens, sampling, matcher, proc)
+            return await self._prefill_network(request, context, span, tokens, sampler, matcher)
+        job = self._accept(context, view, request, tokens, sampler, matcher)
         if job is None:
             await self._full(context)
         try:
@@ -247,11 +248,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     async def _push_failed(self, context, lease, e: PushRefused) -> None:
         await context.abort(_push_code(e.code), f"decode worker {lease.kv_address}: {e.details}")
 
-    async def _prefill_network(self, request, context, span, tokens, sampling, matcher, proc) -> pb.PrefillResponse:
+    async def _prefill_network(self, request, context, span, tokens, sampler, matcher) -> pb.PrefillResponse:
         """The prompt into a staging slot here, its K/V streamed to the decode worker chunk by chunk (module doc)."""
         lease = request.lease
         staging = self.staging.take()
-        job = self._accept(context, staging, request, tokens, sampling, matcher, proc, slot=0,
+        job = self._accept(context, staging, request, tokens, sampler, matcher, slot=0,
                            release=lambda: self._end_staged(job, staging))
         if job is None:
             self.staging.give_back(staging)
@@ -321,10 +322,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
                                   kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens,
                                   queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
-                                  last_chunk_step=r.last_step, kv_transport=transport, kv_wire_bytes=wire_bytes)
+                                  last_chunk_step=r.last_step, prompt_logprobs=r.prompt_logprobs,
+                                  kv_transport=transport, kv_wire_bytes=wire_bytes)
 
-    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampling: dict,
-                matcher, proc, slot: int | None = None, release=None) -> PrefillJob | None:
+    def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampler,
+                matcher, slot: int | None = None, release=None) -> PrefillJob | None:
         """A job for the call, counted in flight; None when --max-prompts are in flight already."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < self.max_seconds:
@@ -332,10 +334,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         else:
             deadline, reason = time.monotonic() + self.max_seconds, \
                 f"the worker's limit of {self.max_seconds:g} s per prompt (--max-prefill-seconds)"
-        seed = request.sampling.seed if request.sampling.HasField("seed") else secrets.randbits(64)
-        job = PrefillJob(self.model, view, request, tokens, sampling, seed, deadline, reason,
+        job = PrefillJob(self.model, view, request, tokens, sampler, deadline, reason,
                          prefix_cache=self.prefix_cache, release=release or (lambda: self._release(job)),
-                         loop=asyncio.get_running_loop(), matcher=matcher, logits=proc, slot=slot)
+                         loop=asyncio.get_running_loop(), matcher=matcher, slot=slot)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_prompts:
                 return None
@@ -394,6 +395,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         bad = int(tokens.max())
         if bad >= m.vocab_size:
             raise InvalidRequest(f"prompt token {bad} is outside the vocabulary (0..{m.vocab_size - 1})")
+        if request.HasField("prompt_logprobs") and request.prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
         return tokens
 
     def _shm_view(self, lease) -> MappedArena | None:

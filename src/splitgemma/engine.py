@@ -1,7 +1,8 @@
-"""Python conveniences over the native engine (splitgemma._native.Model / KvArena / sample); see docs/engine-api.md.
+"""Python conveniences over the native engine (splitgemma._native.Model / KvArena / sample / RowSampler /
+sample_rows / prompt_logprobs); see docs/engine-api.md.
 
-The native objects are the API; this module only adds an arena constructor over (shared) memory and a named result
-for sample().
+The native objects are the API; this module only adds an arena constructor over (shared) memory and named results
+for sample() and sample_rows().
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from splitgemma._native import KvArena, Model
+from splitgemma._native import KvArena, Model, RowSampler, prompt_logprobs
 from splitgemma._native import sample as _native_sample
+from splitgemma._native import sample_rows as _native_sample_rows
 
-__all__ = ["KvArena", "Model", "Sample", "open_arena", "sample"]
+__all__ = ["KvArena", "Model", "RowSampler", "Sample", "open_arena", "prompt_logprobs", "sample", "sample_rows"]
 
 
 def open_arena(model: Model, n_slots: int, path: str | os.PathLike | None = None) -> KvArena:
@@ -49,3 +51,10 @@ def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1
     """One token from a logits row (temperature 0 = greedy). Same rules as splitgemma._native.sample."""
     token, state, logprob, top = _native_sample(logits, temperature, top_k, top_p, rng_state, n_logprobs)
     return Sample(token, state, logprob, top)
+
+
+def sample_rows(logits, samplers, masks=None) -> list[Sample | str]:
+    """The next token of each row of logits [B, V] (float32, C-contiguous, processed in place) with its RowSampler;
+    masks: None or one entry per row (None, or the row's constraint bitmask as 32-bit words). A row that failed is
+    its error message instead of a Sample. Same rules as splitgemma._native.sample_rows."""
+    return [r if isinstance(r, str) else Sample(*r) for r in _native_sample_rows(logits, samplers, masks)]

@@ -1,10 +1,12 @@
-// Python access to the engine: Model (prefill, batched decode), KvArena (slots in a caller's buffer), sample().
+// Python access to the engine: Model (prefill, batched decode), KvArena (slots in a caller's buffer), sample(),
+// RowSampler + sample_rows() (one sequence's logits processing and sampling; a decode step's rows in one call).
 // The GIL is released during compute; arguments are validated first and bad ones raise ValueError / IndexError /
 // TypeError with the reason (docs/engine-api.md).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -12,6 +14,7 @@
 
 #include "kv_layout.h"
 #include "model.h"
+#include "row_sampler.h"
 #include "sampling.h"
 
 namespace py = pybind11;
@@ -354,6 +357,133 @@ void bind_engine(py::module_& m) {
           py::arg("slot"), py::arg("pos0"), py::arg("parts"),
           "Write exported positions (a sequence of buffers from export_positions, consecutive) into the slot from "
           "pos0 on and set its token count to their end (unsealed); sliding layers take only what their rings hold.");
+
+  py::class_<sg::RowSampler>(
+      m, "RowSampler",
+      "One sequence's sampler: its parameters, the history its penalties and min_tokens depend on, and its random "
+      "state (docs/sampling.md). sample_rows() draws with it; observe() records each token the sequence took.")
+      .def(py::init([](int vocab_size, float temperature, int top_k, float top_p, int n_logprobs, bool want_logprob,
+                       float min_p, float presence_penalty, float frequency_penalty, float repetition_penalty,
+                       int min_tokens, py::dict logit_bias, py::object stop_ids, py::object prompt_ids,
+                       py::object rng_state) {
+             sg::RowSamplerParams p;
+             p.sample = sg::SampleParams{temperature, top_k, top_p, n_logprobs};
+             p.want_logprob = want_logprob;
+             p.min_p = min_p;
+             p.presence = presence_penalty;
+             p.frequency = frequency_penalty;
+             p.repetition = repetition_penalty;
+             p.min_tokens = min_tokens;
+             for (auto item : logit_bias) {
+               const int64_t id = item.first.cast<int64_t>();
+               if (id < 0 || id >= vocab_size)
+                 throw py::value_error("logit_bias: token " + std::to_string(id) + " is outside the vocabulary");
+               p.bias.emplace_back(int(id), item.second.cast<float>());
+             }
+             std::sort(p.bias.begin(), p.bias.end());  // a fixed order: the sums do not depend on the dict's
+             const std::vector<int32_t> stops = int_vector(stop_ids, "stop_ids");
+             p.stop_ids.assign(stops.begin(), stops.end());
+             const std::vector<int32_t> prompt = int_vector(prompt_ids, "prompt_ids");
+             const uint64_t state = rng_arg(rng_state);
+             return std::make_unique<sg::RowSampler>(p, vocab_size, prompt.data(), int(prompt.size()), state);
+           }),
+           py::arg("vocab_size"), py::kw_only(), py::arg("temperature") = 1.0f, py::arg("top_k") = 0,
+           py::arg("top_p") = 1.0f, py::arg("n_logprobs") = 0, py::arg("want_logprob") = true,
+           py::arg("min_p") = 0.0f, py::arg("presence_penalty") = 0.0f, py::arg("frequency_penalty") = 0.0f,
+           py::arg("repetition_penalty") = 1.0f, py::arg("min_tokens") = 0, py::arg("logit_bias") = py::dict(),
+           py::arg("stop_ids") = py::list(), py::arg("prompt_ids") = py::list(), py::arg("rng_state") = 0,
+           "want_logprob False with temperature 0 and n_logprobs 0: the token is the argmax and its logprob is not "
+           "computed (reported 0). stop_ids: held off while fewer than min_tokens tokens were observed. prompt_ids: "
+           "what repetition_penalty counts besides the output.")
+      .def("observe", [](sg::RowSampler& r, int64_t token) { r.observe(int_arg(token, "token")); }, py::arg("token"),
+           "The sequence took `token` (counted by the penalties and min_tokens).")
+      .def_property_readonly("rng_state", &sg::RowSampler::rng_state)
+      .def_property_readonly("generated", &sg::RowSampler::generated)
+      .def_property_readonly("vocab_size", &sg::RowSampler::vocab_size);
+
+  m.def(
+      "sample_rows",
+      [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks) {
+        if (logits.ndim() != 2) throw py::value_error("sample_rows: logits must be a 2-D [rows, vocab] float32 array");
+        if (!logits.writeable())
+          throw py::value_error("sample_rows: logits must be writable (rows are processed in place)");
+        const py::ssize_t B = logits.shape(0), V = logits.shape(1);
+        if (py::ssize_t(py::len(samplers)) != B)
+          throw py::value_error("sample_rows: " + std::to_string(py::len(samplers)) + " samplers for " +
+                                std::to_string(B) + " rows");
+        std::vector<py::buffer_info> held;  // the masks' buffers, kept fixed while the GIL is off
+        std::vector<sg::SampleRow> rows(B);
+        py::list mask_list = masks.is_none() ? py::list() : py::list(masks);
+        if (!masks.is_none() && py::ssize_t(py::len(mask_list)) != B)
+          throw py::value_error("sample_rows: masks must be None or one entry (None or a bitmask) per row");
+        float* base = logits.mutable_data();
+        for (py::ssize_t b = 0; b < B; ++b) {
+          auto* r = samplers[b].cast<sg::RowSampler*>();
+          if (r->vocab_size() != V)
+            throw py::value_error("sample_rows: sampler " + std::to_string(b) + " is for a vocabulary of " +
+                                  std::to_string(r->vocab_size()) + ", the rows have " + std::to_string(V));
+          rows[b].sampler = r;
+          rows[b].logits = base + b * V;
+          if (!masks.is_none() && !mask_list[b].is_none()) {
+            py::buffer_info info = py::reinterpret_borrow<py::buffer>(mask_list[b]).request();
+            const py::ssize_t bytes = info.size * info.itemsize;
+            if (info.ndim != 1 || info.strides[0] != info.itemsize || bytes % 4 != 0)
+              throw py::value_error("sample_rows: mask " + std::to_string(b) +
+                                    " must be a contiguous 1-D buffer of 32-bit words");
+            rows[b].mask = static_cast<const uint32_t*>(info.ptr);
+            rows[b].mask_words = int(bytes / 4);
+            held.push_back(std::move(info));
+          }
+        }
+        std::vector<sg::RowOutcome> out(B);
+        {
+          py::gil_scoped_release nogil;
+          sg::sample_rows(rows.data(), int(B), out.data());
+        }
+        py::list res;
+        for (py::ssize_t b = 0; b < B; ++b) {
+          if (!out[b].error.empty()) res.append(py::str(out[b].error));
+          else res.append(py::make_tuple(out[b].result.token, rows[b].sampler->rng_state(), out[b].result.logprob,
+                                         out[b].result.top));
+        }
+        return res;
+      },
+      py::arg("logits"), py::arg("samplers"), py::arg("masks") = py::none(),
+      "The next token of each row of logits [B, V] (float32, rewritten in place by the bias and penalties) with "
+      "samplers[b]; masks[b]: None or the row's llguidance bitmask (bit i of 32-bit word i/32 allows id i). One "
+      "entry per row: (token, rng_state, logprob, [(id, logprob), ...]), or the error message (str) of a row that "
+      "failed (its random state unchanged). Does not observe() the tokens drawn.");
+
+  m.def(
+      "prompt_logprobs",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits, py::object tokens, int top_n) {
+        if (logits.ndim() != 2) throw py::value_error("prompt_logprobs: logits must be a 2-D [rows, vocab] array");
+        const std::vector<int32_t> t = int_vector(tokens, "tokens");
+        const py::ssize_t R = logits.shape(0), V = logits.shape(1);
+        if (py::ssize_t(t.size()) != R)
+          throw py::value_error("prompt_logprobs: " + std::to_string(t.size()) + " tokens for " + std::to_string(R) +
+                                " rows");
+        if (top_n < 0 || top_n > V) throw py::value_error("prompt_logprobs: top_n must lie in [0, vocab]");
+        py::array_t<float> lp(R), top_lp({R, py::ssize_t(top_n)});
+        py::array_t<int32_t> rank(R), top_ids({R, py::ssize_t(top_n)});
+        float *plp = lp.mutable_data(), *ptl = top_lp.mutable_data();
+        int32_t *prk = rank.mutable_data(), *pti = top_ids.mutable_data();
+        const float* x = logits.data();
+        {
+          py::gil_scoped_release nogil;
+          for (py::ssize_t r = 0; r < R; ++r) {
+            int rk = 0;
+            const sg::SampleResult s = sg::token_logprob(x + r * V, int(V), t[r], top_n, &rk);
+            plp[r] = s.logprob;
+            prk[r] = rk;
+            for (int i = 0; i < top_n; ++i) pti[r * top_n + i] = s.top[i].first, ptl[r * top_n + i] = s.top[i].second;
+          }
+        }
+        return py::make_tuple(lp, rank, top_ids, top_lp);
+      },
+      py::arg("logits"), py::arg("tokens"), py::arg("top_n") = 0,
+      "Row r's log-softmax at tokens[r] (the token that followed), its rank (1 = most likely) and the top_n "
+      "(id, logprob), best first: (logprob [R], rank [R], top_ids [R, top_n], top_logprobs [R, top_n]).");
 
   m.def(
       "sample",

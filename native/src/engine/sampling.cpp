@@ -35,7 +35,7 @@ void best_k(const float* x, int n, int k, std::vector<int>& idx) {
 
 }  // namespace
 
-SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_state) {
+void check_sample_params(const SampleParams& p, int n) {
   if (n < 1) throw std::invalid_argument("sample: empty logits row");
   if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
     throw std::invalid_argument("sample: temperature must be a finite number >= 0, got " + std::to_string(p.temperature));
@@ -44,6 +44,10 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   if (p.n_logprobs < 0 || p.n_logprobs > n)
     throw std::invalid_argument("sample: n_logprobs must lie in [0, " + std::to_string(n) + "], got " +
                                 std::to_string(p.n_logprobs));
+}
+
+SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_state) {
+  check_sample_params(p, n);
   static const bool cpu_ok = ops::cpu_has_avx2_fma_f16c();
   if (!cpu_ok) throw std::runtime_error("sample: needs a CPU with AVX2, FMA and F16C");
   bool finite = true;
@@ -133,6 +137,28 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   res.token = idx[pick];
   res.logprob = float(std::log(w[pick]) - log_z);
   for (int i = 0; i < std::min(kept, p.n_logprobs); ++i) res.top.emplace_back(idx[i], float(std::log(w[i]) - log_z));
+  return res;
+}
+
+SampleResult token_logprob(const float* x, int n, int token, int k, int* rank) {
+  if (token < 0 || token >= n)
+    throw std::invalid_argument("token_logprob: token " + std::to_string(token) + " out of range");
+  if (k < 0 || k > n) throw std::invalid_argument("token_logprob: k must lie in [0, " + std::to_string(n) + "]");
+  static const bool cpu_ok = ops::cpu_has_avx2_fma_f16c();
+  if (!cpu_ok) throw std::runtime_error("token_logprob: needs a CPU with AVX2, FMA and F16C");
+  bool finite = true;
+  const float mx = ops::max_finite(x, n, &finite);
+  if (!finite) throw std::invalid_argument("token_logprob: logits contain NaN or infinity");
+  const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, -1, nullptr));
+  SampleResult res;
+  res.token = token;
+  res.logprob = float(double(x[token]) - mx - log_z);
+  *rank = 1 + int(std::count_if(x, x + n, [&](float v) { return v > x[token]; }));
+  if (k > 0) {
+    thread_local std::vector<int> idx;
+    best_k(x, n, k, idx);
+    for (int i = 0; i < k; ++i) res.top.emplace_back(idx[i], float(double(x[idx[i]]) - mx - log_z));
+  }
   return res;
 }
 

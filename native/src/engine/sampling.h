@@ -34,7 +34,15 @@ struct SampleResult {
 
 uint64_t splitmix64_next(uint64_t* state);
 
+// Throws std::invalid_argument on parameters sample() would refuse for a row of n logits.
+void check_sample_params(const SampleParams& p, int n);
+
 // Throws std::invalid_argument on bad parameters or non-finite logits.
 SampleResult sample(const float* logits, int n, const SampleParams& p, uint64_t* rng_state);
+
+// Scoring a known token (prompt logprobs): the log-softmax of row x at `token`, in result.token / result.logprob,
+// its rank (1 + how many ids have a larger logit) and the k best (id, logprob) in result.top, best first. Throws
+// std::invalid_argument on non-finite logits or an id / k out of range.
+SampleResult token_logprob(const float* x, int n, int token, int k, int* rank);
 
 }  // namespace sg

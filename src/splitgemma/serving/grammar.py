@@ -21,7 +21,6 @@ from pathlib import Path
 import llguidance as llg
 import numpy as np
 
-from splitgemma.engine import Sample, sample
 from splitgemma.v1 import serving_pb2 as pb
 
 from .files import read_regular_text
@@ -146,8 +145,8 @@ class Grammars:
 
 
 class Matcher:
-    """One sequence's place in its constraint. Each step: fill the mask (compute_masks, or mask()), pick among
-    allowed(), then advance() by the token taken."""
+    """One sequence's place in its constraint. Each step: fill the mask (compute_masks, or mask()), sample with
+    its bits, then advance() by the token taken."""
 
     def __init__(self, m: llg.LLMatcher, vocab_size: int, words: int):
         self._m = m
@@ -162,15 +161,13 @@ class Matcher:
     def set_mask(self, row: np.ndarray) -> None:
         self._bits = row.view(np.uint8)
 
-    def allowed(self) -> np.ndarray:
-        """The ids the constraint admits next, ascending (computed by the last mask)."""
+    @property
+    def bits(self) -> np.ndarray:
+        """The mask of the last mask() / compute_masks as 32-bit words (bit i of word i/32 allows id i): what the
+        native sampler reads (splitgemma.engine.sample_rows)."""
         if self._bits is None:
-            raise RuntimeError("allowed() before the mask was computed")
-        bits = np.unpackbits(self._bits, bitorder="little")[:self.vocab_size]
-        ids = np.flatnonzero(bits)
-        if not len(ids):
-            raise ConstraintError(f"the constraint admits no token here: {self._m.get_error() or 'dead end'}")
-        return ids
+            raise RuntimeError("bits before the mask was computed")
+        return self._bits.view(np.uint32)
 
     def advance(self, token: int) -> None:
         self._bits = None
@@ -194,21 +191,3 @@ def compute_masks(matchers: list[Matcher]) -> None:
                                       len(matchers))
     for i, m in enumerate(matchers):
         m.set_mask(out[i])
-
-
-def sample_allowed(row: np.ndarray, allowed: np.ndarray, *, argmax_only: bool, rng_state: int,
-                   sampling: dict) -> Sample:
-    """sample() restricted to the `allowed` ids of a logits row: the distribution (and so the logprobs reported)
-    is the masked one, renormalised over the allowed tokens. A single allowed token is forced: no draw (the rng
-    state is unchanged), logprob 0."""
-    if len(allowed) == 1:
-        return Sample(int(allowed[0]), rng_state, 0.0, [(int(allowed[0]), 0.0)][:sampling["n_logprobs"]])
-    sub = np.ascontiguousarray(row[allowed], dtype=np.float32)
-    if argmax_only:
-        t = int(sub.argmax())
-        if np.isfinite(sub[t]) and np.isfinite(sub.min()):  # else sample() refuses the row with its own error
-            return Sample(int(allowed[t]), rng_state, 0.0, [])
-    kw = dict(sampling, n_logprobs=min(sampling["n_logprobs"], len(allowed)))
-    s = sample(sub, rng_state=rng_state, **kw)
-    return Sample(int(allowed[s.token]), s.rng_state, s.logprob,
-                  [(int(allowed[t]), lp) for t, lp in s.top_logprobs])
