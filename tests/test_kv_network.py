@@ -27,21 +27,13 @@ from splitgemma.serving.shm_arena import open_shared_arena
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 from test_gateway import (CHUNK, DECODE_WEIGHTS, MAX_CONTEXT, MODEL, MODEL_NAME, PREFILL_WEIGHTS, Reference, Stack,
-                          greedy_completion)
-from tools.otlp_collector import OtlpCollector
+                          collector, greedy_completion)  # noqa: F401 - collector: the module's OTLP receiver
 from tools.procs import (DIE_WITH_PARENT, SPLITGEMMA, LoggedProcess, free_ports, grpc_serving, private_shm,
                          wait_decode_idle, wait_until)
 
 TOKEN = "kv-network-test-token-0123456789"
 BEARER = (("authorization", f"Bearer {TOKEN}"),)
 RPC = 30
-
-
-@pytest.fixture(scope="module")
-def collector():
-    c = OtlpCollector()
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")
