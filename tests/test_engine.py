@@ -30,7 +30,7 @@ from tools.reference_forward import forward, text_config
 TAME, SHARP = "mini-e2b-tame", "mini-e2b"
 WINDOW = 16  # sliding_window of the mini files
 EXACT = 1e-5  # "the same numbers": rows never interact, so these runs should agree to float rounding or better
-KV_DTYPES = ["int8", "f16"]  # the K/V cache element types (int8 with a scale per position, or f16)
+KV_DTYPES = ["int8", "f16", "f32"]  # the K/V cache element types (int8 with a scale per position, f16, f32)
 
 
 def cosines(a, b):
@@ -241,7 +241,7 @@ def test_f16_kv_is_closer_to_the_reference(long_reference):
         m = model(weights="int4", kv_dtype=kv)
         assert m.kv_layout["kv_dtype"] == kv
         rms[kv] = float(np.sqrt(((m.prefill(arena(m), 0, prompt, all_logits=True) - want) ** 2).mean()))
-    assert rms["f16"] < rms["int8"], rms
+    assert rms["f16"] < rms["int8"] and rms["f32"] < rms["int8"], rms
 
 
 def test_decode_past_the_window_matches_reference(long_reference):
@@ -514,12 +514,16 @@ def test_kv_layout_is_defined_by_config_and_geometry():
     assert [e["row_bytes"] for e in h["layers"]] == [128, 128, 256, 128]
     assert all(e["ks_off"] == e["vs_off"] == 0 for e in h["layers"])
     assert h["slot_bytes"] > lay["slot_bytes"]
+    # f32 K/V: the forward pass's own values, four times int8's rows, no scales either
+    f = model(chunk=8, max_context=100, kv_dtype="f32").kv_layout
+    assert f["kv_dtype"] == "f32" and [e["row_bytes"] for e in f["layers"]] == [256, 256, 512, 256]
+    assert all(e["ks_off"] == e["vs_off"] == 0 for e in f["layers"]) and f["slot_bytes"] > h["slot_bytes"]
 
 
 def test_kv_dtype_mismatch_is_refused():
     """A slot written with one K/V element type is never read as the other: same model and geometry, but the
     header records the type and a reader with the other type refuses the slot."""
-    with pytest.raises(ValueError, match="KV cache dtype must be 'int8' or 'f16', got 'bf16'"):
+    with pytest.raises(ValueError, match="KV cache dtype must be 'int8', 'f16' or 'f32', got 'bf16'"):
         model(kv_dtype="bf16")
     m8, m16 = model(kv_dtype="int8"), model(kv_dtype="f16")
     buf = bytearray(max(m8.kv_slot_bytes, m16.kv_slot_bytes))

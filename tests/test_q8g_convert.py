@@ -61,15 +61,15 @@ def assert_exact(values: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray
     return q, s
 
 
-def random_blocks(qtype, rows: int, k: int, seed: int, scale_at: int | None) -> np.ndarray:
-    """Random raw GGML blocks ([rows, bytes]) with a finite f16 scale `d` at byte `scale_at` of each block (None:
-    every byte pattern is valid)."""
+def random_blocks(qtype, rows: int, k: int, seed: int, scale_at) -> np.ndarray:
+    """Random raw GGML blocks ([rows, bytes]) with a finite f16 scale at byte `scale_at` (an int, or a tuple of
+    them: d and dmin) of each block (None: every byte pattern is valid)."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows * k // block, nbytes), dtype=np.uint8)
-    if scale_at is not None:
+    for at in () if scale_at is None else (scale_at,) if isinstance(scale_at, int) else scale_at:
         d = (rng.uniform(1e-4, 1e-1, raw.shape[0]) * rng.choice([-1, 1], raw.shape[0])).astype(np.float16)
-        raw[:, scale_at:scale_at + 2] = d.view(np.uint8).reshape(-1, 2)
+        raw[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
     return raw.reshape(rows, -1)
 
 
@@ -339,12 +339,15 @@ GGUF_TYPES = {"token_embd": "Q8_0", "attn_q": "Q5_0", "attn_k": "Q4_0", "attn_v"
               "ffn_gate": "F16", "ffn_up": "Q4_1", "ffn_down": "Q3_K"}
 GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
               "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
-_SCALE_AT = {"Q6_K": 208, "Q3_K": 108}
+# where each random-block type keeps its f16 fields (d, and dmin / m)
+_SCALE_AT = {"Q6_K": 208, "Q3_K": 108, "Q4_K": (0, 2), "Q5_K": (0, 2), "Q5_1": (0, 2)}
 
 
-def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: Path, types=None) -> dict[str, np.ndarray]:
     """The tiny Gemma 3 as a GGUF (gemma3 keys, a SentencePiece-style vocabulary); returns each weight's values as
-    the gguf package dequantises them, by GGUF name."""
+    the gguf package dequantises them, by GGUF name. types(layer, name) gives each tensor's GGML type (layer None
+    for token_embd; default GGUF_TYPES[name])."""
+    types = types or (lambda layer, name: GGUF_TYPES[name])
     cfg, weights = load_hf_checkpoint(TINY)
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_block_count(6)
@@ -381,7 +384,7 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
         w.add_tensor(name, raw, raw_dtype=QT[qtype])
         values[name] = gguf_dequantize(raw, QT[qtype]).reshape(a.shape)
 
-    add("token_embd.weight", weights[LM + "embed_tokens.weight"], GGUF_TYPES["token_embd"])
+    add("token_embd.weight", weights[LM + "embed_tokens.weight"], types(None, "token_embd"))
     w.add_tensor("output_norm.weight", 1 + weights[LM + "norm.weight"])
     for i in range(6):
         pre = f"{LM}layers.{i}."
@@ -391,7 +394,7 @@ def write_tiny_gguf(path: Path) -> dict[str, np.ndarray]:
             w.add_tensor(f"blk.{i}.{g}.weight", 1 + weights[pre + hf + ".weight"])
         for p, g in GGUF_NAMES.items():
             hf = f"{pre}{'mlp' if p in LINEARS[4:] else 'self_attn'}.{p}.weight"
-            add(f"blk.{i}.{g}.weight", weights[hf], GGUF_TYPES[g])
+            add(f"blk.{i}.{g}.weight", weights[hf], types(i, g))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -413,17 +416,19 @@ def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
     t = fgm_header(out)["tensors"]
     assert t["embed_tokens"]["dtype"] == "q8g" and "lm_head" not in t
     rd = FgmReader(out)
-    exact_types = {"Q8_0", "Q5_0", "Q4_0", "Q6_K", "Q3_K"}
+    exact_types = {"Q8_0", "Q5_0", "Q4_0", "Q6_K", "Q3_K", "Q4_1"}
     for i in range(6):
         for p, g in GGUF_NAMES.items():
             name, qtype = f"l{i}.{p}", GGUF_TYPES[g]
             group = 16 if qtype in ("Q6_K", "Q3_K") else 32
-            assert t[name]["dtype"] == "q8g" and t[name]["meta"] == {"hadamard": 0, "group": group}, name
+            dtype = "q8ga" if qtype == "Q4_1" else "q8g"   # Q4_1 has a minimum per block: an offset
+            assert t[name]["dtype"] == dtype and t[name]["meta"] == {"hadamard": 0, "group": group}, name
             want = values[f"blk.{i}.{g}.weight"]
-            q, s = quant.quantize_q8_groups(want, group)
             codes, scales = rd.codes_and_scales(name)
-            np.testing.assert_array_equal(codes, q, err_msg=name)
-            np.testing.assert_array_equal(scales, s.T, err_msg=name)
+            if qtype in ("Q3_K", "F16"):   # no block reader (tests/test_gguf_exact.py has those): the grid search
+                q, s = quant.quantize_q8_groups(want, group)
+                np.testing.assert_array_equal(codes, q, err_msg=name)
+                np.testing.assert_array_equal(scales, s.T, err_msg=name)
             got = rd.dequantize(name)
             if qtype in exact_types:   # the GGUF's own values, bit for bit
                 np.testing.assert_array_equal(got.astype(np.float32), want, err_msg=name)
@@ -493,20 +498,28 @@ def test_random_model_int8g_layout_equals_converter(tmp_path, monkeypatch):
         assert rd.info(name)["dtype"] == "q8g" and 0.02 <= rd.dequantize(name).std() <= 0.05, name
 
 
-def test_engine_runs_int8g(tiny_int8g):
-    """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights."""
+def test_engine_runs_int8g(tiny_int8g, report):
+    """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights, with the
+    f16 K/V the file asks for and with the f32 K/V option (fidelity checks: no rounding of the cached K/V at all)."""
     from tools.reference_forward import forward
 
     cfg, _ = load_hf_checkpoint(TINY)
     decoded = FgmReader(tiny_int8g).hf_weights(ffn="int8")
     ids = np.load(TINY / "reference.npz")["prompt_ids_1"]
-    m = N.Model(str(tiny_int8g), max_context=128, threads=2)
-    got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
     want = forward(decoded, cfg, ids, norms_as_stored=True)
-    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    err = {}
+    for kv in (None, "f32"):
+        m = N.Model(str(tiny_int8g), max_context=128, threads=2, kv_dtype=kv)
+        assert m.kv_layout["kv_dtype"] == (kv or "f16")
+        got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
+        cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+        err[kv or "f16"] = (1 - float(cos.min()), float(np.abs(got - want).max()))
+    report(f"tiny Gemma 3 int8g, engine vs float64 reference (1 - cosine min, max |logit difference|): {err}")
     # Nothing is quantised at run time (f32 activations, the f16 K/V the file asks for): only float rounding is left
-    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06).
-    assert 1 - cos.min() <= 1e-5 and np.abs(got - want).max() <= 0.01, (cos.min(), np.abs(got - want).max())
+    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06). f32 K/V
+    # removes the f16 rounding of the cache as well.
+    assert err["f16"][0] <= 1e-5 and err["f16"][1] <= 0.01, err
+    assert err["f32"][1] < err["f16"][1] and err["f32"][0] <= err["f16"][0], err
 
 
 def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkeypatch):
@@ -530,11 +543,12 @@ def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkey
     fgm = d / f"{dm.MODEL_NAME}.fgm"
     fgm.write_bytes(b"o" * 50)
     fgm.with_suffix(".tokenizer.json").write_text("{}")
-    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8-q8r-1",
+    # the cache an existing user has: revision 4, whose Q4_K tensors were rounded into q8g
+    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8g-g32-r4",
                                                   "fgm_bytes": 50}))
     assert dm.resolve_default_model(progress=False)[0] == str(fgm)
     assert calls == [{"weights": "int8g", "group": 32, "progress": False}], "an old cache is converted again"
     stamp = json.loads((d / "converted.json").read_text())
-    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r4" and stamp["fgm_bytes"] == 100
+    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r5" and stamp["fgm_bytes"] == 100
     dm.resolve_default_model(progress=False)
     assert len(calls) == 1, "the new cache is reused"

@@ -38,12 +38,10 @@ SCHEMA = {
 MAX_TOKENS = 160
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    # The fixture model with a Gemma-style BPE tokenizer beside it: the chat fixture's vocabulary (it has the
-    # characters JSON needs) with Gemma 4's normalizer and decoder (space = U+2581, byte fallback), which
-    # llguidance reads as it reads the real one; <eos> is its only stop token.
-    folder = tmp_path_factory.mktemp("structured")
+def gemma_style_stack(folder, decode_args=()) -> Stack:
+    """The fixture model with a Gemma-style BPE tokenizer beside it: the chat fixture's vocabulary (it has the
+    characters JSON needs) with Gemma 4's normalizer and decoder (space = U+2581, byte fallback), which
+    llguidance reads as it reads the real one; <eos> is its only stop token. s.metrics_url: the decode worker's."""
     model = folder / MODEL.name
     model.symlink_to(MODEL)
     tok = json.loads((CHAT / "tokenizer.json").read_text())
@@ -57,8 +55,14 @@ def stack(tmp_path_factory):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 1}))
     (metrics,) = free_ports(1)
     s = Stack(folder, model=model, gateway_args=("--chat-template", str(TEMPLATE)),
-              decode_args=("--metrics-port", str(metrics)))
+              decode_args=("--metrics-port", str(metrics), *decode_args))
     s.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+    return s
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = gemma_style_stack(tmp_path_factory.mktemp("structured"))
     try:
         yield s
     finally:

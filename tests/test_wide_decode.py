@@ -159,7 +159,7 @@ class _Metrics:
     def __init__(self):
         self.batches = []
 
-    def step(self, seconds: float, batch: int) -> None:
+    def step(self, seconds: float, batch: int, tokens: int) -> None:
         self.batches.append(batch)
 
     def host(self, seconds: float) -> None:

@@ -34,7 +34,7 @@ bool parse_dtype(const std::string& s, DType* out) {
   static const std::pair<const char*, DType> table[] = {{"f32", DType::F32}, {"f16", DType::F16},
                                                         {"q4g", DType::Q4G}, {"q8c", DType::Q8C},
                                                         {"q4r", DType::Q4R}, {"q8r", DType::Q8R},
-                                                        {"q8g", DType::Q8G}};
+                                                        {"q8g", DType::Q8G},   {"q8ga", DType::Q8GA}};
   for (const auto& e : table)
     if (s == e.first) { *out = e.second; return true; }
   return false;
@@ -143,6 +143,7 @@ const char* dtype_name(DType t) {
     case DType::Q4R: return "q4r";
     case DType::Q8R: return "q8r";
     case DType::Q8G: return "q8g";
+    case DType::Q8GA: return "q8ga";
   }
   return "?";
 }
@@ -281,7 +282,7 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
     switch (t.dtype) {
       case DType::F32: want = uint64_t(numel) * 4; break;
       case DType::F16: want = uint64_t(numel) * 2; break;
-      case DType::Q8C: case DType::Q8R: case DType::Q8G: want = uint64_t(numel); break;
+      case DType::Q8C: case DType::Q8R: case DType::Q8G: case DType::Q8GA: want = uint64_t(numel); break;
       case DType::Q4G: case DType::Q4R: want = uint64_t(numel) / 2; break;
     }
     if (t.nbytes != want)
@@ -294,7 +295,7 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
           ") runs past the end of the file (" + std::to_string(size_) + " bytes): truncated?");
     const bool blocked = t.dtype == DType::Q4G || t.dtype == DType::Q8C;
     const bool table = t.dtype == DType::Q4R || t.dtype == DType::Q8R;
-    const bool paneled = t.dtype == DType::Q8G;
+    const bool paneled = is_paneled(t.dtype);
     if ((blocked || table || paneled) && t.shape.size() != 2)
       bad("quantised tensors must be 2-D, got " + shape_str(t.shape));
     if (blocked && (t.rows() % 16 != 0 || t.cols() % 64 != 0))
@@ -318,13 +319,15 @@ void FgmFile::parse_tensors(const JsonValue& tens) {
       }
     }
     if (paneled) {
-      // docs/fgm-extensions.md: 16-column panels, one f32 scale per (row, group of G along K), never rotated.
-      if (t.rows() % 16 != 0) bad("q8g weight " + shape_str(t.shape) + " needs N % 16 == 0 (16-column panels)");
+      // docs/fgm-extensions.md: 16-column panels, one f32 scale (q8ga: and offset) per (row, group of G along K),
+      // never rotated.
+      const std::string dn = dtype_name(t.dtype);
+      if (t.rows() % 16 != 0) bad(dn + " weight " + shape_str(t.shape) + " needs N % 16 == 0 (16-column panels)");
       const JsonValue* h = meta ? meta->get("hadamard") : nullptr;
-      if (h && (h->kind != JsonValue::Kind::Int || h->i != 0)) bad("meta.hadamard must be 0 for q8g");
+      if (h && (h->kind != JsonValue::Kind::Int || h->i != 0)) bad("meta.hadamard must be 0 for " + dn);
       const JsonValue* g = meta ? meta->get("group") : nullptr;
       if (!g || g->kind != JsonValue::Kind::Int || g->i <= 0 || t.cols() % g->i != 0)
-        bad("q8g needs meta.group, a positive integer dividing K = " + std::to_string(t.cols()));
+        bad(dn + " needs meta.group, a positive integer dividing K = " + std::to_string(t.cols()));
       t.group = int(g->i);
     }
     t.data = base_ + t.offset;
@@ -502,32 +505,34 @@ void FgmFile::check_vector(const std::string& name, int64_t n) const {
 
 void FgmFile::check_linear(const std::string& name, int64_t n, int64_t k) const {
   const TensorInfo& t = require(name);
-  if (t.dtype != DType::Q4G && t.dtype != DType::Q8C && t.dtype != DType::Q8G)
-    fail("linear weight '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4g, q8c or q8g");
+  if (t.dtype != DType::Q4G && t.dtype != DType::Q8C && !is_paneled(t.dtype))
+    fail("linear weight '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4g, q8c, q8g or q8ga");
   if (t.shape != std::vector<int64_t>{n, k})
     fail("linear weight '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({n, k}));
   if (t.dtype == DType::Q8C) check_plain(name + ".scale", DType::F32, {n});
-  else if (t.dtype == DType::Q8G) check_plain(name + ".scale", DType::F32, {k / t.group, n});
+  else if (is_paneled(t.dtype)) check_plain(name + ".scale", DType::F32, {k / t.group, n});
   else check_plain(name + ".scale", DType::F16, {k / t.group, n});
+  if (t.dtype == DType::Q8GA) check_plain(name + ".offset", DType::F32, {k / t.group, n});
 }
 
 void FgmFile::check_table(const std::string& name, int64_t r, int64_t k) const {
   const TensorInfo& t = require(name);
-  if (t.dtype != DType::Q4R && t.dtype != DType::Q8R && t.dtype != DType::Q8G)
-    fail("gather table '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4r, q8r or q8g");
+  if (t.dtype != DType::Q4R && t.dtype != DType::Q8R && !is_paneled(t.dtype))
+    fail("gather table '" + name + "' has dtype " + dtype_name(t.dtype) + ", expected q4r, q8r, q8g or q8ga");
   if (t.shape != std::vector<int64_t>{r, k})
     fail("gather table '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({r, k}));
   if (t.dtype == DType::Q8R) check_plain(name + ".scale", DType::F32, {r});
-  else if (t.dtype == DType::Q8G) check_plain(name + ".scale", DType::F32, {k / t.group, r});
+  else if (is_paneled(t.dtype)) check_plain(name + ".scale", DType::F32, {k / t.group, r});
   else check_plain(name + ".scale", DType::F16, {r, k / 64});
+  if (t.dtype == DType::Q8GA) check_plain(name + ".offset", DType::F32, {k / t.group, r});
 }
 
 void FgmFile::check_inventory() {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, V = c.vocab_size, P = c.ple_dim, L = c.num_layers;
   check_table("embed_tokens", V, H);
-  // A q8g table is also a linear in the same layout (docs/fgm-extensions.md): it may serve as the tied LM head.
-  if (find("lm_head") || require("embed_tokens").dtype != DType::Q8G) check_linear("lm_head", V, H);
+  // A q8g/q8ga table is also a linear in the same layout (docs/fgm-extensions.md): it may serve as the tied LM head.
+  if (find("lm_head") || !is_paneled(require("embed_tokens").dtype)) check_linear("lm_head", V, H);
   check_vector("norm", H);
   if (P > 0) {
     check_table("embed_tokens_per_layer", c.ple_vocab_size, L * P);

@@ -28,7 +28,10 @@ class FgmError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-enum class DType : uint8_t { F32, F16, Q4G, Q8C, Q4R, Q8R, Q8G };
+// Q8GA: q8g with one f32 offset per group beside its scale (docs/fgm-extensions.md), for a GGUF's blocks with minimums.
+enum class DType : uint8_t { F32, F16, Q4G, Q8C, Q4R, Q8R, Q8G, Q8GA };
+// q8g or q8ga: the 16-column panel layout (the same codes, scales and kernels; q8ga adds the offsets).
+inline bool is_paneled(DType t) { return t == DType::Q8G || t == DType::Q8GA; }
 const char* dtype_name(DType t);
 
 struct TensorInfo {
@@ -38,7 +41,7 @@ struct TensorInfo {
   uint64_t offset = 0;
   uint64_t nbytes = 0;
   int hadamard = 0;  // 128 when the weight is Hadamard-rotated along K
-  int group = 0;     // scale group along K (q4g, q8g); 0 otherwise
+  int group = 0;     // scale group along K (q4g, q8g, q8ga); 0 otherwise
   const uint8_t* data = nullptr;  // into the mapping
   int64_t rows() const { return shape.empty() ? 0 : shape[0]; }
   int64_t cols() const { return shape.size() < 2 ? 0 : shape[1]; }

@@ -13,7 +13,10 @@ no logprobs is one argmax over its logits row there.
 
 A constrained row (structured outputs, splitgemma/serving/grammar.py) is sampled among the ids its constraint
 admits (its llguidance bitmask, read natively); the masks of a step's constrained rows are computed on a helper
-thread while Model.decode runs.
+thread while Model.decode runs, or, with forced tokens on, before the step (a token the constraint forces is taken
+without the model, and a run of them is fed as one multi-token run). Prompt-lookup drafts of greedy rows are verified
+in the same step (speculation.py, docs/speculation.md); either way every stream gets the tokens plain decoding gives
+it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import numpy as np
 
 from splitgemma.engine import sample_rows
 from splitgemma.serving.detokenize import TextStream
-from splitgemma.serving.grammar import compute_masks
+from splitgemma.serving.grammar import compute_masks, forced_sample
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
+
+from .speculation import LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_k
 
 log = logging.getLogger("splitgemma.decode.batch")
 
@@ -58,12 +63,24 @@ class Sequence:
     token_name: object  # id -> display string for stop_reason
     queue: asyncio.Queue
     matcher: object = None  # splitgemma.serving.grammar.Matcher of a constrained sequence
+    prompt_ids: tuple = ()  # the prompt's ids when the gateway sent them (prompt lookup drafts from them)
+    greedy: bool = False  # temperature 0: the token is a function of the logits and the sampler's history alone
     # state, written by the batch thread only (except cancelled, set by the stream handler or Release)
     generated: int = 0
-    last_token: int = 0
-    position: int = 0
+    # Tokens taken but not yet fed to the model, in order (one after a plain step; a forced run after that); the
+    # first sits at `position`.
+    pending: list = None
+    lookup: LookupState | None = None
     finish_reason: int = 0
     cancelled: bool = False
+
+    def __post_init__(self):
+        self.pending = []
+
+    @property
+    def position(self) -> int:
+        """Where pending[0] is fed: the positions before it hold the K/V of the prompt and of every token fed."""
+        return self.prompt_tokens + self.generated - len(self.pending)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -109,8 +126,9 @@ class Sequence:
         ev.tokens.append(tok)
         ev.finish_reason = self.finish_reason
         if not self.finish_reason:
-            self.last_token = s.token
-            self.position = self.prompt_tokens + self.generated - 1
+            self.pending.append(s.token)
+            if self.lookup is not None:
+                self.lookup.index.append(s.token)
         return ev
 
     def end(self, reason: int) -> pb.GenerateEvent:
@@ -125,11 +143,17 @@ class BatchStats:
     max_batch_seen: int = 0
     decode_seconds: float = 0.0  # in Model.decode
     host_seconds: float = 0.0  # the loop's own work in iterations that stepped
+    forced_tokens: int = 0  # tokens the constraint forced, taken without their logits
+    drafted: int = 0  # prompt-lookup draft tokens verified
+    accepted: int = 0  # of those, the ones taken
 
 
 class BatchLoop:
-    def __init__(self, model, arena, table, loop: asyncio.AbstractEventLoop, metrics):
+    def __init__(self, model, arena, table, loop: asyncio.AbstractEventLoop, metrics,
+                 speculation: SpeculationConfig = SpeculationConfig()):
         self.model = model
+        self.spec = speculation
+        self.costs = StepCosts()  # Model.decode time by logits rows: what a draft costs here
         self.arena = arena
         self.table = table
         self.loop = loop
@@ -216,6 +240,10 @@ class BatchLoop:
         if seq.cancelled:
             out.append((seq, seq.end(pb.FINISH_REASON_CANCELLED)))
             return
+        if self.spec.lookup_k and seq.prompt_ids and seq.greedy:
+            # Greedy: a row's token depends on its logits and the sampler's history alone, so a draft verified
+            # against them, row after row, yields plain decoding's tokens.
+            seq.lookup = LookupState(NgramIndex(seq.prompt_ids))
         if self._accept_row(seq, seq.first, len(self._running) + 1, out) and not seq.done:
             self._running.append(seq)
 
@@ -229,19 +257,26 @@ class BatchLoop:
         self._running = keep
 
     def _step(self, out: list) -> None:
+        if self.spec.forced:
+            self._take_forced(out)
+            self._running = [s for s in self._running if not s.done]
+            if not self._running:
+                return
         batch = self._running
-        # The constrained rows' masks are computed on llguidance's threads while Model.decode runs (both without
-        # the GIL); rows without a constraint never wait for them beyond this step's own decode.
-        constrained = [s.matcher for s in batch if s.matcher is not None]
-        masks = self._masks.submit(self._compute_masks, constrained) if constrained else None
+        masks = None
+        if not self.spec.forced:
+            # The constrained rows' masks are computed on llguidance's threads while Model.decode runs (both
+            # without the GIL); rows without a constraint never wait for them beyond this step's own decode.
+            constrained = [s.matcher for s in batch if s.matcher is not None]
+            masks = self._masks.submit(self._compute_masks, constrained) if constrained else None
+        drafts = self._drafts(batch)
         t0 = time.perf_counter()
         try:
-            logits = self.model.decode(self.arena, [s.slot for s in batch], [s.last_token for s in batch],
-                                       [s.position for s in batch])
+            logits = self._decode(batch, drafts)
         except ValueError:
             # A row the engine refuses (e.g. its slot header was overwritten behind our back). The engine checks
             # every row before it writes anything, so run the rows one by one: only the bad ones end.
-            batch, logits = self._rows_alone(batch, out)
+            batch, drafts, logits = self._rows_alone(batch, drafts, out)
             if not batch:
                 self._running = []
                 return
@@ -250,13 +285,18 @@ class BatchLoop:
             masks.result()
         self._engine_seconds = dt
         self.stats.decode_seconds += dt
+        self.costs.observe(len(batch) + sum(map(len, drafts)), dt)
         n = len(batch)
+        generated = sum(s.generated for s in batch)
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
+        firsts = self._sample(batch, np.ascontiguousarray(logits[starts]) if any(drafts) else logits)
+        for seq, draft, first, i in zip(batch, drafts, firsts, starts):
+            self._verify(seq, draft, first, logits[i:i + 1 + len(draft)], n, out)
+        generated = sum(s.generated for s in batch) - generated
         self.stats.steps += 1
-        self.stats.tokens += n
+        self.stats.tokens += generated
         self.stats.max_batch_seen = max(self.stats.max_batch_seen, n)
-        self.metrics.step(dt, n)
-        for seq, s in zip(batch, self._sample(batch, logits)):
-            self._accept_row(seq, s, n, out)
+        self.metrics.step(dt, n, generated)
         self._running = [s for s in batch if not s.done]
 
     @staticmethod
@@ -265,6 +305,90 @@ class BatchLoop:
         rows = logits if isinstance(logits, np.ndarray) else np.stack(logits)
         return sample_rows(rows, [s.sampler for s in batch],
                            [s.matcher.bits if s.matcher is not None else None for s in batch])
+
+    def _decode(self, batch: list[Sequence], drafts: list[list[int]]):
+        """One Model.decode over every sequence's run: its pending tokens (logits for the last one only), then its
+        draft (logits for each). Returns the [rows, V] logits: 1 + len(draft) per sequence, in batch order."""
+        slots, toks, pos, want = [], [], [], []
+        for seq, draft in zip(batch, drafts):
+            run = seq.pending + draft
+            slots += [seq.slot] * len(run)
+            toks += run
+            pos += range(seq.position, seq.position + len(run))
+            want += [False] * (len(seq.pending) - 1) + [True] * (1 + len(draft))
+        return self.model.decode(self.arena, slots, toks, pos, logits=want)
+
+    def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
+        """Each sequence's prompt-lookup draft for this step ([] for none)."""
+        cfg = self.spec
+        if not cfg.lookup_k or len(batch) > cfg.lookup_max_batch:
+            return [[] for _ in batch]
+        chunk, ctx = self.model.chunk, self.model.max_context
+        drafts = []
+        for seq in batch:
+            k = 0
+            if seq.lookup is not None:
+                # The run stays within a chunk and the context; a step takes at most len(draft) + 1 tokens, so no
+                # draft past max_tokens.
+                k = min(cfg.lookup_k, chunk - len(seq.pending), ctx - seq.position - len(seq.pending))
+                if seq.max_tokens:
+                    k = min(k, seq.max_tokens - seq.generated - 1)
+                if k > 0 and cfg.lookup_policy == "adaptive":
+                    k = choose_k(seq.lookup.p, self.costs, len(batch), k)
+            drafts.append(seq.lookup.index.draft(k) if k > 0 else [])
+        return drafts
+
+    def _verify(self, seq: Sequence, draft: list[int], first, rows, batch_size: int, out: list) -> None:
+        """Take the sequence's tokens from its rows (first: row 0's Sample, drawn with the batch): row j's choice is
+        taken; while it equals draft[j] (fed
+        already, so row j + 1 is its true continuation) go on. The first choice that differs (or the one after a
+        whole draft) becomes the next pending token. The K/V of rejected draft positions is dropped."""
+        fed_end = seq.position + len(seq.pending) + len(draft)
+        seq.pending = []
+        taken = 0
+        for j in range(len(draft) + 1):
+            if j and seq.matcher is not None:
+                seq.matcher.mask()  # the state after the previous row's token
+            # Row 0 was sampled with the batch; a draft row only now, after the sampler observed the token before it
+            # (greedy rows only: no random state, so the order of the calls changes nothing).
+            s = first if j == 0 else self._sample([seq], rows[j:j + 1])[0]
+            if not self._accept_row(seq, s, batch_size, out) or seq.done:
+                break
+            if j == len(draft) or seq.pending[-1] != draft[j]:
+                break
+            seq.pending.pop()  # fed as draft[j]
+            taken += 1
+        if draft:
+            seq.lookup.drafted += len(draft)
+            seq.lookup.accepted += taken
+            seq.lookup.rejections += taken < len(draft)
+            self.stats.drafted += len(draft)
+            self.stats.accepted += taken
+            self.metrics.lookup(len(draft), taken, self.stats.accepted / self.stats.drafted)
+            if not seq.done and seq.position < fed_end:
+                self.arena.truncate(seq.slot, seq.position)
+
+    def _take_forced(self, out: list) -> None:
+        """Compute the masks of the constrained rows that need one, and take every token a mask forces (then
+        the next mask, and so on) before the step: the step feeds the run at once, without those tokens' logits."""
+        todo = [s for s in self._running if s.matcher is not None and not s.done]
+        chunk = self.model.chunk
+        while todo:
+            need = [s.matcher for s in todo if not s.matcher.has_mask]
+            if need:
+                self._compute_masks(need)
+            again = []
+            for seq in todo:
+                tok = seq.matcher.forced()
+                if tok is None or len(seq.pending) >= chunk:
+                    continue
+                self._accept_row(seq, forced_sample(tok, seq.sampler), len(self._running), out)
+                self.stats.forced_tokens += 1
+                self.stats.tokens += 1
+                self.metrics.forced(1)
+                if not seq.done:
+                    again.append(seq)
+            todo = again
 
     def _accept_row(self, seq: Sequence, s, batch_size: int, out: list) -> bool:
         """Take the row's token (a Sample, or the error message of its sampling) and queue its event. A row whose
@@ -287,18 +411,19 @@ class BatchLoop:
         compute_masks(matchers)
         self.metrics.mask(time.perf_counter() - t0, len(matchers))
 
-    def _rows_alone(self, batch: list[Sequence], out: list):
-        good, rows = [], []
-        for seq in batch:
+    def _rows_alone(self, batch: list[Sequence], drafts: list[list[int]], out: list):
+        good, kept, rows = [], [], []
+        for seq, draft in zip(batch, drafts):
             try:
-                rows.append(self.model.decode(self.arena, [seq.slot], [seq.last_token], [seq.position])[0])
+                rows.extend(self._decode([seq], [draft]))
                 good.append(seq)
+                kept.append(draft)
             except ValueError as e:
                 log.error("decode refused a sequence", extra={"request_id": seq.request_id, "slot": seq.slot,
                                                                "reason": str(e)})
                 seq.finish_reason = pb.FINISH_REASON_ERROR
                 out.append((seq, StreamError("INTERNAL", f"decode failed for this sequence: {e}")))
-        return good, rows
+        return good, kept, (np.stack(rows) if rows else rows)
 
     def _finish(self, out: list) -> None:
         """Free the slots of ended sequences, then hand every event to its stream."""

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from splitgemma.services.decode import capacity
 from splitgemma.services.decode.admission import Admission, Draining, QueueFull, QueueTimeout
 from splitgemma.services.decode.batch import BatchLoop, Sequence, StreamError
+from splitgemma.services.decode.speculation import SpeculationConfig
 from splitgemma.services.decode.slots import Claim, ForgedLease, SlotTable
 from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
@@ -78,6 +79,16 @@ class DecodeMetrics:
                                         registry=registry)
         self.leases_expired = Counter("splitgemma_decode_leases_expired", "leases revoked unclaimed",
                                       registry=registry)
+        self.forced_tokens = Counter("splitgemma_decode_forced_tokens",
+                                     "tokens a constraint forced, taken without computing their logits",
+                                     registry=registry)
+        self.lookup_drafted = Counter("splitgemma_decode_lookup_drafted_tokens",
+                                      "prompt-lookup draft tokens verified", registry=registry)
+        self.lookup_accepted = Counter("splitgemma_decode_lookup_accepted_tokens",
+                                       "prompt-lookup draft tokens the model's own choice confirmed",
+                                       registry=registry)
+        self.lookup_acceptance = Gauge("splitgemma_decode_lookup_acceptance_rate",
+                                       "accepted / drafted prompt-lookup tokens since start", registry=registry)
         self.kv_pushes = Counter("splitgemma_decode_kv_pushes", "network KV streams (Decode.PushKv) by outcome: "
                                  "sealed, or the status that ended them", ["outcome"], registry=registry)
         self.kv_push_bytes = Counter("splitgemma_decode_kv_push_bytes", "K/V bytes written from network KV streams",
@@ -93,10 +104,19 @@ class DecodeMetrics:
     def host(self, seconds: float) -> None:
         self.host_seconds.observe(seconds)
 
-    def step(self, seconds: float, batch: int) -> None:
+    def step(self, seconds: float, batch: int, tokens: int) -> None:
         self.step_seconds.observe(seconds)
         self.batch.observe(batch)
-        self.tokens.inc(batch)
+        self.tokens.inc(tokens)
+
+    def forced(self, tokens: int) -> None:
+        self.forced_tokens.inc(tokens)
+        self.tokens.inc(tokens)
+
+    def lookup(self, drafted: int, accepted: int, rate: float) -> None:
+        self.lookup_drafted.inc(drafted)
+        self.lookup_accepted.inc(accepted)
+        self.lookup_acceptance.set(rate)
 
 
 class DecodeServicer(pb_grpc.DecodeServicer):
@@ -234,6 +254,9 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                               max_context=self.model.max_context, slot_bytes=self.shm.slot_bytes,
                               kv_cache_bytes=self.kv_cache_bytes or 0, decode_seconds=st.decode_seconds,
                               host_seconds=st.host_seconds, admission=admission,
+                              forced_tokens=st.forced_tokens, lookup_drafted=st.drafted,
+                              lookup_accepted=st.accepted,
+                              lookup_acceptance=st.accepted / st.drafted if st.drafted else 0.0,
                               kv_pushes_sealed=self.kv.stats.sealed, kv_pushes_refused=self.kv.stats.refused,
                               kv_pushes_open=self.kv.stats.open, kv_push_bytes=self.kv.stats.bytes)
 
@@ -373,7 +396,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
             text=(TextStream(self.tokenizer, request.stop, skip_special_tokens=not request.include_special_tokens,
                              include_stop=request.include_stop_str_in_output)
                   if self.tokenizer is not None else None),
-            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher)
+            token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher,
+            prompt_ids=tuple(request.prompt_token_ids), greedy=request.sampling.temperature == 0)
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()
@@ -430,7 +454,10 @@ async def serve(args) -> int:
         admission = Admission(table, loop, registry, max_queue=args.max_queue, timeout_s=args.queue_timeout)
         table.on_free = admission.slot_freed
         metrics = DecodeMetrics(registry, table)
-        batch = BatchLoop(model, shm.arena, table, loop, metrics)
+        batch = BatchLoop(model, shm.arena, table, loop, metrics,
+                          SpeculationConfig(forced=args.forced_tokens == "on", lookup_k=args.lookup_k,
+                                            lookup_max_batch=args.lookup_max_batch,
+                                            lookup_policy=args.lookup_policy))
         servicer = DecodeServicer(model=model, arena=shm, table=table, admission=admission, batch=batch,
                                   metrics=metrics, worker=wid,
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,

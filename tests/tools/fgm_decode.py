@@ -22,9 +22,9 @@ import numpy as np
 from splitgemma._native import FgmFile
 
 # Dtype -> bytes per element of the blob, as a fraction (numerator, denominator).
-_BLOB_BYTES = {"f32": (4, 1), "f16": (2, 1), "q8c": (1, 1), "q8g": (1, 1), "q8r": (1, 1), "q4g": (1, 2),
+_BLOB_BYTES = {"f32": (4, 1), "f16": (2, 1), "q8c": (1, 1), "q8g": (1, 1), "q8ga": (1, 1), "q8r": (1, 1), "q4g": (1, 2),
                "q4r": (1, 2)}
-_QUANTISED = ("q8c", "q4g", "q8g", "q8r", "q4r")
+_QUANTISED = ("q8c", "q4g", "q8g", "q8ga", "q8r", "q4r")
 TILE_N = 16  # rows of one AMX tile
 TILE_K = 64  # int8 codes along K of one tile (16 tile rows x 4 consecutive k)
 PANEL_N = 16  # q8g: output rows of one panel (16 consecutive bytes hold them at one k)
@@ -169,9 +169,9 @@ class FgmReader:
                 raise ValueError(f"{name}: {dtype} needs N % {TILE_N} == 0 and K % {TILE_K} == 0, shape [{n}, {k}]")
             stream = raw.view(np.int8) if dtype == "q8c" else _nibbles_to_stream(raw)
             codes = _tile_order_to_rows(stream, n, k)
-        elif dtype == "q8g":
+        elif dtype in ("q8g", "q8ga"):
             if n % PANEL_N:
-                raise ValueError(f"{name}: q8g needs N % {PANEL_N} == 0, shape [{n}, {k}]")
+                raise ValueError(f"{name}: {dtype} needs N % {PANEL_N} == 0, shape [{n}, {k}]")
             codes = _panels_to_rows(raw.view(np.int8), n, k)
         else:
             if k % 64:
@@ -183,10 +183,10 @@ class FgmReader:
             if group % 64 or k % group:
                 raise ValueError(f"{name}: int4 group {group} must be a multiple of 64 dividing K={k}")
             scale_dtype, scale_shape = "f16", (k // group, n)
-        elif dtype == "q8g":
+        elif dtype in ("q8g", "q8ga"):
             group = info["group"]
             if group <= 0 or k % group:
-                raise ValueError(f"{name}: q8g group {group} must be a positive divisor of K={k}")
+                raise ValueError(f"{name}: {dtype} group {group} must be a positive divisor of K={k}")
             scale_dtype, scale_shape = "f32", (k // group, n)
         elif dtype == "q4r":
             scale_dtype, scale_shape = "f16", (n, k // Q4R_GROUP)
@@ -204,6 +204,14 @@ class FgmReader:
         if dtype in ("f32", "f16"):
             return self._plain(name, dtype).astype(np.float64)
         codes, scales = self.codes_and_scales(name)
+        if dtype == "q8ga":  # docs/fgm-extensions.md: W = fl(fl(code * s) + o), two float32 steps
+            n, k = codes.shape
+            offsets = self._plain(name + ".offset", "f32")
+            if offsets.shape != scales.shape:
+                raise ValueError(f"{name}.offset: shape {list(offsets.shape)}, expected {list(scales.shape)}")
+            group = k // scales.shape[0]
+            cs = codes.reshape(n, k // group, group).astype(np.float32) * scales.T[:, :, None]
+            return (cs + offsets.T[:, :, None]).reshape(n, k).astype(np.float64)
         q = codes.astype(np.float64)
         s = scales.astype(np.float64)
         n, k = q.shape
@@ -213,6 +221,25 @@ class FgmReader:
         if dtype == "q4r":
             return (q.reshape(n, k // Q4R_GROUP, Q4R_GROUP) * s[:, :, None]).reshape(n, k)
         return q * s[:, None]
+
+    def panel_rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) (multiples of 16) of a q8g/q8ga tensor in float32 as the format defines them: fl(code * s),
+        then + o in a second float32 step (docs/fgm-extensions.md). Its 16-row panels are contiguous and its scales
+        (offsets) [K/G, N], so a slice of the 262,144-row embedding is decoded without the rest."""
+        info = self.info(name)
+        n, k = info["shape"]
+        g = info["group"]
+        if info["dtype"] not in ("q8g", "q8ga") or r0 % PANEL_N or (r1 % PANEL_N and r1 != n) or not 0 <= r0 < r1 <= n:
+            raise ValueError(f"{name}: rows [{r0}, {r1}) of a {info['dtype']} tensor of {n} rows")
+        codes = _panels_to_rows(self.file.raw(name).view(np.int8)[r0 * k:r1 * k], r1 - r0, k).astype(np.float32)
+
+        def groups(suffix):
+            return self._plain(name + suffix, "f32").reshape(k // g, n)[:, r0:r1].T[:, :, None]
+
+        v = codes.reshape(r1 - r0, k // g, g) * groups(".scale")
+        if info["dtype"] == "q8ga":
+            v = v + groups(".offset")
+        return v.reshape(r1 - r0, k)
 
     def weight(self, name: str) -> np.ndarray:
         """The tensor in float64 in the checkpoint's own basis: dequantised and, if rotated, un-rotated."""
@@ -259,7 +286,7 @@ class FgmReader:
             if self.info(twin)["dtype"] != "q8c":
                 raise ValueError(f"{twin}: an int8 twin must be q8c, found {self.info(twin)['dtype']}")
             return twin
-        if dtype in ("q8c", "q8g"):
+        if dtype in ("q8c", "q8g", "q8ga"):
             return name
         raise ValueError(f"{name}: int8 FFN requested but the file has no .i8 twin (converted without dual weights?)")
 

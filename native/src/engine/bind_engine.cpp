@@ -165,7 +165,7 @@ void bind_engine(py::module_& m) {
            "Open a .fgm file. threads: pool size (None: FGM_THREADS or all CPUs); max_context: longest sequence a "
            "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
            "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
-           "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16, the K/V cache element type (None: what the file's "
+           "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16 | f32, the K/V cache element type (None: what the file's "
            "config asks for, else int8).")
       .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
       .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
@@ -202,7 +202,8 @@ void bind_engine(py::module_& m) {
           "with all_logits.")
       .def(
           "decode",
-          [](sg::Model& md, PyKvArena& a, py::object slots, py::object tokens, py::object positions) {
+          [](sg::Model& md, PyKvArena& a, py::object slots, py::object tokens, py::object positions,
+             py::object logits) {
             const std::vector<int32_t> s = int_vector(slots, "slots"), t = int_vector(tokens, "tokens"),
                                        p = int_vector(positions, "positions");
             if (s.size() != t.size() || s.size() != p.size())
@@ -211,8 +212,17 @@ void bind_engine(py::module_& m) {
                                     std::to_string(p.size()) + ")");
             if (s.empty()) throw py::value_error("decode needs at least one sequence");
             std::vector<sg::DecodeRow> rows(s.size());
-            for (size_t i = 0; i < s.size(); ++i) rows[i] = sg::DecodeRow{s[i], t[i], p[i]};
-            py::array_t<float> out({py::ssize_t(rows.size()), py::ssize_t(md.config().vocab_size)});
+            for (size_t i = 0; i < s.size(); ++i) rows[i] = sg::DecodeRow{s[i], t[i], p[i], true};
+            if (!logits.is_none()) {
+              py::array arr = py::module_::import("numpy").attr("asarray")(logits);
+              if (arr.ndim() != 1 || size_t(arr.size()) != s.size() || arr.dtype().kind() != 'b')
+                throw py::value_error("logits must be one bool per token (" + std::to_string(s.size()) + " tokens)");
+              auto want = py::array_t<bool, py::array::c_style | py::array::forcecast>::ensure(arr);
+              for (size_t i = 0; i < s.size(); ++i) rows[i].logits = want.data()[i];
+            }
+            // Validate before allocating the [W, V] result.
+            const int wanted = md.check_decode(*a.arena, rows.data(), int(rows.size()));
+            py::array_t<float> out({py::ssize_t(wanted), py::ssize_t(md.config().vocab_size)});
             float* o = out.mutable_data();
             {
               py::gil_scoped_release nogil;
@@ -220,9 +230,12 @@ void bind_engine(py::module_& m) {
             }
             return out;
           },
-          py::arg("arena"), py::arg("slots"), py::arg("tokens"), py::arg("positions"),
-          "One decode step for B sequences (distinct slots): token b at positions[b] of slots[b]. Returns float32 "
-          "logits [B, V].")
+          py::arg("arena"), py::arg("slots"), py::arg("tokens"), py::arg("positions"), py::arg("logits") = py::none(),
+          "One decode step: token i at positions[i] of slots[i]. Consecutive entries with the same slot are one "
+          "sequence's run at consecutive positions (causal within the run, at most `chunk` tokens); a slot may appear "
+          "in one run only. logits: a flag per token (None: all), false where nobody reads that token's logits (it "
+          "skips the LM head and the KV-shared layers). Returns float32 logits [W, V] of the W flagged tokens, in "
+          "entry order; every number equals a plain one-token-per-slot decode of the same slots.")
       .def_property_readonly("profiling", &sg::Model::profiling)
       .def(
           "profile",
@@ -234,7 +247,21 @@ void bind_engine(py::module_& m) {
             return d;
           },
           "Per-phase (seconds, calls) since construction or reset_profile(); all zero unless FGM_PROFILE=1.")
-      .def("reset_profile", &sg::Model::reset_profile);
+      .def("reset_profile", &sg::Model::reset_profile)
+      .def(
+          "embedding_rows",
+          [](const sg::Model& md, const std::vector<int>& tokens) {
+            const sg::GatherTable& t = md.embedding();
+            for (int r : tokens)
+              if (r < 0 || r >= t.rows) throw std::invalid_argument("embedding_rows: token " + std::to_string(r) +
+                                                                    " outside [0, " + std::to_string(t.rows) + ")");
+            py::array_t<float> out({py::ssize_t(tokens.size()), py::ssize_t(t.cols)});
+            for (size_t i = 0; i < tokens.size(); ++i) t.row(tokens[i], 1.0f, out.mutable_data() + i * t.cols);
+            return out;
+          },
+          py::arg("tokens"),
+          "Rows of the token-embedding table through the forward pass's own gather, unscaled (times 1): float32 "
+          "[len(tokens), hidden_size].");
 
   py::class_<PyKvArena>(m, "KvArena",
                         "n_slots KV slots of model.kv_slot_bytes each, in a caller-owned writable buffer.")
@@ -286,6 +313,19 @@ void bind_engine(py::module_& m) {
           },
           py::arg("slot"), py::arg("request_id") = py::none(), py::arg("generation") = py::none(),
           "Raise ValueError unless the slot is sealed for this model/layout (and these ids) with a matching checksum.")
+      .def(
+          "truncate",
+          [](PyKvArena& a, int64_t slot, int64_t n_tokens) {
+            const int s = int_arg(slot, "slot"), n = int_arg(n_tokens, "n_tokens");
+            a.arena->check_slot(s);
+            if (n < 0 || uint32_t(n) > a.arena->n_tokens(s))
+              throw py::value_error("truncate: n_tokens " + std::to_string(n) + " is not in [0, " +
+                                    std::to_string(a.arena->n_tokens(s)) + "] (the positions the slot holds)");
+            a.arena->mark_written(s, uint32_t(n));
+          },
+          py::arg("slot"), py::arg("n_tokens"),
+          "Claim only positions [0, n_tokens) (unsealed): after a decode step whose later tokens were drafts the "
+          "caller rejected, the slot says what it really holds; the next decode rewrites from there.")
       .def("reset", [](PyKvArena& a, int64_t slot) { a.arena->reset(int_arg(slot, "slot")); }, py::arg("slot"),
            "Forget the slot's contents (zero its header).")
       .def(
@@ -399,7 +439,8 @@ void bind_engine(py::module_& m) {
            "The sequence took `token` (counted by the penalties and min_tokens).")
       .def_property_readonly("rng_state", &sg::RowSampler::rng_state)
       .def_property_readonly("generated", &sg::RowSampler::generated)
-      .def_property_readonly("vocab_size", &sg::RowSampler::vocab_size);
+      .def_property_readonly("vocab_size", &sg::RowSampler::vocab_size)
+      .def_property_readonly("n_logprobs", &sg::RowSampler::n_logprobs);
 
   m.def(
       "sample_rows",

@@ -61,13 +61,14 @@ class Checksum {
 }  // namespace
 
 const char* kv_dtype_name(KvDtype d) {
-  return d == KvDtype::F16 ? "f16" : d == KvDtype::Int8 ? "int8" : "unknown";
+  return d == KvDtype::F32 ? "f32" : d == KvDtype::F16 ? "f16" : d == KvDtype::Int8 ? "int8" : "unknown";
 }
 
 KvDtype kv_dtype_from_name(const std::string& name) {
   if (name == "int8") return KvDtype::Int8;
   if (name == "f16") return KvDtype::F16;
-  throw std::invalid_argument("KV cache dtype must be 'int8' or 'f16', got '" + name + "'");
+  if (name == "f32") return KvDtype::F32;
+  throw std::invalid_argument("KV cache dtype must be 'int8', 'f16' or 'f32', got '" + name + "'");
 }
 
 KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk, KvDtype dtype) {
@@ -89,7 +90,7 @@ KvLayout::KvLayout(const FgmFile& file, int max_context, int chunk, KvDtype dtyp
     KvLayerLayout& L = layers_[i];
     L.layer = i;
     L.cap = ls.sliding ? int(std::min<int64_t>(max_context, int64_t(c.sliding_window) + chunk)) : max_context;
-    L.row_bytes = c.num_kv_heads * ls.head_dim * (dtype == KvDtype::F16 ? 2 : 1);
+    L.row_bytes = c.num_kv_heads * ls.head_dim * kv_element_bytes(dtype);
     const uint64_t codes = uint64_t(L.cap) * L.row_bytes, scales = uint64_t(L.cap) * sizeof(float);
     off = align64(off), L.k_off = off, off += codes;
     off = align64(off), L.v_off = off, off += codes;

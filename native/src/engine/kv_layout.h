@@ -14,7 +14,9 @@
 //     K scales  f32  [cap_i]               one scale per position, shared over the KV heads (value = code * scale)
 //     V scales  f32  [cap_i]
 //   or, with the f16 element type, K and V as f16 [cap_i][nkv * hd_i] (not rotated) and no scales: twice the bytes,
-//   and no quantisation error (int8 K costs small models with sharp attention most of their accuracy).
+//   and no quantisation error (int8 K costs small models with sharp attention most of their accuracy); or with f32,
+//   K and V as the f32 rows the forward pass computed (not rotated, no scales: four times the bytes; for fidelity
+//   checks, where even f16's rounding should not be in the way).
 //   every array starts on a 64-byte boundary relative to the slot start.
 //
 // Position p of layer i lives in row p % cap_i. Full-attention layers have cap = max_context (so the row is p).
@@ -39,9 +41,10 @@ constexpr size_t kLeaseDigestBytes = 32;
 constexpr uint32_t kSlotSealed = 1u;  // SlotHeader::flags: checksum matches the K/V as written
 
 // The K/V element type; SlotHeader::flags bits 8-15 record it.
-enum class KvDtype : uint8_t { Int8 = 0, F16 = 1 };
+enum class KvDtype : uint8_t { Int8 = 0, F16 = 1, F32 = 2 };
 const char* kv_dtype_name(KvDtype d);
-KvDtype kv_dtype_from_name(const std::string& name);  // "int8" | "f16"; throws std::invalid_argument
+KvDtype kv_dtype_from_name(const std::string& name);  // "int8" | "f16" | "f32"; throws std::invalid_argument
+inline int kv_element_bytes(KvDtype d) { return d == KvDtype::F32 ? 4 : d == KvDtype::F16 ? 2 : 1; }
 
 // Little-endian, 128 bytes, no padding; written by whoever writes the slot's K/V, except generation and
 // lease_digest, which are the slot owner's (stamp_lease) and survive every write.
@@ -67,7 +70,7 @@ struct KvLayerLayout {
   int layer = -1;    // -1: this layer stores nothing
   int cap = 0;       // rows (positions) held
   int row_bytes = 0; // nkv * head_dim * element size
-  uint64_t k_off = 0, v_off = 0, ks_off = 0, vs_off = 0;  // from the slot start (f16: no scales, ks/vs_off 0)
+  uint64_t k_off = 0, v_off = 0, ks_off = 0, vs_off = 0;  // from the slot start (f16/f32: no scales, ks/vs_off 0)
 };
 
 class KvLayout {

@@ -80,7 +80,8 @@ void GatherTable::row(int r, float mult, float* out) const {
                     cols, mult, out);
   else if (dtype == DType::Q8G)
     ops::gather_q8g(reinterpret_cast<const int8_t*>(codes) + int64_t(r / 16) * cols * 16, r % 16,
-                    static_cast<const float*>(scales) + r, rows, group, cols, mult, out);
+                    static_cast<const float*>(scales) + r, offsets ? offsets + r : nullptr, rows, group, cols, mult,
+                    out);
   else
     ops::gather_q8r(reinterpret_cast<const int8_t*>(codes) + int64_t(r) * cols, static_cast<const float*>(scales)[r],
                     cols, mult, out);
@@ -198,7 +199,8 @@ void Model::resolve_weights() {
   auto table = [&](const std::string& name) {
     const TensorInfo& t = file_->require(name);
     GatherTable g;
-    g.dtype = t.dtype;
+    g.dtype = is_paneled(t.dtype) ? DType::Q8G : t.dtype;  // q8ga: q8g with offsets
+    if (t.dtype == DType::Q8GA) g.offsets = reinterpret_cast<const float*>(file_->require(name + ".offset").data);
     g.rows = int(t.rows());
     g.cols = int(t.cols());
     g.group = t.group;
@@ -207,7 +209,7 @@ void Model::resolve_weights() {
     return g;
   };
   embed_ = table("embed_tokens");
-  // Without an lm_head tensor the reader has checked that embed_tokens is q8g: the tied table is the head.
+  // Without an lm_head tensor the reader has checked that embed_tokens is q8g/q8ga: the tied table is the head.
   if (file_->find("lm_head")) lm_head_ = dual("lm_head");
   else lm_head_.w = qlinear_from(*file_, file_->require("embed_tokens"));
   final_norm_ = f32("norm");
@@ -275,7 +277,7 @@ void Model::for_rows(int m, int64_t work_per_row, F&& f) {
 void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase) {
   int quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
   for (const GemmOut& o : outs) {
-    const QLinear& w = o.w->pick(m, policy_);
+    const QLinear& w = o.w->pick(shape_rows(m), policy_);
     if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
       Timer t(this, phase);
       gemm_q8g(x, ldx, m, w, o.y, o.ldy ? o.ldy : w.n, pool_.get(), backend_);
@@ -359,8 +361,9 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     const LayerSpec& ls = c.layers[l];
     const LayerWeights& W = layers_[l];
     const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
-    const bool f16_kv = layout_.dtype() == KvDtype::F16;
-    const int rot = f16_kv ? 1 : ops::kv_rotation_block(hd);  // f16 has no scale to share: nothing to spread
+    const KvDtype kvt = layout_.dtype();
+    const bool float_kv = kvt != KvDtype::Int8;
+    const int rot = float_kv ? 1 : ops::kv_rotation_block(hd);  // f16/f32 have no scale to share: nothing to spread
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---
@@ -397,7 +400,10 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         ops::fwht_blocks(vr, kvw, rot);
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
-        if (f16_kv) {
+        if (kvt == KvDtype::F32) {
+          std::memcpy(reinterpret_cast<float*>(s + kl.k_off) + row * kvw, kr, sizeof(float) * kvw);
+          std::memcpy(reinterpret_cast<float*>(s + kl.v_off) + row * kvw, vr, sizeof(float) * kvw);
+        } else if (kvt == KvDtype::F16) {
           ops::store_row_f16(kr, kvw, reinterpret_cast<uint16_t*>(s + kl.k_off) + row * kvw);
           ops::store_row_f16(vr, kvw, reinterpret_cast<uint16_t*>(s + kl.v_off) + row * kvw);
         } else {
@@ -412,10 +418,11 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       Timer t(this, kAttention);
       const KvLayerLayout& src = layout_.layer(ls.kv_source);
       // Work items: (row, KV head, block of query heads). Split the heads of a KV group only when rows x KV heads
-      // would leave threads idle (decode); each split re-reads the group's K/V.
-      const int base_items = m * nkv;
+      // would leave threads idle (decode); each split re-reads the group's K/V. The split follows shape_rows, so a
+      // token of a multi-token decode run goes through attend() with the head blocks a plain decode gives it.
+      const int base_items = m * nkv, shape_items = shape_rows(m) * nkv;
       int per = group;
-      if (base_items < pool_->size()) per = std::max(1, (group * base_items + pool_->size() - 1) / pool_->size());
+      if (shape_items < pool_->size()) per = std::max(1, (group * shape_items + pool_->size() - 1) / pool_->size());
       const int nch = (group + per - 1) / per;
       const int window = c.sliding_window;
       pool_->parallel_for(base_items * nch, [&](int it, int w) {
@@ -424,9 +431,9 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         uint8_t* s = rows[r].slot;
         const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
         const ops::AttnCache cache{s + src.k_off, s + src.v_off,
-                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
-                                   f16_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
-                                   g * hd * (f16_kv ? 2 : 1), src.cap};
+                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
+                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
+                                   g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
         ops::attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
                     &row_scratch_[size_t(w) * row_scratch_per_worker_]);
@@ -555,39 +562,101 @@ void Model::prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int 
   arena.mark_written(slot, uint32_t(pos0 + T));
 }
 
-void Model::decode(KvArena& arena, const DecodeRow* in, int B, float* out) {
-  std::lock_guard<std::mutex> lock(run_mu_);
+int Model::check_decode(const KvArena& arena, const DecodeRow* in, int n) const {
   check_arena(arena);
-  if (B < 1) throw std::invalid_argument("decode needs at least one sequence");
-  slot_check_.clear();  // grows to the largest batch seen, then allocates no more
-  for (int b = 0; b < B; ++b) {
-    arena.check_slot(in[b].slot);
-    check_token(in[b].token, "tokens", b);
-    arena.check_write(in[b].slot, in[b].pos, 1);
-    slot_check_.push_back(in[b].slot);
+  if (n < 1) throw std::invalid_argument("decode needs at least one sequence");
+  std::vector<int> slots;
+  int wanted = 0;
+  for (int i = 0; i < n;) {
+    int j = i + 1;
+    for (; j < n && in[j].slot == in[i].slot; ++j)
+      if (in[j].pos != in[j - 1].pos + 1)
+        throw std::invalid_argument("decode: slot " + std::to_string(in[i].slot) +
+                                    " appears twice in one batch, which only a run at consecutive positions may (entry " +
+                                    std::to_string(j) + " is at " + std::to_string(in[j].pos) + " after " +
+                                    std::to_string(in[j - 1].pos) + ")");
+    arena.check_slot(in[i].slot);
+    // A run writes all its K/V before attending: the rings' headroom (kv_layout.h) bounds it as it bounds a chunk.
+    if (j - i > layout_.chunk())
+      throw std::invalid_argument("decode: slot " + std::to_string(in[i].slot) + " has " + std::to_string(j - i) +
+                                  " tokens in one step, more than the chunk (" + std::to_string(layout_.chunk()) + ")");
+    arena.check_write(in[i].slot, in[i].pos, j - i);
+    slots.push_back(in[i].slot);
+    i = j;
   }
-  std::sort(slot_check_.begin(), slot_check_.end());
-  const auto dup = std::adjacent_find(slot_check_.begin(), slot_check_.end());
-  if (dup != slot_check_.end())
-    throw std::invalid_argument("decode: slot " + std::to_string(*dup) + " appears twice in one batch");
+  for (int i = 0; i < n; ++i) {
+    check_token(in[i].token, "tokens", i);
+    wanted += in[i].logits ? 1 : 0;
+  }
+  std::sort(slots.begin(), slots.end());
+  const auto dup = std::adjacent_find(slots.begin(), slots.end());
+  if (dup != slots.end())
+    throw std::invalid_argument("decode: slot " + std::to_string(*dup) +
+                                " appears twice in one batch (a sequence's tokens are consecutive entries)");
+  return wanted;
+}
+
+int Model::decode(KvArena& arena, const DecodeRow* in, int n, float* out) {
+  std::lock_guard<std::mutex> lock(run_mu_);
+  const int wanted = check_decode(arena, in, n);
 
   backend_thread_init();
-  const int V = config().vocab_size;
+  seq_begin_.clear();  // grows to the largest batch seen, then allocates no more
+  for (int i = 0; i < n; ++i)
+    if (i == 0 || in[i].slot != in[i - 1].slot) seq_begin_.push_back(i);
+  const int S = int(seq_begin_.size());
+  seq_begin_.push_back(n);
+  for (int s = 0; s < S; ++s) arena.mark_written(in[seq_begin_[s]].slot, uint32_t(in[seq_begin_[s]].pos));
+  // The passes a plain decode of the S sequences makes (max_rows_ sequences each) fix the weight encoding and the
+  // attention split; a pass whose runs hold more than max_rows_ tokens is run in parts.
+  for (int g0 = 0; g0 < S; g0 += max_rows_) {
+    const int g1 = std::min(S, g0 + max_rows_);
+    shape_rows_ = g1 - g0;
+    for (int s0 = g0; s0 < g1;) {
+      int s1 = s0;
+      while (s1 < g1 && seq_begin_[s1 + 1] - seq_begin_[s0] <= max_rows_) ++s1;
+      decode_pass(arena, in, s0, s1, out);  // s1 > s0: a run has at most chunk_ <= max_rows_ tokens
+      s0 = s1;
+    }
+  }
+  shape_rows_ = 0;
+  for (int s = 0; s < S; ++s) {
+    const DecodeRow& last = in[seq_begin_[s + 1] - 1];
+    arena.mark_written(last.slot, uint32_t(last.pos + 1));
+  }
+  return wanted;
+}
+
+void Model::decode_pass(KvArena& arena, const DecodeRow* in, int s0, int s1, float*& out) {
+  const ModelConfig& c = config();
+  const int D = c.hidden_size, V = c.vocab_size, LP = c.num_layers * c.ple_dim, fs = c.first_shared_layer,
+            L = c.num_layers;
   RowCtx* rows = rows_scratch_.data();
   int32_t* toks = tok_scratch_.data();
-  for (int b = 0; b < B; ++b) arena.mark_written(in[b].slot, uint32_t(in[b].pos));
-  for (int b0 = 0; b0 < B; b0 += max_rows_) {
-    const int m = std::min(max_rows_, B - b0);
-    for (int r = 0; r < m; ++r) {
-      rows[r] = RowCtx{arena.slot(in[b0 + r].slot), in[b0 + r].pos};
-      toks[r] = in[b0 + r].token;
-    }
-    embed(toks, m, 0);
-    compute_rope(m, rows);
-    run_layers(0, config().num_layers, m, rows);
-    lm_head(m, out + size_t(b0) * V);
+  // Tokens without wanted logits first (they stop at first_shared_layer), then the wanted ones in entry order.
+  int m = 0;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int i = seq_begin_[s0]; i < seq_begin_[s1]; ++i)
+      if (in[i].logits == (pass == 1)) {
+        rows[m] = RowCtx{arena.slot(in[i].slot), in[i].pos};
+        toks[m++] = in[i].token;
+      }
+  int skip = 0;
+  for (int i = seq_begin_[s0]; i < seq_begin_[s1]; ++i) skip += in[i].logits ? 0 : 1;
+  const int w = m - skip;
+  embed(toks, m, skip);
+  compute_rope(m, rows);
+  run_layers(0, fs, m, rows);
+  if (w == 0) return;
+  if (skip > 0) {
+    std::memmove(&h_[0], &h_[size_t(skip) * D], sizeof(float) * D * w);
+    if (LP) std::memmove(&ple_[0], &ple_[size_t(skip) * LP], sizeof(float) * LP * w);
+    std::memmove(rows, rows + skip, sizeof(RowCtx) * w);
+    compute_rope(w, rows);
   }
-  for (int b = 0; b < B; ++b) arena.mark_written(in[b].slot, uint32_t(in[b].pos + 1));
+  run_layers(fs, L, w, rows);
+  lm_head(w, out);
+  out += size_t(w) * V;
 }
 
 std::array<double, kNumPhases> Model::profile_seconds() const {

@@ -6,9 +6,10 @@
 // (sized at construction for max(chunk, max_batch) rows, so the hot path allocates nothing), and runs two entry
 // points over K/V slots in a caller-provided KvArena:
 //   prefill: one sequence, a prompt processed in chunks, logits of the last row or of every row;
-//   decode:  B sequences (each its own slot, token and position), one pass over the weights, [B, V] logits.
+//   decode:  B sequences (each its own slot), one pass over the weights; a sequence brings one token or a run of
+//            consecutive ones (a forced run, a draft to verify), each with a flag saying whether its logits are wanted.
 // Rows never interact except through the K/V they attend over (activations are quantised per row), so a sequence
-// decoded in a batch gives the same numbers as decoded alone.
+// decoded in a batch gives the same numbers as decoded alone, and a token decoded in a run the same as one by one.
 #pragma once
 
 #include <array>
@@ -63,6 +64,7 @@ struct GatherTable {
   int group = 0;  // q8g: scale group along the row
   const uint8_t* codes = nullptr;
   const void* scales = nullptr;  // f16 [rows][cols/64] (q4r), f32 [rows] (q8r) or f32 [cols/group][rows] (q8g)
+  const float* offsets = nullptr;  // a q8ga table (dtype Q8G here): f32 [cols/group][rows]; else null
   void row(int r, float mult, float* out) const;
 };
 
@@ -76,10 +78,13 @@ struct ModelOptions {
   std::string kv_dtype;   // "" : the file's config.kv_cache_dtype, else int8; or "int8" | "f16"
 };
 
+// One token of a decode step. Consecutive entries with the same slot are one sequence's run: at consecutive
+// positions, causal within the run (every token's K/V is written before any of them attends, as in a prefill chunk).
 struct DecodeRow {
   int slot = 0;
   int token = 0;
   int pos = 0;
+  bool logits = true;  // false: nobody reads this token's logits (no LM head; no KV-shared layers, spec §3.5)
 };
 
 enum Phase : int {
@@ -96,6 +101,8 @@ class Model {
   Model& operator=(const Model&) = delete;
 
   const FgmFile& file() const { return *file_; }
+  // The token-embedding gather table as the forward pass reads it (tests: its rows against the GGUF's values).
+  const GatherTable& embedding() const { return embed_; }
   const ModelConfig& config() const { return file_->config(); }
   const KvLayout& kv_layout() const { return layout_; }
   int threads() const { return pool_->size(); }
@@ -110,8 +117,12 @@ class Model {
   void prefill(KvArena& arena, int slot, const int32_t* tokens, int T, int pos0, bool all_logits, float* out);
   // The checks prefill() starts with (callers can run them before allocating the output).
   void check_prefill(const KvArena& arena, int slot, const int32_t* tokens, int T, int pos0) const;
-  // One token for each of B sequences (distinct slots); out[B][V].
-  void decode(KvArena& arena, const DecodeRow* rows, int B, float* out);
+  // n tokens of B sequences (distinct slots, each a run of consecutive entries of at most chunk() tokens); out[W][V]
+  // for the W tokens whose logits are wanted, in entry order. Returns W. The numbers of every token equal those
+  // of a plain one-token-per-sequence decode of the same B sequences (docs/engine-api.md says why).
+  int decode(KvArena& arena, const DecodeRow* rows, int n, float* out);
+  // The checks decode() starts with; returns W (callers allocate the output with it).
+  int check_decode(const KvArena& arena, const DecodeRow* rows, int n) const;
 
   bool profiling() const { return profiling_; }
   // Seconds and call counts per phase since construction or the last reset.
@@ -137,6 +148,11 @@ class Model {
   void compute_rope(int m, const RowCtx* rows);
   void run_layers(int l0, int l1, int m, const RowCtx* rows);
   void lm_head(int m, float* out);
+  // One decode pass over the runs [s0, s1) of seq_begin_ (at most max_rows_ tokens); logits rows go to *out.
+  void decode_pass(KvArena& arena, const DecodeRow* in, int s0, int s1, float*& out);
+  // The rows that choose the weight encoding (DualLinear::pick) and the attention split: those of the pass when 0
+  // (prefill), else the sequences of the plain decode pass this step stands for, however many tokens it carries.
+  int shape_rows(int m) const { return shape_rows_ ? shape_rows_ : m; }
   // Quantises x[m][k] once per distinct Hadamard setting and runs every weight of the group on it.
   struct GemmOut {
     const DualLinear* w;
@@ -179,7 +195,8 @@ class Model {
   QAct qact_{};
   std::vector<RowCtx> rows_scratch_;
   std::vector<int32_t> tok_scratch_;
-  std::vector<int> slot_check_;  // decode: duplicate-slot check
+  std::vector<int> seq_begin_;  // decode: first entry of each run, then n
+  int shape_rows_ = 0;
 
   bool profiling_ = false;
   std::array<uint64_t, kNumPhases> prof_ns_{}, prof_calls_{};

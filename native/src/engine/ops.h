@@ -32,8 +32,10 @@ void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult,
 void gather_q8r(const int8_t* codes, float scale, int k, float mult, float* out);
 
 // Row `lane` of one 16-row panel of a q8g table (docs/fgm-extensions.md): out[j] = code · s[j/group][row] · mult,
-// where panel points at the panel's codes and scales at s[0][row] (stride n between groups).
-void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int group, int k, float mult, float* out);
+// where panel points at the panel's codes and scales at s[0][row] (stride n between groups); a q8ga table's offsets
+// (same layout as the scales; null for q8g) make it out[j] = (code · s + o) · mult, each step an f32 rounding.
+void gather_q8g(const int8_t* panel, int lane, const float* scales, const float* offsets, int n, int group, int k,
+                float mult, float* out);
 
 // In-place orthonormal Walsh–Hadamard transform (H_block / √block, Sylvester order) of every block of `block` floats
 // of x[0..n); block is a power of two dividing n (1: nothing to do). Applying it twice gives x back (up to rounding).
@@ -43,15 +45,16 @@ int kv_rotation_block(int head_dim);
 
 // Attention of nq query heads that share one KV head, for one query row, over the cached positions
 // [lo, hi] (hi = the query's own position): softmax(q . k) . v with k = code * kscale, v = code * vscale (int8) or
-// the f16 values (ks, vs null), scale 1.0, fp32 softmax.
+// the f16 or f32 values (ks, vs null), scale 1.0, fp32 softmax.
 // Position p sits in cache row p % cap; rows are row_bytes apart and the KV head starts at byte head_off.
 // scratch holds nq * (hi - lo + 1) floats.
 struct AttnCache {
   const uint8_t* k;
   const uint8_t* v;
-  const float* ks;  // null: f16 elements
+  const float* ks;  // null: f16 elements, or f32 ones when f32 is set
   const float* vs;
   int row_bytes, head_off, cap;
+  bool f32 = false;
 };
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch);

@@ -85,10 +85,12 @@ inline __m256 load_i8_as_f32(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// 8 cached K/V elements at byte address p as f32: int8 codes (the row's scale is applied by the caller) or f16.
-template <bool F16>
+// 8 cached K/V elements at byte address p as f32, E bytes each: int8 codes (E = 1; the row's scale is applied by the
+// caller), f16 (2) or f32 (4).
+template <int E>
 inline __m256 load_kv8(const uint8_t* p, int i) {
-  if constexpr (F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + i / 8));
+  if constexpr (E == 4) return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  else if constexpr (E == 2) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + i / 8));
   else return load_i8_as_f32(reinterpret_cast<const int8_t*>(p) + i);
 }
 
@@ -126,21 +128,21 @@ int ring_runs(int lo, int span, int cap, Run* runs) {
 }
 
 // Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j (times kscale_j for int8).
-template <int NH, bool F16>
+template <int NH, int E>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                float* s) {
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
-    const float* ks = F16 ? nullptr : c.ks + runs[ri].row;
+    const float* ks = E != 1 ? nullptr : c.ks + runs[ri].row;
     float* out = s + runs[ri].off;
     for (int j = 0; j < runs[ri].len; ++j, k += c.row_bytes) {
       __m256 acc[NH];
       for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
       for (int d = 0; d < hd; d += 8) {
-        const __m256 kf = load_kv8<F16>(k, d);
+        const __m256 kf = load_kv8<E>(k, d);
         for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
       }
-      for (int h = 0; h < NH; ++h) out[h * span + j] = F16 ? hsum(acc[h]) : hsum(acc[h]) * ks[j];
+      for (int h = 0; h < NH; ++h) out[h * span + j] = E != 1 ? hsum(acc[h]) : hsum(acc[h]) * ks[j];
     }
   }
 }
@@ -148,7 +150,7 @@ void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const R
 // out_h[d] = sum_j w[h * span + j] * vcode_j[d] (the weights already carry the softmax normaliser and the V scale).
 // Positions go in tiles whose V bytes stay in L1 while all dims are swept; each pass keeps NH x DB accumulators
 // (DB blocks of 8 dims) so that enough independent FMA chains are in flight when few heads share the KV head.
-template <int NH, int DB, bool F16>
+template <int NH, int DB, int E>
 void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
                    int out_stride) {
   for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
@@ -162,10 +164,10 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
         __m256 acc[NH][DB];
         for (int h = 0; h < NH; ++h)
           for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_loadu_ps(out + h * out_stride + d + 8 * b);
-        const uint8_t* v = v0 + (F16 ? 2 : 1) * d;
+        const uint8_t* v = v0 + E * d;
         for (int j = 0; j < tn; ++j, v += c.row_bytes) {
           __m256 vf[DB];
-          for (int b = 0; b < DB; ++b) vf[b] = load_kv8<F16>(v, 8 * b);
+          for (int b = 0; b < DB; ++b) vf[b] = load_kv8<E>(v, 8 * b);
           for (int h = 0; h < NH; ++h) {
             const __m256 wj = _mm256_broadcast_ss(w0 + h * span + j);
             for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_fmadd_ps(wj, vf[b], acc[h][b]);
@@ -178,13 +180,13 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
   }
 }
 
-template <int NH, bool F16>
+template <int NH, int E>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
                   int out_stride, float* s) {
   const int span = hi - lo + 1;
   Run runs[2];
   const int n_runs = ring_runs(lo, span, c.cap, runs);
-  qk_scores<NH, F16>(q, q_stride, hd, c, runs, n_runs, span, s);
+  qk_scores<NH, E>(q, q_stride, hd, c, runs, n_runs, span, s);
   for (int h = 0; h < NH; ++h) {
     float* sh = s + h * span;
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -205,7 +207,7 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     const float inv = 1.0f / sum;
     for (int ri = 0; ri < n_runs; ++ri) {
       float* w = sh + runs[ri].off;
-      if constexpr (F16) {
+      if constexpr (E != 1) {
         for (int i = 0; i < runs[ri].len; ++i) w[i] *= inv;
       } else {
         const float* vs = c.vs + runs[ri].row;
@@ -214,12 +216,12 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     }
   }
   if constexpr (NH <= 2) {
-    if (hd % 32 == 0) return pv_accumulate<NH, 4, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
+    if (hd % 32 == 0) return pv_accumulate<NH, 4, E>(s, span, hd, c, runs, n_runs, out, out_stride);
   }
   if constexpr (NH <= 4) {
-    if (hd % 16 == 0) return pv_accumulate<NH, 2, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
+    if (hd % 16 == 0) return pv_accumulate<NH, 2, E>(s, span, hd, c, runs, n_runs, out, out_stride);
   }
-  pv_accumulate<NH, 1, F16>(s, span, hd, c, runs, n_runs, out, out_stride);
+  pv_accumulate<NH, 1, E>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
 }  // namespace
@@ -343,11 +345,23 @@ void gather_q8r(const int8_t* codes, float row_scale, int k, float mult, float* 
   for (; i < k; ++i) out[i] = codes[i] * row_scale * mult;
 }
 
-void gather_q8g(const int8_t* panel, int lane, const float* scales, int n, int group, int k, float mult, float* out) {
+void gather_q8g(const int8_t* panel, int lane, const float* scales, const float* offsets, int n, int group, int k,
+                float mult, float* out) {
   // Column-strided reads (one byte per k in a 16-byte panel row): a row of the table is only a few KB.
   for (int g = 0; g < k / group; ++g) {
     const float s = scales[int64_t(g) * n];
-    for (int j = g * group; j < (g + 1) * group; ++j) out[j] = float(panel[int64_t(j) * 16 + lane]) * s * mult;
+    if (offsets) {
+      const float o = offsets[int64_t(g) * n];
+      for (int j = g * group; j < (g + 1) * group; ++j) {
+        // fl(fl(code · s) + o), the format's value: the empty asm keeps this file's default -ffp-contract=fast from
+        // fusing the two into one FMA (the same number whenever code · s is exact, as for every GGUF block type).
+        float cs = float(panel[int64_t(j) * 16 + lane]) * s;
+        asm("" : "+x"(cs));
+        out[j] = (cs + o) * mult;
+      }
+    } else {
+      for (int j = g * group; j < (g + 1) * group; ++j) out[j] = float(panel[int64_t(j) * 16 + lane]) * s * mult;
+    }
   }
 }
 
@@ -369,18 +383,18 @@ void fwht_blocks(float* x, int n, int block) {
 
 int kv_rotation_block(int head_dim) { return std::min(128, head_dim & -head_dim); }
 
-template <bool F16>
+template <int E>
 void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
                   int out_stride, float* scratch) {
   switch (nh) {
-    case 1: return attend_block<1, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 2: return attend_block<2, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 3: return attend_block<3, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 4: return attend_block<4, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 5: return attend_block<5, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 6: return attend_block<6, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 7: return attend_block<7, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    default: return attend_block<8, F16>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 1: return attend_block<1, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 2: return attend_block<2, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 3: return attend_block<3, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 4: return attend_block<4, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 5: return attend_block<5, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 6: return attend_block<6, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 7: return attend_block<7, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    default: return attend_block<8, E>(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
   }
 }
 
@@ -391,8 +405,9 @@ void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, in
     const int nh = nq - h0 < 8 ? nq - h0 : 8;
     const float* qh = q + int64_t(h0) * q_stride;
     float* oh = out + int64_t(h0) * out_stride;
-    if (c.ks) attend_heads<false>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else attend_heads<true>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    if (c.ks) attend_heads<1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    else if (c.f32) attend_heads<4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    else attend_heads<2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
   }
 }
 

@@ -54,6 +54,7 @@ class RowSampler {
   uint64_t rng_state() const { return rng_; }
   int generated() const { return generated_; }
   int vocab_size() const { return vocab_; }
+  int n_logprobs() const { return p_.sample.n_logprobs; }
 
  private:
   // sample() over the ids in ids_ (ascending), after min_p when `cut`.

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "gemm.h"
 #include "kernels_impl.h"
@@ -160,9 +161,9 @@ void backend_thread_init() {
 }
 
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
-  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G && t.dtype != DType::Q8G)
+  if (t.dtype != DType::Q8C && t.dtype != DType::Q4G && !is_paneled(t.dtype))
     throw FgmError(f.path() + ": tensor '" + t.name + "' has dtype " + dtype_name(t.dtype) +
-                   ", not a linear weight (q8c, q4g or q8g)");
+                   ", not a linear weight (q8c, q4g, q8g or q8ga)");
   if (t.shape.size() != 2) throw FgmError(f.path() + ": linear weight '" + t.name + "' is not 2-D");
   const TensorInfo& s = f.require(t.name + ".scale");
   const int64_t n = t.rows(), k = t.cols();
@@ -171,14 +172,21 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
   const bool scale_ok = s.dtype == scale_type && (q8 ? s.shape == std::vector<int64_t>{n}
                                                      : t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n});
   if (!scale_ok) throw FgmError(f.path() + ": '" + t.name + ".scale' does not match its weight");
+  const TensorInfo* o = nullptr;
+  if (t.dtype == DType::Q8GA) {
+    o = &f.require(t.name + ".offset");
+    if (o->dtype != DType::F32 || o->shape != s.shape)
+      throw FgmError(f.path() + ": '" + t.name + ".offset' does not match its weight");
+  }
   QLinear w;
-  w.dtype = t.dtype;
+  w.dtype = is_paneled(t.dtype) ? DType::Q8G : t.dtype;  // one kernel family; the offsets tell q8ga apart
   w.n = int(n);
   w.k = int(k);
   w.group = q8 ? 0 : t.group;
   w.hadamard = t.hadamard;
   w.codes = t.data;
   w.scales = s.data;
+  if (o) w.offsets = reinterpret_cast<const float*>(o->data);
   return w;
 }
 
@@ -240,6 +248,14 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm_q8g: this CPU cannot run the ") + backend_name(b) +
                                                  " backend");
   if (m == 0) return;
+  // q8ga: each row's group sums, once per call for all N outputs, by one routine for every backend (AVX2 is the
+  // floor of all of them). One buffer per calling thread.
+  thread_local std::vector<float> xsum;
+  if (w.offsets) {
+    xsum.resize(size_t(m) * (w.k / w.group));
+    detail::q8g_group_sums(x, ldx, m, w.k, w.group, xsum.data());
+  }
+  const float* xs = w.offsets ? xsum.data() : nullptr;
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
   // 12 panels a task: a whole number of the kernel's panel blocks for every row count (6, 3, 2 or 1 panels).
   constexpr int kTaskPanels = 12;
@@ -247,7 +263,7 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
   const int n_tasks = (panels + kTaskPanels - 1) / kTaskPanels;
   auto task = [&](int t, int) {
     const int p0 = t * kTaskPanels;
-    panels_fn(x, ldx, m, w, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
+    panels_fn(x, ldx, m, w, xs, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
   };
   detail::run_tasks(pool, n_tasks, task);
 }

@@ -180,13 +180,21 @@ void bind_kernels(py::module_& parent) {
   m.def(
       "linear_packed",
       [](const F32Array& x, const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
-         int group, int hadamard, const std::optional<std::string>& backend, int threads) {
-        const sg::QLinear w = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard);
+         int group, int hadamard, const std::optional<std::string>& backend, int threads,
+         const std::optional<F32Array>& offsets) {
+        sg::QLinear w = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard);
+        if (offsets) {  // q8ga: the offsets in the scales' layout
+          if (w.dtype != sg::DType::Q8G || size_t(offsets->size()) != size_t(k / group) * n)
+            throw std::invalid_argument("linear_packed: offsets (q8ga) need dtype 'q8g' and float32 [K/group, N]");
+          w.offsets = offsets->data();
+        }
         return run_linear(x, w, pick_backend(backend), threads);
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"),
       py::arg("group") = 0, py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1,
-      "y = x · Wᵀ for a weight given as codes + scales in the .fgm byte layout (q8c/q4g tiles, q8g panels).");
+      py::arg("offsets") = py::none(),
+      "y = x · Wᵀ for a weight given as codes + scales (+ offsets: q8ga) in the .fgm byte layout (q8c/q4g tiles, "
+      "q8g panels).");
 
   m.def(
       "bench_linear",

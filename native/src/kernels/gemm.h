@@ -55,7 +55,8 @@ struct TileGuardStatus {
 };
 TileGuardStatus amx_tile_guard_status();
 
-// A linear weight as stored in the file (q8c or q4g in tile order; q8g in 16-column panels).
+// A linear weight as stored in the file (q8c or q4g in tile order; q8g and q8ga in 16-column panels). A q8ga tensor
+// is a q8g one with offsets: dtype Q8G and `offsets` set.
 struct QLinear {
   DType dtype = DType::Q8C;
   int n = 0, k = 0;
@@ -63,8 +64,9 @@ struct QLinear {
   int hadamard = 0;  // 128: the input must be rotated
   const uint8_t* codes = nullptr;
   const void* scales = nullptr;  // f32[n] (q8c), f16[k/group][n] (q4g) or f32[k/group][n] (q8g)
+  const float* offsets = nullptr;  // q8g from a q8ga tensor: f32[k/group][n], W = code · s + o; else null
 };
-// Throws FgmError when t is not a q8c/q4g/q8g linear or its companion .scale is missing.
+// Throws FgmError when t is not a q8c/q4g/q8g/q8ga linear or its companion .scale (q8ga: .offset) is missing.
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);
 
 // Activations quantised per row to int8 (after the Hadamard transform when hadamard > 0),
@@ -102,6 +104,12 @@ void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool, 
 // with ymm, the VNNI and AMX backends with zmm (one panel a register); every lane follows that sequence, so all
 // backends give the same bits. Work is split over the pool in whole 16-column panels, so the result depends neither
 // on the thread count nor on m.
+// With offsets (a q8ga weight, W[n, k] = fl(fl(code · s[g][n]) + o[g][n])) the offsets get a chain of their own:
+// xs_g = the group's sum of x[m, k] in f32 adds: lanes t[j] = Σ_i x[gG + 8i + j] (i ascending, from +0) over its
+// first 8·⌊G/8⌋ values, then ((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7)), then the other values one by one
+// in order; off = +0; for each group g in order:
+// off = fmaf(xs_g, o[g][n], off); y = acc + off (one f32 add). For x = a unit row e_k this returns
+// fl(code · s + o), the stored value of W[n, k].
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 // The same on an explicit backend. Throws std::runtime_error when the CPU cannot run it.
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);

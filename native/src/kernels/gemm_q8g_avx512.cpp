@@ -14,9 +14,9 @@ namespace {
 
 constexpr int kMaxRows = 6;
 
-template <int MR, int NP>
-void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* scales, int n_total, int k_total,
-                   int group, float* y, int ldy) {
+template <int MR, int NP, bool OFF>
+void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* scales, const float* offsets,
+                   const float* xsum, int n_total, int k_total, int group, float* y, int ldy) {
   const size_t panel_bytes = size_t(k_total) * 16;
   __m512 acc[MR][NP];
   for (int i = 0; i < MR; ++i)
@@ -39,18 +39,36 @@ void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* sc
       for (int i = 0; i < MR; ++i) acc[i][p] = _mm512_fmadd_ps(part[i][p], sv, acc[i][p]);
     }
   }
+  if constexpr (OFF) {  // q8ga: the offsets' own chain after the groups, then one add, as the AVX2 kernel
+    const int ng = k_total / group;
+    __m512 off[MR][NP];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) off[i][p] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; ++g) {
+      const float* o = offsets + size_t(g) * n_total;
+      for (int p = 0; p < NP; ++p) {
+        const __m512 ov = _mm512_loadu_ps(o + 16 * p);
+        for (int i = 0; i < MR; ++i)
+          off[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + g]), ov, off[i][p]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_add_ps(acc[i][p], off[i][p]);
+  }
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + size_t(i) * ldy + 16 * p, acc[i][p]);
 }
 
 // MR·NP part accumulators plus as many accs, NP weight vectors and a broadcast: at most 2·12 + 3 of the 32 zmm.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 4, 3, 2, 2, 2, 2};
+template <bool OFF>
 constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,
-                                            q8g_block_zmm<1, 4>, q8g_block_zmm<2, 3>, q8g_block_zmm<3, 2>,
-                                            q8g_block_zmm<4, 2>, q8g_block_zmm<5, 2>, q8g_block_zmm<6, 2>};
+                                            q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 3, OFF>, q8g_block_zmm<3, 2, OFF>,
+                                            q8g_block_zmm<4, 2, OFF>, q8g_block_zmm<5, 2, OFF>, q8g_block_zmm<6, 2, OFF>};
+template <bool OFF>
 constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,
-                                           q8g_block_zmm<1, 1>, q8g_block_zmm<2, 1>, q8g_block_zmm<3, 1>,
-                                           q8g_block_zmm<4, 1>, q8g_block_zmm<5, 1>, q8g_block_zmm<6, 1>};
+                                           q8g_block_zmm<1, 1, OFF>, q8g_block_zmm<2, 1, OFF>, q8g_block_zmm<3, 1, OFF>,
+                                           q8g_block_zmm<4, 1, OFF>, q8g_block_zmm<5, 1, OFF>, q8g_block_zmm<6, 1, OFF>};
 
 }  // namespace
 
@@ -69,9 +87,11 @@ uint64_t peak_loop_fma512(uint64_t iters) {
   return iters * 10 * 16 * 2;
 }
 
-void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1) {
+void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
+                                int p0, int p1) {
   constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; Intel L2 is 1–2 MB
-  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide, kOne}, x, ldx, m, w, y, ldy, p0, p1);
+  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
+            ldx, m, w, xsum, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

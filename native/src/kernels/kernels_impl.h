@@ -15,9 +15,14 @@ void gemm_avx2(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int 
 void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1);
 // q8g (weight-only int8, f32 activations): output columns of the 16-column panels [p0, p1), all m rows; AVX2 + FMA
-// (the AVX2 backend) and AVX-512 (the VNNI and AMX backends), bit-identical.
-void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1);
-void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, int p0, int p1);
+// (the AVX2 backend) and AVX-512 (the VNNI and AMX backends), bit-identical. xsum: for a weight with offsets (q8ga),
+// each row's group sums of x, [m][K/G] (gemm_q8g); null otherwise.
+void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
+                     int p1);
+// xs[i][g] = the sum of x[i, k] over group g, in the order of gemm.h (gemm_q8g.cpp, AVX2: every backend's floor).
+void q8g_group_sums(const float* x, int ldx, int m, int k, int group, float* xs);
+void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
+                            int p0, int p1);
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of

@@ -25,10 +25,10 @@ class CommandError(Exception):
 
 def add_kv_dtype_option(p) -> None:
     """--kv-dtype, shared by every command that opens the engine (prefill and decode workers must agree)."""
-    p.add_argument("--kv-dtype", choices=("int8", "f16"), default=None,
-                   help="K/V cache element type: int8 (a scale per position, half the memory) or f16 (no "
-                        "quantisation error) (default: what the model file asks for, else int8; q8g files ask for "
-                        "f16)")
+    p.add_argument("--kv-dtype", choices=("int8", "f16", "f32"), default=None,
+                   help="K/V cache element type: int8 (a scale per position, half the memory), f16 (no "
+                        "quantisation error) or f32 (the forward pass's own values, twice f16's memory: for fidelity "
+                        "checks) (default: what the model file asks for, else int8; q8g files ask for f16)")
 
 
 def add_log_level_option(p) -> None:

@@ -86,26 +86,27 @@ _GATHER_TABLES = ("embed_tokens", "embed_tokens_per_layer")
 
 def _linears(f) -> list[dict]:
     """Every quantised linear of the file: name, layer (None for global ones), N, K, whether it runs on int8
-    activations (q8c/q4g) or f32 ones (q8g, weight-only), and the bytes (codes + scales) of its own copy and of its
-    int8 twin when the file has one."""
+    activations (q8c/q4g) or f32 ones (q8g/q8ga, weight-only), and the bytes (codes + scales + q8ga offsets) of its
+    own copy and of its int8 twin when the file has one."""
     names = set(f.tensor_names)
 
     def nbytes(name: str) -> int:
-        return f.tensor_info(name)["nbytes"] + (f.tensor_info(name + ".scale")["nbytes"]
-                                                if name + ".scale" in names else 0)
+        return f.tensor_info(name)["nbytes"] + sum(f.tensor_info(name + c)["nbytes"] for c in (".scale", ".offset")
+                                                   if name + c in names)
 
     out = []
     for name in f.tensor_names:
         info = f.tensor_info(name)
         # Without an lm_head tensor the q8g embedding table is the tied head (docs/fgm-extensions.md).
         head = name == "embed_tokens" and "lm_head" not in names
-        if info["dtype"] not in ("q8c", "q4g", "q8g") or name.endswith(".i8") or name in _GATHER_TABLES and not head:
+        if info["dtype"] not in ("q8c", "q4g", "q8g", "q8ga") or name.endswith(".i8") or \
+                name in _GATHER_TABLES and not head:
             continue
         m = _LAYER.match(name)
         n, k = info["shape"]
         out.append({"name": "lm_head" if head else name, "layer": int(m.group(1)) if m else None, "n": n, "k": k,
                     "bytes": nbytes(name), "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None,
-                    "f32": info["dtype"] == "q8g"})
+                    "f32": info["dtype"] in ("q8g", "q8ga")})
     return out
 
 

@@ -28,6 +28,26 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
                    help="KV slots in the arena = concurrent sequences, instead of a memory budget")
 
 
+def add_speculation_options(p: argparse.ArgumentParser) -> None:
+    """The weight-free multi-token paths (docs/speculation.md); the output is the same with them on or off."""
+    from splitgemma.commands import non_negative_int, positive_int
+    from splitgemma.services.decode.speculation import SpeculationConfig
+    d = SpeculationConfig()
+    p.add_argument("--forced-tokens", choices=("on", "off"), default="on" if d.forced else "off",
+                   help="take the tokens a constraint forces (its mask admits one id) without the model and feed a "
+                        "run of them as one multi-token step whose rows compute no logits (default: %(default)s)")
+    p.add_argument("--lookup-k", type=non_negative_int, default=d.lookup_k, metavar="K",
+                   help="prompt-lookup speculation for greedy rows: drafts of up to K tokens (at most 8) copied from "
+                        "the prompt and output, verified in the step; 0 = off (default: %(default)s)")
+    p.add_argument("--lookup-max-batch", type=positive_int, default=d.lookup_max_batch, metavar="N",
+                   help="draft only in steps of at most N sequences, where the extra rows are nearly free "
+                        "(default: %(default)s)")
+    p.add_argument("--lookup-policy", choices=("adaptive", "fixed"), default=d.lookup_policy,
+                   help="the draft length: 'adaptive' picks it each step from the sequence's acceptance rate and the "
+                        "measured cost of the extra rows; 'fixed' drafts as much as the prompt offers, up to K, every "
+                        "step (timing-independent: for tests and measurements) (default: %(default)s)")
+
+
 def add_lease_options(p: argparse.ArgumentParser) -> None:
     """--lease-ms and --max-lease-ms (up passes them on)."""
     from splitgemma.commands import positive_int
@@ -65,6 +85,7 @@ def register(subparsers) -> None:
                    help="decode rows per forward pass; a larger batch runs in several passes. The engine's "
                         "scratch holds max(--chunk, --max-batch) rows, so up to --chunk rows cost no memory "
                         f"(default: {DEFAULT_MAX_BATCH})")
+    add_speculation_options(p)
     add_lease_options(p)
     p.add_argument("--max-queue", type=non_negative_int, default=DEFAULT_MAX_QUEUE, metavar="N",
                    help="Reserve calls that may wait for a slot when all are taken; one more is refused at once "
@@ -90,6 +111,10 @@ def run(args) -> int:
     from splitgemma.commands.prefill import check_worker_options
     from splitgemma.services.decode.server import serve
 
+    from splitgemma.commands import CommandError
+
     check_worker_options(args)
     check_lease_options(args)
+    if args.lookup_k > 8:
+        raise CommandError(f"--lookup-k must be at most 8, got {args.lookup_k}")
     return asyncio.run(serve(args))

@@ -27,7 +27,7 @@ from .errors import ConversionError
 from .hadamard import rotate_k
 from .gguf_source import GgufCheckpoint, is_gguf
 from .hf_config import TextConfig, load_text_config, parse_text_config
-from .inventory import (Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of,
+from .inventory import (PANELED, Linear, Plain, Rope, Table, build_inventory, check_options, default_group, entries_of,
                         fitting_group, header_hadamard, header_kv_cache_dtype, layout_problems, probe_names,
                         quant_bits)
 from .progress import byte_progress, stage
@@ -115,19 +115,19 @@ class _Converter:
         self.ahead = threads + 1
 
     def run(self, items) -> None:
-        # q8g tensors of one source and group (a tied embedding table and LM head) are the same bytes: they are
+        # q8g/q8ga tensors of one source and group (a tied embedding table and LM head) are the same bytes: they are
         # quantised once, when the first of them comes, and written under every name.
         same: dict[tuple[str, int], list[str]] = {}
         for it in items:
-            if isinstance(it, (Linear, Table)) and it.dtype == "q8g":
+            if isinstance(it, (Linear, Table)) and it.dtype in PANELED:
                 same.setdefault((it.source, it.group), []).append(it.name)
         try:
             for it in items:
-                if isinstance(it, (Linear, Table)) and it.dtype == "q8g":
+                if isinstance(it, (Linear, Table)) and it.dtype in PANELED:
                     names = same.pop((it.source, it.group), None)
                     if names:  # else already written with the first of its names
                         n, k = it.shape
-                        self.linear(Linear(it.name, it.source, n, k, "q8g", it.group), names)
+                        self.linear(Linear(it.name, it.source, n, k, it.dtype, it.group), names)
                 elif isinstance(it, Plain):
                     v = self.ckpt.rows(self.prefix + it.source).reshape(it.shape)
                     if it.offset:
@@ -158,7 +158,7 @@ class _Converter:
             self.ckpt.release(src, r0, r1)
 
     def linear(self, it: Linear, names: list[str] | None = None) -> None:
-        """Quantise and write one linear; a q8g one under each of ``names`` (default: its own)."""
+        """Quantise and write one linear; a q8g/q8ga one under each of ``names`` (default: its own)."""
         names = names or [it.name]
         src = self.prefix + it.source
         step = _rows_per_chunk(it.k, _CHUNK_ELEMS)
@@ -167,33 +167,46 @@ class _Converter:
         probe = bool(probes)
         probe_rows = _rows_per_chunk(it.k, _PROBE_ELEMS)
 
+        # A GGUF's block types that q8g/q8ga hold exactly are read from the blocks (codes, scales, offsets as
+        # stored), the others dequantised and rounded to int8 groups.
+        exact_rows = getattr(self.ckpt, "q8g_rows", None) if it.dtype in PANELED else None
+
         def work(span):
             r0, r1 = span
-            w = self.ckpt.rows(src, r0, r1)
+            exact = None if exact_rows is None else exact_rows(src, r0, r1, it.group)
+            if exact is not None and (exact[2] is not None) != (it.dtype == "q8ga"):
+                raise ConversionError(f"{src}: planned as {it.dtype}, but its blocks say otherwise (internal error)")
+            w = self.ckpt.rows(src, r0, r1) if exact is None or probe else None
             if it.hadamard:
                 w = rotate_k(w)
             out = {"span": span}
             if it.dtype == "q4g":
                 q, s = quant.quantize_q4(w, it.group)
                 out["blob"], out["scale"] = quant.pack_nibbles(quant.tile_order(q)), s.T.astype(np.float16)
-            elif it.dtype == "q8g":
-                q, s = quant.quantize_q8_groups(w, it.group)
+            elif it.dtype in PANELED:
+                q, s, o = exact if exact is not None else (*quant.quantize_q8_groups(w, it.group), None)
                 out["blob"], out["scale"] = quant.panel_order(q), s.T
+                if o is not None:
+                    out["offset"] = o.T
             else:
                 q, s = quant.quantize_q8_rows(w)
                 out["blob"], out["scale"] = quant.tile_order(q), s
             if probe and r0 < probe_rows:
-                # fastgemma's statistic: codes × float32 scales (before the f16 rounding).
+                # fastgemma's statistic: codes × float32 scales (before the f16 rounding); + offsets for q8ga.
                 m = min(r1, probe_rows) - r0
                 ref = w[:m].astype(np.float64)
-                out["err"] = (float(np.sum((ref - quant.dequantize(q[:m], s[:m])) ** 2)), float(np.sum(ref ** 2)))
+                got = quant.dequantize(q[:m], s[:m])
+                if out.get("offset") is not None:
+                    got = got + np.repeat(out["offset"].T[:m].astype(np.float64), it.group, axis=1)
+                out["err"] = (float(np.sum((ref - got) ** 2)), float(np.sum(ref ** 2)))
             if it.twin:
                 q8, s8 = quant.quantize_q8_rows(w)
                 out["twin"] = (quant.tile_order(q8), s8)
             return out
 
-        scale_dtype = {"q4g": np.float16, "q8g": np.float32}.get(it.dtype)
+        scale_dtype = {"q4g": np.float16, "q8g": np.float32, "q8ga": np.float32}.get(it.dtype)
         scales = None if scale_dtype is None else np.empty((it.k // it.group, it.n), dtype=scale_dtype)
+        offsets = np.empty((it.k // it.group, it.n), dtype=np.float32) if it.dtype == "q8ga" else None
         err_num = err_den = 0.0
         for out in _ordered_map(work, spans, self.pool, self.ahead):
             r0, r1 = out["span"]
@@ -203,6 +216,8 @@ class _Converter:
                 self.w.write(it.name + ".scale", out["scale"])
             else:
                 scales[:, r0:r1] = out["scale"]   # [K/G, N] is transposed: complete it, then write
+            if offsets is not None:
+                offsets[:, r0:r1] = out["offset"]
             if "err" in out:
                 err_num += out["err"][0]
                 err_den += out["err"][1]
@@ -213,6 +228,9 @@ class _Converter:
         if scales is not None:
             for nm in names:
                 self.w.write(nm + ".scale", scales)
+        if offsets is not None:
+            for nm in names:
+                self.w.write(nm + ".offset", offsets)
         for nm in probes:
             self.rel_err[nm] = round((err_num / err_den) ** 0.5 if err_den else 0.0, 5)
 
@@ -259,9 +277,9 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, weights: 
 
     def plan(cfg: TextConfig, ckpt=None):
         g = fitting_group(cfg, weights, emb_bits) if group is None else group
-        # A GGUF's block types bound each q8g tensor's group (gguf_source.GgufCheckpoint.q8g_group).
-        group_of = None if ckpt is None or weights != "int8g" else (lambda source: ckpt.q8g_group(source, g))
-        items = build_inventory(cfg, weights, g, emb_bits, group_of)
+        # A GGUF's block types fix each int8g tensor's dtype and group (gguf_source.GgufCheckpoint.q8g_layout).
+        layout_of = None if ckpt is None or weights != "int8g" else (lambda source: ckpt.q8g_layout(source, g))
+        items = build_inventory(cfg, weights, g, emb_bits, layout_of)
         problems = layout_problems(items)
         if problems:
             raise ConversionError(f"this model cannot be stored with --weights {weights} --group {g}", problems)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import ggml_blocks
 from .errors import ConversionError
 
 GGUF_MAGIC = b"GGUF"
@@ -249,15 +250,37 @@ class GgufCheckpoint:
         # GGML lists dimensions innermost first: a [N, K] weight is stored as ne = [K, N].
         return GgufTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
 
-    def q8g_group(self, name: str, group: int) -> int:
-        """The q8g group for tensor ``name`` asked to use ``group``: gcd(group, its GGML type's sub-block), so that
-        a symmetric block type (Q8_0, Q5_0, Q4_0, Q6_K, Q3_K) is stored exactly; ``group`` itself for a float
-        tensor or a name the file lacks (the converter reports a missing tensor on its own)."""
+    def q8g_layout(self, name: str, group: int) -> tuple[str, int]:
+        """(dtype, group) of the int8g tensor made from ``name`` when asked to use ``group``: the group is
+        gcd(group, its GGML type's sub-block); the dtype is q8ga for the block types with a minimum (Q4_K, Q5_K,
+        Q4_1, Q5_1: ggml_blocks.WITH_OFFSETS), else q8g. ("q8g", group) for a float tensor or a name the file lacks
+        (the converter reports a missing tensor on its own)."""
         if name not in self:
-            return group
+            return "q8g", group
         t = self._tensors[self._by_hf[name]]
-        sub = ggml_sub_block(t.tensor_type.name, self._block_sizes.get(t.tensor_type, 1))
-        return group if sub is None else math.gcd(group, sub)
+        kind = t.tensor_type.name
+        sub = ggml_sub_block(kind, self._block_sizes.get(t.tensor_type, 1))
+        return ("q8ga" if kind in ggml_blocks.WITH_OFFSETS else "q8g"), (group if sub is None else math.gcd(group, sub))
+
+    def q8g_rows(self, name: str, start: int, stop: int, group: int):
+        """Rows [start, stop) of a tensor of a block type in ggml_blocks.EXACT_TYPES as (codes int8, scale f32,
+        offset f32 or None) of q8g/q8ga groups of ``group``, checked bit for bit against the gguf package's
+        dequantisation of the same rows; None for any other type (the converter then rounds rows() to int8)."""
+        t = self._tensors[self._by_hf[name]]
+        kind = t.tensor_type.name
+        if kind not in ggml_blocks.EXACT_TYPES:
+            return None
+        raw = np.asarray(t.data[start:stop])
+        k = self[name].shape[1]
+        codes, scale, offset = ggml_blocks.q8g_groups(kind, raw, k, group)
+        want = np.asarray(self._quants.dequantize(raw, t.tensor_type), dtype=np.float32).reshape(stop - start, k)
+        got = ggml_blocks.values(codes, scale, offset)
+        if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
+            bad = int(np.count_nonzero(got.view(np.uint32) != want.view(np.uint32)))
+            raise ConversionError(f"{self.src}: tensor {t.name} ({kind}): {bad} of its values in rows "
+                                  f"[{start}, {stop}) read from the blocks differ from the gguf package's "
+                                  "dequantisation (internal error)")
+        return codes, scale, offset
 
     def rows(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) of a tensor as float32, in Hugging Face form (norms as w, not 1 + w)."""

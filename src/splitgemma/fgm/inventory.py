@@ -44,6 +44,7 @@ WEIGHT_MODES = ("dual", "int4", "int8", "int8g")
 DEFAULT_GROUP = 256      # the int4 scale group (dual, int4, and an int4 LM head)
 DEFAULT_Q8G_GROUP = 32   # the int8g scale group: a GGUF's Q8_0/Q5_0/Q4_0 block
 EMB_BITS = (4, 8)
+PANELED = ("q8g", "q8ga")  # the 16-column panel types; q8ga adds one f32 offset per group (a GGUF's minimums)
 
 
 @dataclass(frozen=True)
@@ -61,18 +62,18 @@ class Plain:
 
 @dataclass(frozen=True)
 class Linear:
-    """A linear weight [N, K] = [out, in]: q4g, q8c or q8g, optionally (q4g) with an int8 twin."""
+    """A linear weight [N, K] = [out, in]: q4g, q8c, q8g or q8ga, optionally (q4g) with an int8 twin."""
     name: str
     source: str
     n: int
     k: int
-    dtype: str          # "q4g", "q8c" or "q8g"
+    dtype: str          # "q4g", "q8c", "q8g" or "q8ga"
     group: int          # scale group along K (0 for q8c)
     twin: bool = False  # also store <name>.i8 (q8c) for prefill-sized GEMMs
 
     @property
     def hadamard(self) -> int:
-        return HADAMARD_BLOCK if self.dtype != "q8g" and rotatable(self.k) else 0
+        return HADAMARD_BLOCK if self.dtype not in PANELED and rotatable(self.k) else 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -83,8 +84,8 @@ class Linear:
         if self.dtype == "q4g":
             out = [TensorEntry(self.name, "q4g", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f16", (self.k // self.group, self.n))]
-        elif self.dtype == "q8g":
-            out = q8g_entries(self.name, self.n, self.k, self.group)
+        elif self.dtype in PANELED:
+            out = q8g_entries(self.name, self.n, self.k, self.group, self.dtype)
         else:
             out = [TensorEntry(self.name, "q8c", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f32", (self.n,))]
@@ -94,7 +95,7 @@ class Linear:
         return out
 
     def problems(self) -> list[str]:
-        if self.dtype == "q8g":
+        if self.dtype in PANELED:
             return q8g_problems(self.name, self.n, self.k, self.group)
         p = []
         where = f"{self.name} [{self.n}, {self.k}]"
@@ -105,10 +106,13 @@ class Linear:
         return p
 
 
-def q8g_entries(name: str, n: int, k: int, group: int) -> list[TensorEntry]:
-    """A q8g weight and its f32 scales, stored transposed [K/G, N]."""
-    return [TensorEntry(name, "q8g", (n, k), {"hadamard": 0, "group": group}),
-            TensorEntry(name + ".scale", "f32", (k // group, n))]
+def q8g_entries(name: str, n: int, k: int, group: int, dtype: str = "q8g") -> list[TensorEntry]:
+    """A q8g weight and its f32 scales, stored transposed [K/G, N]; a q8ga one also its f32 offsets, alike."""
+    out = [TensorEntry(name, dtype, (n, k), {"hadamard": 0, "group": group}),
+           TensorEntry(name + ".scale", "f32", (k // group, n))]
+    if dtype == "q8ga":
+        out.append(TensorEntry(name + ".offset", "f32", (k // group, n)))
+    return out
 
 
 def q8g_problems(name: str, n: int, k: int, group: int) -> list[str]:
@@ -130,22 +134,22 @@ class Table:
     rows: int
     k: int
     dtype: str = "q4r"
-    group: int = 0      # q8g only
+    group: int = 0      # q8g/q8ga only
 
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.k)
 
     def entries(self) -> list[TensorEntry]:
-        if self.dtype == "q8g":
-            return q8g_entries(self.name, self.rows, self.k, self.group)
+        if self.dtype in PANELED:
+            return q8g_entries(self.name, self.rows, self.k, self.group, self.dtype)
         if self.dtype == "q8r":
             return [TensorEntry(self.name, "q8r", self.shape), TensorEntry(self.name + ".scale", "f32", (self.rows,))]
         return [TensorEntry(self.name, "q4r", self.shape),
                 TensorEntry(self.name + ".scale", "f16", (self.rows, self.k // Q4_TABLE_GROUP))]
 
     def problems(self) -> list[str]:
-        if self.dtype == "q8g":
+        if self.dtype in PANELED:
             return q8g_problems(self.name, self.rows, self.k, self.group)
         if self.dtype == "q4r" and self.k % Q4_TABLE_GROUP:
             return [f"{self.name} [{self.rows}, {self.k}]: int4 table needs K % {Q4_TABLE_GROUP} == 0"]
@@ -234,13 +238,14 @@ def fitting_group(cfg: TextConfig, weights: str, emb_bits: int | None = None) ->
 
 
 def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT_GROUP,
-                    emb_bits: int | None = None, group_of: Callable[[str], int] | None = None) -> list[Item]:
+                    emb_bits: int | None = None,
+                    layout_of: Callable[[str], tuple[str, int]] | None = None) -> list[Item]:
     """All items of the file for this config, in emission order. emb_bits 8 stores the token
     embedding as q8r and the (tied) LM head as q8c instead of q4r / q4g (default 4); int8g stores both q8g
     (emb_bits None or 8).
 
-    group_of (int8g only): the group of the q8g tensor made from a given source name, when the source
-    constrains it (a GGUF block type); default ``group`` for every tensor.
+    layout_of (int8g only): (dtype, group) of the tensor made from a given source name, when the source
+    constrains it (a GGUF block type: q8ga for blocks with minimums, and the group); default ("q8g", ``group``).
     """
     check_options(weights, group, emb_bits)
     emb_bits = resolve_emb_bits(weights, emb_bits)
@@ -251,13 +256,13 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
     ffn_group = 0 if weights == "int8" else group
     ffn_twin = weights == "dual"
 
-    def q8g_group(source):
-        return group if group_of is None else group_of(source)
+    def q8g_layout(source):
+        return ("q8g", group) if layout_of is None else layout_of(source)
 
     def q8(name, source, n, k):
-        """The int8 linears: q8c, or q8g with int8g."""
+        """The int8 linears: q8c, or q8g/q8ga with int8g."""
         if weights == "int8g":
-            return Linear(name, source, n, k, "q8g", q8g_group(source))
+            return Linear(name, source, n, k, *q8g_layout(source))
         return Linear(name, source, n, k, "q8c", 0)
 
     def ffn(name, source, n, k):
@@ -268,7 +273,7 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
     if weights == "int8g":
         emb = "embed_tokens.weight"
         # one q8g table is both the embedding and the tied LM head (no lm_head tensor: docs/fgm-extensions.md)
-        items: list[Item] = [Table("embed_tokens", emb, v, h, "q8g", q8g_group(emb))]
+        items: list[Item] = [Table("embed_tokens", emb, v, h, *q8g_layout(emb))]
     else:
         items = [
             Table("embed_tokens", "embed_tokens.weight", v, h, "q8r" if emb_bits == 8 else "q4r"),

@@ -31,7 +31,7 @@ ALIGN = 64
 BODY_START = -(-(12 + HEADER_RESERVE) // ALIGN) * ALIGN   # 2,097,216
 ARCH = "gemma3n"  # fastgemma's (stale) label; readers ignore it, we keep it for byte compatibility
 
-_ITEMSIZE = {"f32": 4.0, "f16": 2.0, "q8c": 1.0, "q8g": 1.0, "q8r": 1.0, "q4g": 0.5, "q4r": 0.5}
+_ITEMSIZE = {"f32": 4.0, "f16": 2.0, "q8c": 1.0, "q8g": 1.0, "q8ga": 1.0, "q8r": 1.0, "q4g": 0.5, "q4r": 0.5}
 
 
 def blob_nbytes(dtype: str, shape) -> int:

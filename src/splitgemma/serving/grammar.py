@@ -21,6 +21,7 @@ from pathlib import Path
 import llguidance as llg
 import numpy as np
 
+from splitgemma.engine import Sample
 from splitgemma.v1 import serving_pb2 as pb
 
 from .files import read_regular_text
@@ -162,6 +163,24 @@ class Matcher:
         self._bits = row.view(np.uint8)
 
     @property
+    def has_mask(self) -> bool:
+        return self._bits is not None
+
+    def forced(self) -> int | None:
+        """The one token the mask admits, or None when it admits several (or none). Cheaper than reading the
+        whole mask: it looks at the nonzero bytes only."""
+        if self._bits is None:
+            raise RuntimeError("forced() before the mask was computed")
+        nz = np.flatnonzero(self._bits)
+        if len(nz) != 1:
+            return None
+        byte = int(self._bits[nz[0]])
+        if byte & (byte - 1):
+            return None
+        token = int(nz[0]) * 8 + byte.bit_length() - 1
+        return token if token < self.vocab_size else None
+
+    @property
     def bits(self) -> np.ndarray:
         """The mask of the last mask() / compute_masks as 32-bit words (bit i of word i/32 allows id i): what the
         native sampler reads (splitgemma.engine.sample_rows)."""
@@ -191,3 +210,10 @@ def compute_masks(matchers: list[Matcher]) -> None:
                                       len(matchers))
     for i, m in enumerate(matchers):
         m.set_mask(out[i])
+
+
+def forced_sample(token: int, sampler) -> Sample:
+    """The Sample of a token the constraint forces (the only one it admits), as the native sampler gives it for a
+    mask of one id: no draw (the sampler's random state unchanged), logprob 0. The decode worker takes forced tokens
+    without computing their logits at all (docs/speculation.md); the stream is the same either way."""
+    return Sample(token, sampler.rng_state, 0.0, [(token, 0.0)] if sampler.n_logprobs else [])

@@ -100,7 +100,8 @@ int main(int argc, char** argv) {
   const std::vector<Shape> q8g_shapes = {{16, 64, 64, 0}, {48, 640, 32, 0}, {272, 640, 16, 0}, {64, 2048, 32, 0},
                                          {32, 40, 8, 0},  {400, 96, 1, 0}};
   for (const Shape& sh : q8g_shapes)
-    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32}) {
+    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32})
+    for (bool with_offsets : {false, true}) {  // q8g, and q8ga (offsets)
       std::vector<float> x(size_t(m) * sh.k);
       for (float& v : x) v = normal(rng);
       std::vector<uint8_t> codes(size_t(sh.n) * sh.k);
@@ -116,15 +117,22 @@ int main(int argc, char** argv) {
       w.group = sh.group;
       w.codes = codes.data();
       w.scales = scales.data();
+      std::vector<float> offsets(scales.size());
+      for (float& v : offsets) v = normal(rng);
+      if (with_offsets) w.offsets = offsets.data();
+      std::vector<float> xsum(size_t(m) * (sh.k / sh.group));  // the group sums gemm_q8g passes with offsets
+      detail::q8g_group_sums(x.data(), sh.k, m, sh.k, sh.group, xsum.data());
+      const float* xs = with_offsets ? xsum.data() : nullptr;
       std::vector<float> ya(size_t(m) * sh.n, -1.f), yz(ya);
-      detail::gemm_q8g_panels(x.data(), sh.k, m, w, ya.data(), sh.n, 0, sh.n / 16);
+      detail::gemm_q8g_panels(x.data(), sh.k, m, w, xs, ya.data(), sh.n, 0, sh.n / 16);
       // the zmm kernel on another split of the panels (its result must not depend on it either)
       for (int p = 0; p < sh.n / 16; p += 5)
-        detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
+        detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, xs, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
       ++runs;
       if (std::memcmp(ya.data(), yz.data(), ya.size() * sizeof(float))) {
         ++failures;
-        std::printf("MISMATCH q8g avx512 n=%d k=%d group=%d m=%d\n", sh.n, sh.k, sh.group, m);
+        std::printf("MISMATCH %s avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
+                    sh.group, m);
       }
     }
   std::printf("runs %d failures %d recoveries %llu\n", runs, failures,

@@ -52,6 +52,7 @@ inline F512 set1_ps(float x) { F512 v; for (float& y : v.f) y = x; return v; }
 inline F512 cvtepi32_ps(V512 a) { F512 v; for (int i = 0; i < 16; ++i) v.f[i] = float(gi(a, i)); return v; }
 inline F512 mul_ps(F512 a, F512 b) { for (int i = 0; i < 16; ++i) a.f[i] = a.f[i] * b.f[i]; return a; }
 inline F512 fmadd_ps(F512 a, F512 b, F512 c) { for (int i = 0; i < 16; ++i) a.f[i] = std::fma(a.f[i], b.f[i], c.f[i]); return a; }
+inline F512 add_ps(F512 a, F512 b) { for (int i = 0; i < 16; ++i) a.f[i] += b.f[i]; return a; }
 inline F512 loadu_ps(const float* p) { F512 v; std::memcpy(v.f, p, 64); return v; }
 inline F512 load_ps(const float* p) { if ((uintptr_t)p % 64) __builtin_trap(); return loadu_ps(p); }
 inline void storeu_ps(float* p, F512 v) { std::memcpy(p, v.f, 64); }
@@ -82,6 +83,7 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_cvtepi32_ps emu::cvtepi32_ps
 #define _mm512_mul_ps emu::mul_ps
 #define _mm512_fmadd_ps emu::fmadd_ps
+#define _mm512_add_ps emu::add_ps
 #define _mm512_loadu_ps emu::loadu_ps
 #define _mm512_load_ps emu::load_ps
 #define _mm512_storeu_ps emu::storeu_ps

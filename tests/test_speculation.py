@@ -1,0 +1,195 @@
+"""Forced-token runs and prompt-lookup speculation in the decode worker (docs/speculation.md), with the official
+openai client against real processes: a stack with both on and a stack with both off return the same tokens, texts,
+logprobs and finish reasons, greedy and constrained, with stop strings, max_tokens and concurrency; the on stack
+reports what it forced, drafted and accepted (Stats and Prometheus), the off stack nothing.
+
+The oracle is plain decoding (the off stack): the engine's one-token steps, checked against transformers' logits
+in test_engine.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import httpx
+import pytest
+from test_structured_output import SCHEMA, gemma_style_stack
+
+from splitgemma.services.decode.speculation import NgramIndex
+
+MODEL_NAME = "mini-e2b-tame"
+# Prompts that repeat themselves, so prompt lookup finds n-grams to draft from, and one that does not.
+PROMPTS = ["the cat sat on the mat and the cat sat on the mat and the cat",
+           "a b c d a b c d a b c d a b",
+           "one two three four five six seven eight nine ten",
+           "red green blue red green blue red"]
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory):
+    # The fixed draft policy: the adaptive one decides from measured step times, so what it drafts depends on the host.
+    on = gemma_style_stack(tmp_path_factory.mktemp("spec-on"), ("--lookup-max-batch", "8", "--lookup-policy", "fixed"))
+    try:
+        off = gemma_style_stack(tmp_path_factory.mktemp("spec-off"), ("--forced-tokens", "off", "--lookup-k", "0"))
+    except BaseException:
+        on.stop()
+        raise
+    try:
+        yield on, off
+    finally:
+        on.stop()
+        off.stop()
+
+
+def _complete(stack, **kw):
+    r = stack.client().completions.create(model=MODEL_NAME, **kw)
+    return [(c.text, c.finish_reason, c.logprobs and c.logprobs.tokens, c.logprobs and c.logprobs.token_logprobs,
+             c.logprobs and c.logprobs.top_logprobs) for c in r.choices]
+
+
+def _stream(stack, **kw):
+    text, finish = "", None
+    for chunk in stack.client().completions.create(model=MODEL_NAME, stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 60])
+def test_greedy_outputs_are_identical(stacks, max_tokens):
+    on, off = stacks
+    for prompt in PROMPTS:
+        kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=2)
+        assert _complete(on, **kw) == _complete(off, **kw), prompt
+        kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert _stream(on, **kw) == _stream(off, **kw), prompt
+
+
+def test_greedy_rows_with_logits_processing_are_speculated_and_identical(stacks):
+    # The penalties and min_tokens depend on the tokens taken so far: each draft row is sampled only after the one
+    # before it was taken, so they see what plain decoding shows them.
+    on, off = stacks
+    drafted = on.stats().lookup_drafted
+    processing = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.6, "frequency_penalty": 0.4},
+                  {"min_tokens": 20, "logit_bias": {"7": 3.0}}]
+    for prompt in PROMPTS:
+        for extra in processing:
+            kw = dict(prompt=prompt, max_tokens=40, temperature=0, logprobs=1)
+            if "logit_bias" in extra:
+                kw["logit_bias"] = extra["logit_bias"]
+            body = {k: v for k, v in extra.items() if k != "logit_bias"}
+            assert _complete(on, **kw, extra_body=body) == _complete(off, **kw, extra_body=body), (prompt, extra)
+    assert on.stats().lookup_drafted > drafted
+
+
+def test_stop_strings_and_stop_tokens_behave_alike(stacks):
+    on, off = stacks
+    for prompt in PROMPTS:
+        text = _complete(off, prompt=prompt, max_tokens=60, temperature=0)[0][0]
+        if len(text) < 20:
+            continue
+        for stop in (text[12:15], text[-4:]):
+            for extra in ({}, {"include_stop_str_in_output": True}):
+                kw = dict(prompt=prompt, max_tokens=60, temperature=0, stop=[stop], extra_body=extra or None)
+                got = _complete(on, **kw)
+                assert got == _complete(off, **kw), (prompt, stop, extra)
+                assert got[0][1] == "stop"
+        # a stop token id the greedy output emits (vLLM's stop_token_ids)
+        kw = dict(prompt=prompt, max_tokens=60, temperature=0, logprobs=1)
+        tokens = _complete(off, **kw)[0][2]
+        kw = dict(prompt=prompt, max_tokens=60, temperature=0, extra_body={"stop_token_ids": [5, 9, 13]})
+        assert _complete(on, **kw) == _complete(off, **kw)
+        assert tokens
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_constrained_outputs_are_identical(stacks, temperature):
+    """Forced runs apply to sampled rows too (a forced token draws nothing): the same seeds give the same output."""
+    on, off = stacks
+    constraints = [{"extra_body": {"response_format": {"type": "json_schema",
+                                                       "json_schema": {"name": "x", "schema": SCHEMA}}}},
+                   {"extra_body": {"guided_choice": ["the value is 12", "the value is 13", "nothing"]}},
+                   {"extra_body": {"guided_regex": "[0-9]{3}-[0-9]{3}-[0-9]{4} (ok|not ok)"}}]
+    for c in constraints:
+        for seed in (1, 2):
+            kw = dict(prompt=PROMPTS[seed], max_tokens=160, temperature=temperature, seed=seed, n=2, logprobs=1, **c)
+            got = _complete(on, **kw)
+            assert got == _complete(off, **kw), c
+    out = _complete(on, prompt="x", max_tokens=160, temperature=temperature, seed=3, **constraints[0])
+    if out[0][1] == "stop":
+        json.loads(out[0][0])
+
+
+def test_concurrent_requests_match_plain_decoding(stacks):
+    """Several speculating rows in one batch (--lookup-max-batch 8) give what each gives through plain decoding."""
+    on, off = stacks
+    want = {p: _complete(off, prompt=p, max_tokens=40, temperature=0, logprobs=1) for p in PROMPTS}
+    got, errors = {}, []
+
+    def run(p):
+        try:
+            got[p] = _complete(on, prompt=p, max_tokens=40, temperature=0, logprobs=1)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert got == want
+
+
+def test_counters(stacks):
+    on, off = stacks
+    # Make sure both paths ran at least once in this module, whatever order the tests ran in.
+    _complete(on, prompt=PROMPTS[1], max_tokens=30, temperature=0)
+    _complete(on, prompt="x", max_tokens=32, temperature=0, extra_body={"guided_choice": ["the value is 12"]})
+    st = on.stats()
+    assert st.forced_tokens > 0
+    assert st.lookup_drafted > 0 and 0 < st.lookup_accepted <= st.lookup_drafted
+    assert st.lookup_acceptance == pytest.approx(st.lookup_accepted / st.lookup_drafted)
+    text = httpx.get(on.metrics_url, timeout=10).text
+
+    def metric(name):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        assert m, name
+        return float(m.group(1))
+
+    assert metric("splitgemma_decode_forced_tokens_total") == st.forced_tokens
+    assert metric("splitgemma_decode_lookup_drafted_tokens_total") == st.lookup_drafted
+    assert metric("splitgemma_decode_lookup_accepted_tokens_total") == st.lookup_accepted
+    assert metric("splitgemma_decode_lookup_acceptance_rate") == pytest.approx(st.lookup_acceptance)
+    so = off.stats()
+    assert (so.forced_tokens, so.lookup_drafted, so.lookup_accepted) == (0, 0, 0)
+
+
+def test_ngram_index_drafts_what_followed_the_last_occurrence():
+    idx = NgramIndex([1, 2, 3, 4, 5, 1, 2, 3])
+    assert idx.draft(4) == [4, 5, 1, 2]  # the trigram (1, 2, 3) was followed by 4 5 1 2 ...
+    idx.append(9)
+    assert idx.draft(4) == []  # (2, 3, 9) and (3, 9) never occurred before
+    idx.append(4)
+    assert idx.draft(4) == []  # nor (3, 9, 4) and (9, 4)
+    idx.append(5)
+    assert idx.draft(3) == [1, 2, 3]  # (9, 4, 5) is new; the bigram (4, 5) was followed by 1 2 3
+    idx.append(1)
+    assert idx.draft(8) == [2, 3, 9, 4, 5, 1]  # (4, 5, 1): its first occurrence; the draft stops at the end
+
+
+def test_draft_length_follows_acceptance_and_measured_cost():
+    from splitgemma.services.decode.speculation import StepCosts, choose_k
+    costs = StepCosts()
+    assert choose_k(0.5, costs, 1, 8) == 1  # nothing measured: explore one row
+    costs.observe(1, 0.100)
+    costs.observe(2, 0.116)  # one more logits row costs 16% (measured on E2B, docs/speculation.md)
+    assert choose_k(0.5, costs, 1, 8) == 2  # 1.75 tokens at (assumed) 1.16: try the next length
+    costs.observe(3, 0.153)
+    assert choose_k(0.5, costs, 1, 8) == 1  # 1.75 / 1.53 < 1.5 / 1.16
+    assert choose_k(0.1, costs, 1, 8) == 0  # 1.1 tokens for 1.16: not worth a row
+    assert choose_k(0.9, costs, 1, 8) == 3  # long drafts pay while they are accepted
+    assert choose_k(0.9, costs, 1, 1) == 1  # never past k_max
