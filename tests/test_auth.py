@@ -183,7 +183,7 @@ def test_workers_require_the_service_token(stack):
                 grpc.StatusCode.UNAUTHENTICATED
             [answer] = reflect.ServerReflectionInfo(iter([ask]), timeout=10, metadata=bearer)
             assert f"splitgemma.v1.{name.capitalize()}" in {s.name for s in answer.list_services_response.service}
-    # Every call shape of the pipeline is refused: Reserve (unary) and Generate (server streaming), Prefill.
+    # Every call shape of the pipeline is refused: Reserve (unary), Generate (server streaming), PushKv, Prefill.
     with grpc.insecure_channel(stack.decode_addr) as channel:
         decode = pbg.DecodeStub(channel)
         assert refused_code(lambda: decode.Reserve(pb.ReserveRequest(request_id="x", prompt_tokens=4),
@@ -191,6 +191,10 @@ def test_workers_require_the_service_token(stack):
         lease = decode.Reserve(pb.ReserveRequest(request_id="x", prompt_tokens=4), timeout=10, metadata=bearer)
         assert refused_code(lambda: list(decode.Generate(pb.GenerateRequest(request_id="x", lease=lease),
                                                          timeout=10))) == grpc.StatusCode.UNAUTHENTICATED
+        # The network KV transport (bidirectional streaming) too: a push without the token writes nothing.
+        push = pb.KvPush(open=pb.KvPushOpen(request_id="x", lease=lease, prompt_tokens=4))
+        assert refused_code(lambda: list(decode.PushKv(iter([push]), timeout=10))) == \
+            grpc.StatusCode.UNAUTHENTICATED
         with grpc.insecure_channel(stack.prefill_addr) as pc:
             assert refused_code(lambda: pbg.PrefillStub(pc).Prefill(
                 pb.PrefillRequest(request_id="x", prompt_token_ids=[2, 3, 4, 5], lease=lease),

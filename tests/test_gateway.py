@@ -196,7 +196,8 @@ class Stack:
                  prefill_args: tuple = (), decode_args: tuple = (),
                  per_worker: dict[str, list[str]] | None = None, model: Path = MODEL):
         """worker_args go to every worker, prefill_args / decode_args to every worker of that kind, per_worker to
-        the one named (e.g. {"prefill": ["--max-prompts", "1"]}); `model` is the .fgm all three load."""
+        the one named (e.g. {"prefill": ["--max-prompts", "1"]}, {"decode-2": ["--shm-dir", D]}); `model` is the .fgm
+        all three load."""
         self.folder = folder
         self.shm = shm_folder("gateway")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -211,7 +212,8 @@ class Stack:
             name = "decode" if i == 0 else f"decode-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
             self._spawn(name, ["decode", *common, "--port", self.addresses[name].split(":")[1],
-                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), *decode_args])
+                               "--weights", DECODE_WEIGHTS, "--slots", str(slots), *decode_args,
+                               *(per_worker or {}).get(name, [])])
         for i in range(n_prefill):
             name = "prefill" if i == 0 else f"prefill-{i + 1}"
             self.addresses[name] = f"127.0.0.1:{ports.pop()}"
@@ -329,6 +331,16 @@ class Reference:
 @pytest.fixture(scope="module")
 def ref():
     return Reference()
+
+
+def greedy_completion(c, prompt, max_tokens: int, stream: bool) -> tuple[str, object]:
+    """(text, usage) of a greedy /v1/completions call with ignore_eos, streamed (with the usage chunk) or not."""
+    kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        return "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage
+    r = c.completions.create(**kw)
+    return r.choices[0].text, r.usage
 
 
 def _words(rng_seed: int, n: int) -> str:

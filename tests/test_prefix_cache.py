@@ -22,7 +22,7 @@ from conftest import fastgemma_fgm
 from splitgemma.commands import byte_count
 from splitgemma.engine import Model, open_arena
 from splitgemma.services.prefill.prefix_cache import PrefixCache
-from test_gateway import MAX_CONTEXT, MODEL_NAME, TEMPLATE, Reference, Stack, _words
+from test_gateway import MAX_CONTEXT, MODEL_NAME, TEMPLATE, Reference, Stack, _words, greedy_completion
 from tools.procs import free_ports
 
 TAME = fastgemma_fgm("mini-e2b-tame")
@@ -246,13 +246,7 @@ def test_completions_report_cached_tokens_and_match_the_uncached_run(cached_stac
     for i, suffix in enumerate((_ids(200 + stream, 31), _ids(300 + stream, 57))):
         prompt = shared + suffix
         want = s.ref.text(s.ref.greedy(prompt, 12, ignore_eos=True))
-        kw = dict(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-        if stream:
-            chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
-            text, usage = "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-1].usage
-        else:
-            r = c.completions.create(**kw)
-            text, usage = r.choices[0].text, r.usage
+        text, usage = greedy_completion(c, prompt, 12, stream)
         assert text == want
         assert usage.prompt_tokens == len(prompt)
         assert _cached(usage) == (0 if i == 0 else SHARED)  # 5 blocks of 200

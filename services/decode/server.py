@@ -4,6 +4,10 @@ decodes every running sequence in one continuous batch (protos/splitgemma/v1/ser
 Threads: the gRPC server runs on one asyncio loop; the batch loop runs on its own thread (services/decode/batch.py)
 and the engine releases the GIL while it computes, so the loop keeps answering (health, Reserve, Stats) during a
 step.
+
+K/V arrives in the arena from a prefill worker that maps it (shared memory) or, from one on another host, over
+Decode.PushKv (splitgemma/serving/kv_transport.py: KvReceiver writes it into the leased slot under the same lock,
+stamp and seal rules); Generate verifies the slot the same way whichever way it came.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from splitgemma.engine import Sample
 from splitgemma.serving import telemetry
 from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import Grammars
+from splitgemma.serving.kv_transport import KvReceiver
 from splitgemma.serving.shm_arena import LEASE_SECRET_BYTES, ShmArena, request_key
 from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
@@ -84,6 +89,10 @@ class DecodeMetrics:
                                        registry=registry)
         self.lookup_acceptance = Gauge("splitgemma_decode_lookup_acceptance_rate",
                                        "accepted / drafted prompt-lookup tokens since start", registry=registry)
+        self.kv_pushes = Counter("splitgemma_decode_kv_pushes", "network KV streams (Decode.PushKv) by outcome: "
+                                 "sealed, or the status that ended them", ["outcome"], registry=registry)
+        self.kv_push_bytes = Counter("splitgemma_decode_kv_push_bytes", "K/V bytes written from network KV streams",
+                                     registry=registry)
         slots = Gauge("splitgemma_decode_slots", "KV slots by state", ["state"], registry=registry)
         for state in ("free", "leased", "running", "quarantine"):
             slots.labels(state=state).set_function(lambda st=state: table.counts()[st])
@@ -113,8 +122,11 @@ class DecodeMetrics:
 class DecodeServicer(pb_grpc.DecodeServicer):
     def __init__(self, *, model, arena: ShmArena, table: SlotTable, admission: Admission, batch: BatchLoop,
                  metrics: DecodeMetrics, worker: str, tokenizer, stop_tokens, lease_ms: int, max_lease_ms: int,
-                 tracer, kv_cache_bytes: int | None, grammars: Grammars):
+                 tracer, kv_cache_bytes: int | None, grammars: Grammars, kv_address: str = "",
+                 push_idle_timeout: float = 60.0):
         self.model = model
+        self.kv_address = kv_address  # Lease.kv_address: where prefill workers of other hosts push K/V (or "")
+        self.kv = KvReceiver(arena, model, worker, idle_timeout=push_idle_timeout, on_done=self._pushed)
         self.grammars = grammars
         self.shm = arena
         self.table = table
@@ -193,7 +205,8 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         return pb.Lease(worker_id=self.worker_id, arena_path=self.shm.path, slot=s.index, generation=s.generation,
                         deadline_unix_ms=int(s.deadline * 1000), layout_signature=self.model.layout_signature,
                         n_slots=self.shm.n_slots, slot_bytes=self.shm.slot_bytes,
-                        max_context=self.model.max_context, chunk=self.model.chunk, secret=s.secret)
+                        max_context=self.model.max_context, chunk=self.model.chunk, secret=s.secret,
+                        kv_address=self.kv_address)
 
     async def _check_secret(self, lease, context) -> None:
         if len(lease.secret) != LEASE_SECRET_BYTES:
@@ -243,7 +256,25 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                               host_seconds=st.host_seconds, admission=admission,
                               forced_tokens=st.forced_tokens, lookup_drafted=st.drafted,
                               lookup_accepted=st.accepted,
-                              lookup_acceptance=st.accepted / st.drafted if st.drafted else 0.0)
+                              lookup_acceptance=st.accepted / st.drafted if st.drafted else 0.0,
+                              kv_pushes_sealed=self.kv.stats.sealed, kv_pushes_refused=self.kv.stats.refused,
+                              kv_pushes_open=self.kv.stats.open, kv_push_bytes=self.kv.stats.bytes)
+
+    # --------------------------------------------------------------------------------------------------------
+
+    def PushKv(self, request_iterator, context):
+        return self._push(request_iterator, context)
+
+    async def _push(self, request_iterator, context):
+        with self.tracer.start_as_current_span("decode.kv_push", attributes={"splitgemma.kv.transport": "network"}):
+            async for reply in self.kv.push(request_iterator, context):
+                yield reply
+
+    def _pushed(self, outcome: str, n_bytes: int) -> None:
+        self.metrics.kv_pushes.labels(outcome=outcome).inc()
+        self.metrics.kv_push_bytes.inc(n_bytes)
+        trace.get_current_span().set_attributes({"splitgemma.kv.outcome": outcome,
+                                                 "splitgemma.kv.wire_bytes": n_bytes})
 
     # --------------------------------------------------------------------------------------------------------
 
@@ -432,7 +463,9 @@ async def serve(args) -> int:
                                   tokenizer=tokenizer, stop_tokens=stop_tokens, lease_ms=args.lease_ms,
                                   max_lease_ms=args.max_lease_ms,
                                   tracer=tel.tracer, kv_cache_bytes=cap.budget,
-                                  grammars=Grammars(tokenizer_path, stop_tokens, model.vocab_size))
+                                  grammars=Grammars(tokenizer_path, stop_tokens, model.vocab_size),
+                                  kv_address=args.advertise_address or "",
+                                  push_idle_timeout=args.max_lease_ms / 1000)
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Decode"].full_name],
                             lambda srv: pb_grpc.add_DecodeServicer_to_server(servicer, srv),
                             token=args.service_token, tls=args.tls)

@@ -35,6 +35,11 @@ class GatewayMetrics:
         self.prefill_latency = Histogram(p + "prefill_latency_seconds",
                                          "Prefill RPC duration (prompt compute + KV handoff into the leased slot)",
                                          buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_routes = Counter(p + "prefill_routes", "Prefills by why their prefill worker was chosen: "
+                                      "prefix (it holds the prompt's prefix), rendezvous (the first block's owner) or "
+                                      "load (services/gateway/routing.py)", ["reason"], registry=r)
+        self.kv_transport = Counter(p + "kv_transport", "Prefills by how the K/V reached the decode worker: shm or "
+                                    "network (Decode.PushKv)", ["transport"], registry=r)
         self.in_flight = Gauge(p + "requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge(p + "requests_waiting",
                              "Requests waiting for admission: a decode slot (queued at a decode worker)", registry=r)

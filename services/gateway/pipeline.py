@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from splitgemma.serving.prefix_keys import cacheable_keys
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import ApiError
-from .workers import Worker, WorkerPool, prefix_affinity
+from .workers import Worker, WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
 
@@ -204,6 +205,9 @@ class Pipelines:
                 w.reserving -= 1
             w.grants.extend([time.monotonic()] * len(leases))
             for run, lease in zip(runs, leases):
+                # A prefill worker that cannot map the arena (another host) sends the K/V here over the network,
+                # unless the decode worker advertised another address for that.
+                lease.kv_address = lease.kv_address or w.address
                 run.decode, run.lease = w, lease
             max_context = leases[0].max_context
             if max_context and max_context != w.max_context:
@@ -228,10 +232,10 @@ class Pipelines:
         flight) has not written into the slot, so the prefill is tried again on another healthy prefill worker, once
         per worker."""
         tried: set[Worker] = set()
-        affinity = prefix_affinity(run.spec.prompt_ids, run.lease.chunk)
+        keys = cacheable_keys(run.spec.prompt_ids, run.lease.chunk)
         try:
             while True:
-                w = self.pool.pick_prefill(exclude=tried, affinity=affinity)
+                w, why = self.pool.pick_prefill(exclude=tried, keys=keys)
                 if w is None:
                     self.metrics.rejections.labels(reason="no_prefill_worker").inc()
                     raise ApiError(503, "no prefill worker is available", retry_after=1.0)
@@ -249,7 +253,7 @@ class Pipelines:
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)
                     retry = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-                    if retry and self.pool.pick_prefill(exclude=tried):
+                    if retry and self.pool.pick_prefill(exclude=tried)[0] is not None:
                         log.warning("prefill worker unavailable or full; trying another",
                                     extra={"request_id": run.request_id, "worker": w.address,
                                            "error": e.code().name})
@@ -258,6 +262,9 @@ class Pipelines:
                 finally:
                     w.in_flight -= 1
                 self.metrics.prefill_latency.observe(time.perf_counter() - t0)
+                self.metrics.prefill_routes.labels(reason=why).inc()
+                self.metrics.kv_transport.labels(transport=run.prefill_result.kv_transport or "shm").inc()
+                self.pool.ran_prompt(w, keys)
                 return
         except BaseException:
             self.release(run)

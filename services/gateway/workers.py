@@ -7,10 +7,9 @@ waiting for the next probe.
 
 Routing: the decode worker with the most free slots (from its last Stats, minus the reservations this gateway
 made since), else the one with the shortest Reserve queue (the larger of its last Stats' count and this gateway's
-Reserve calls open there now); the prefill worker with the fewest calls in flight from this gateway, round-robin
-among equals. A prompt with at least one full prefix-cache block (the slot's chunk, more tokens than that) goes by
-its first block to one prefill worker (rendezvous hashing over the healthy ones), so prompts that share it meet the
-same worker's prefix cache; unless that worker has more than AFFINITY_SLACK calls in flight beyond the least loaded.
+Reserve calls open there now); the prefill worker by prefix-cache affinity and load (routing.py): where the prompt's
+prefix is cached (each worker's PrefixIndex, fetched by the monitor when its cache changed), else by rendezvous
+hashing of its first block, else the fewest calls in flight from this gateway.
 
 Geometry: a decode worker's slot context comes from its Stats (DecodeStats.max_context, read by the health probe
 before the worker counts as up) and from the leases it grants; it is forgotten when its worker id changes, i.e. it
@@ -21,7 +20,6 @@ context is not known yet.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import time
@@ -35,6 +33,8 @@ from splitgemma.serving import credentials, telemetry
 from splitgemma.v1 import serving_pb2 as pb
 from splitgemma.v1 import serving_pb2_grpc as pbg
 
+from . import routing
+
 log = logging.getLogger("splitgemma.gateway")
 
 _CHANNEL_OPTIONS = [
@@ -45,17 +45,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
 ]
 _SERVICE = {"prefill": "splitgemma.v1.Prefill", "decode": "splitgemma.v1.Decode"}
-# A prefill worker computes one chunk at a time for all of its calls (docs/scheduling.md): past this many extra calls
-# on the worker holding a prompt's prefix, a miss on an idler worker finishes sooner than a hit sharing the busy one.
-AFFINITY_SLACK = 2
-
-
-def prefix_affinity(prompt_ids: list[int], chunk: int) -> bytes | None:
-    """The routing key of a prompt: a hash of its first prefix-cache block, None when the prompt cannot hit a
-    block (a prefill worker caches whole chunks and always computes at least the last prompt token)."""
-    if chunk < 1 or len(prompt_ids) <= chunk:
-        return None
-    return hashlib.blake2b(",".join(map(str, prompt_ids[:chunk])).encode(), digest_size=16).digest()
 
 
 @dataclass(eq=False)
@@ -74,6 +63,11 @@ class Worker:
     reserving: int = 0              # decode: Reserve calls from this gateway open now (most of them queued)
     worker_id: str = ""
     max_context: int = 0            # decode: slot context from a lease (0 = not known yet)
+    # prefill: the routing keys of the blocks its prefix cache holds (PrefixIndex at prefix_version, plus the
+    # blocks of prompts run there since), and whether its cache is on at all (PrefixCacheStats.budget_bytes)
+    prefixes: set = field(default_factory=set)
+    prefix_version: int = -1
+    caches: bool = False
 
     @property
     def free_slots(self) -> int:
@@ -100,6 +94,8 @@ class Worker:
                "in_flight": self.in_flight}
         if self.worker_id:
             out["worker_id"] = self.worker_id
+        if self.kind == "prefill":
+            out["prefix_blocks"] = len(self.prefixes)  # blocks of its prefix cache this gateway routes by
         if self.kind == "decode" and self.stats is not None:
             out.update(slots_total=self.stats.slots_total, slots_leased=self.stats.slots_leased,
                        slots_running=self.stats.slots_running, queued=self.stats.admission.queued,
@@ -172,6 +168,8 @@ class WorkerPool:
                 stats = await w.stub.Stats(pb.StatsRequest(), timeout=self.probe_timeout)
                 if w.kind == "decode":
                     self._take_stats(w, stats, sent)
+                else:
+                    await self._take_prefix_index(w, stats)
         except grpc.aio.AioRpcError as e:
             serving = False
             w.status = f"{e.code().name}: {e.details()}"
@@ -200,6 +198,28 @@ class WorkerPool:
         if self.on_stats is not None:
             self.on_stats(w)
 
+    async def _take_prefix_index(self, w: Worker, stats: pb.PrefillStats) -> None:
+        """A prefill worker's cached blocks, fetched again only when its cache changed (or it restarted)."""
+        if stats.worker_id != w.worker_id:
+            w.worker_id, w.prefix_version = stats.worker_id, -1
+        w.caches = stats.prefix_cache.budget_bytes > 0
+        if stats.prefix_cache.version == w.prefix_version:
+            return
+        try:
+            index = await w.stub.PrefixIndex(pb.PrefixIndexRequest(), timeout=self.probe_timeout)
+        except grpc.aio.AioRpcError as e:
+            # Routing hints, not health: the worker stays in rotation with the blocks known so far; the next probe
+            # asks again (its version still differs).
+            log.info("prefix index not read", extra={"worker": w.address, "error": e.code().name})
+            return
+        w.prefixes, w.prefix_version = set(index.keys), index.version
+
+    def ran_prompt(self, w: Worker, keys: list[int]) -> None:
+        """A prompt with routing keys `keys` was prefilled on w: its full blocks are in w's cache now (until the next
+        PrefixIndex says otherwise)."""
+        if w.caches:
+            w.prefixes.update(keys)
+
     def mark_failed(self, w: Worker, error: grpc.aio.AioRpcError) -> None:
         """A call to w failed; UNAVAILABLE means the process is gone or unreachable: stop routing to it now."""
         if error.code() == grpc.StatusCode.UNAVAILABLE and w.healthy:
@@ -214,18 +234,13 @@ class WorkerPool:
         healthy = [w for w in self.decode if w.healthy]
         return sorted(healthy, key=lambda w: (-w.free_slots, w.queued, w.in_flight))
 
-    def pick_prefill(self, exclude: set[Worker] = frozenset(), affinity: bytes | None = None) -> Worker | None:
+    def pick_prefill(self, exclude: set[Worker] = frozenset(), keys: list[int] = ()) -> tuple[Worker | None, str]:
+        """(the healthy prefill worker for a prompt with routing keys `keys`, why: routing.pick), (None, "") when
+        none is left."""
         healthy = [w for w in self.prefill if w.healthy and w not in exclude]
         if not healthy:
-            return None
-        least = min(w.in_flight for w in healthy)
-        if affinity is not None:
-            # Rendezvous hashing: a worker going down or coming back moves only the prefixes it holds.
-            w = max(healthy, key=lambda w: hashlib.blake2b(affinity + w.address.encode(), digest_size=8).digest())
-            if w.in_flight <= least + AFFINITY_SLACK:
-                return w
-        tied = [w for w in healthy if w.in_flight == least]
-        return tied[next(self._rr) % len(tied)]
+            return None, ""
+        return routing.pick(healthy, list(keys), next(self._rr))
 
     def known_context(self) -> int:
         """The smallest slot context among healthy decode workers that told us theirs (0 = none known)."""

@@ -17,6 +17,10 @@ under the auto:M weights policy (a pass of fewer than M rows uses the int4 weigh
 `chunk` and prefilling onward in chunks makes exactly the passes an uncached run makes, so a hit is bit-identical to
 a miss. The restore point leaves at least one prompt token to run: the first token is sampled from its logits.
 
+Each block also carries its routing key (splitgemma/serving/prefix_keys.py: the same chain over the token ids,
+unsalted), which Prefill.PrefixIndex reports so a gateway can send a prompt where its prefix is; `version` changes
+whenever a block comes or goes, so the gateway asks again only then.
+
 Eviction: least recently used first, within a byte budget, and only blocks no other cached block extends (leaves),
 so no block is kept whose prefix is gone. The calls run on the model thread; Stats reads the counters from the
 event loop (plain ints).
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from splitgemma.serving.prefix_keys import route_keys
 from splitgemma.v1 import serving_pb2 as pb
 
 
@@ -39,6 +44,7 @@ from splitgemma.v1 import serving_pb2 as pb
 class _Block:
     data: bytes                # KvArena.export_positions of the block's positions
     parent: bytes | None       # key of the block before it (None: the first block of a prompt)
+    route: int = 0             # its routing key (prefix_keys.route_keys)
     children: int = 0          # cached blocks whose parent this is
 
 
@@ -53,6 +59,7 @@ class PrefixCache:
         self._salts: dict[int, tuple[object, bytes]] = {}         # id(model) -> (model, salt)
         self.bytes = 0
         self.queries = self.queried_tokens = self.hit_tokens = self.evictions = 0
+        self.version = 0  # bumped on every block added or evicted
 
     @property
     def enabled(self) -> bool:
@@ -94,9 +101,11 @@ class PrefixCache:
 
     # -- the two calls from the prompt run ---------------------------------------------------------------------
 
-    def restore(self, arena, slot: int, tokens) -> int:
+    def restore(self, arena, slot: int, tokens, parts: list | None = None) -> int:
         """Write the longest cached prefix of `tokens` into `slot` (under the caller's writer lock, before the first
-        chunk) and return its length: the position to prefill the rest from (0 on a miss)."""
+        chunk) and return its length: the position to prefill the rest from (0 on a miss). The blocks' exports are
+        appended to `parts` when given (the network transport sends them on: a sliding layer's ring in `slot` no
+        longer holds a long prefix's first positions)."""
         if not self.enabled:
             return 0
         model = arena.model
@@ -111,7 +120,10 @@ class PrefixCache:
             return 0
         for key in reversed(hits):  # the first block ends most recent: a chain is evicted from its end
             self._blocks.move_to_end(key)
-        arena.import_positions(slot, 0, [self._blocks[k].data for k in hits])
+        data = [self._blocks[k].data for k in hits]
+        arena.import_positions(slot, 0, data)
+        if parts is not None:
+            parts.extend(data)
         n = len(hits) * model.chunk
         self.hit_tokens += n
         return n
@@ -125,7 +137,7 @@ class PrefixCache:
         first, last = pos0 // block, (pos0 + n) // block  # blocks [first, last) end inside (pos0, pos0 + n]
         if last <= first:
             return
-        keys = self.keys(model, tokens, last)
+        keys, routes = self.keys(model, tokens, last), route_keys(tokens, block, last)
         for i in range(first, last):
             key, parent = keys[i], keys[i - 1] if i else None
             if key in self._blocks:
@@ -139,8 +151,9 @@ class PrefixCache:
             if self.bytes + need > self.budget_bytes:
                 return  # everything left is an ancestor of this block
             data = arena.export_positions(slot, i * block, (i + 1) * block)
-            self._blocks[key] = _Block(data, parent)
+            self._blocks[key] = _Block(data, parent, routes[i])
             self.bytes += len(data)
+            self.version += 1
             if parent is not None:
                 self._blocks[parent].children += 1
 
@@ -153,16 +166,28 @@ class PrefixCache:
             b = self._blocks.pop(victim)
             self.bytes -= len(b.data)
             self.evictions += 1
+            self.version += 1
             if b.parent is not None:
                 self._blocks[b.parent].children -= 1
 
     # -- reporting -----------------------------------------------------------------------------------------------
 
+    def route_index(self) -> tuple[int, list[int]]:
+        """(version, the routing keys of every block held). Called on the event loop while the model thread may add
+        blocks: a copy first, retried if the dict changed under it."""
+        while True:
+            version = self.version
+            try:
+                keys = [b.route for b in list(self._blocks.values())]
+            except RuntimeError:  # changed size during iteration
+                continue
+            return version, keys
+
     def stats(self) -> pb.PrefixCacheStats:
         """The counters (block_tokens is the model's chunk: the caller's to fill)."""
         return pb.PrefixCacheStats(budget_bytes=self.budget_bytes, queries=self.queries,
                                    queried_tokens=self.queried_tokens, hit_tokens=self.hit_tokens, bytes=self.bytes,
-                                   blocks=self.blocks, evictions=self.evictions)
+                                   blocks=self.blocks, evictions=self.evictions, version=self.version)
 
 
 class PrefixCacheCollector:

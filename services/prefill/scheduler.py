@@ -25,6 +25,10 @@ head on every row). Each chunk's [chunk, vocabulary] logits are reduced to its p
 go, so what it holds is one chunk's (E2B at chunk 256: 256 x 262,144 floats, 256 MiB), whatever the prompt's
 length. The passes keep the chunk boundaries of a run without logprobs: a weights policy that picks int4 or int8 by
 the rows of a pass (auto:M) then writes the same K/V, and the completion is the same.
+
+A job whose K/V goes over the network (splitgemma/serving/kv_transport.py) runs into a staging slot of the worker's
+own (`slot` of that `view`) and hands each chunk's positions, and the restored prefix's blocks, to its `sink` as
+soon as they are computed, so the transfer runs while the next chunk computes.
 """
 
 from __future__ import annotations
@@ -74,8 +78,10 @@ class PrefillJob:
 
     def __init__(self, model, view: MappedArena, request, tokens: np.ndarray, sampler,
                  deadline: float, deadline_reason: str, prefix_cache, release: Callable[[], None],
-                 loop: asyncio.AbstractEventLoop, matcher=None):
+                 loop: asyncio.AbstractEventLoop, matcher=None, slot: int | None = None, sink=None):
         self.model, self.view, self.request, self.tokens = model, view, request, tokens
+        self.slot = request.lease.slot if slot is None else slot  # in view.arena: the leased slot, or a staging one
+        self.sink = sink  # the network transport's KvSender: .send / .send_range from the model thread
         self.matcher = matcher  # splitgemma.serving.grammar.Matcher of a constrained request: masks the first token
         self.sampler = sampler  # splitgemma.engine.RowSampler (splitgemma.serving.logits.row_sampler), seeded
         self.prefix_cache = prefix_cache  # prefix_cache.PrefixCache: restore in start, capture after each chunk
@@ -116,9 +122,14 @@ class PrefillJob:
     def start(self, step: int) -> None:
         """Before the first chunk (the caller checked the slot's lease stamp when it took the writer lock, which it
         still holds): restore the prompt's cached prefix into the slot and start after it (not for prompt logprobs,
-        which need every position's logits)."""
+        which need every position's logits). A network job sends the restored blocks on as they are."""
         if self.top_n is None:
-            self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.lease.slot, self.tokens)
+            parts = [] if self.sink is not None else None
+            self.pos = self.cached_tokens = self.prefix_cache.restore(self.view.arena, self.slot, self.tokens, parts)
+            pos = 0
+            for part in parts or ():
+                self.sink.send(pos, part)
+                pos += len(part) // self.model.kv_layout["position_bytes"]
         self.started = time.monotonic()
         self.first_step = step
 
@@ -126,29 +137,31 @@ class PrefillJob:
         n = min(self.model.chunk, self.remaining)
         t0 = time.perf_counter()
         if self.top_n is None:
-            self.logits = self.model.prefill(self.view.arena, self.lease.slot, self.tokens[self.pos:self.pos + n],
+            self.logits = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
                                              pos0=self.pos)
         else:
-            rows = self.model.prefill(self.view.arena, self.lease.slot, self.tokens[self.pos:self.pos + n],
+            rows = self.model.prefill(self.view.arena, self.slot, self.tokens[self.pos:self.pos + n],
                                       pos0=self.pos, all_logits=True)
             # Row i predicts position pos + i + 1: the prompt's token there, while there is one.
             k = min(n, len(self.tokens) - 1 - self.pos)
             if k > 0:
                 self._scored.append(prompt_logprobs(rows[:k], self.tokens[self.pos + 1:self.pos + 1 + k], self.top_n))
             self.logits = rows[-1]
+        if self.sink is not None:
+            self.sink.send_range(self.view.arena, self.slot, self.pos, self.pos + n)
         self.busy_seconds += time.perf_counter() - t0
         self.after_chunk(self.pos, n, step)
 
     def after_chunk(self, pos0: int, n: int, step: int) -> None:
         """Positions pos0 … pos0+n-1 are in the slot: keep the blocks they complete while the rings still hold them."""
-        self.prefix_cache.capture(self.view.arena, self.lease.slot, self.tokens, pos0, n)
+        self.prefix_cache.capture(self.view.arena, self.slot, self.tokens, pos0, n)
         self.pos = pos0 + n
         self.last_step = step
 
     def finish(self) -> Result:
         """Seal the slot header and sample the first token from the last chunk's logits."""
         t1 = time.perf_counter()
-        self.view.arena.seal(self.lease.slot, request_key(self.request.request_id), self.lease.generation)
+        self.view.arena.seal(self.slot, request_key(self.request.request_id), self.lease.generation)
         t2 = time.perf_counter()
         if self.matcher is not None:
             self.matcher.mask()
@@ -157,7 +170,7 @@ class PrefillJob:
                             [self.matcher.bits if self.matcher is not None else None])[0]
         if isinstance(first, str):
             raise ValueError(f"sampling the first token failed: {first}")
-        return Result(first, self.view.arena.header(self.lease.slot)["checksum"], self.cached_tokens,
+        return Result(first, self.view.arena.header(self.slot)["checksum"], self.cached_tokens,
                       time.monotonic() - self.started,
                       t2 - t1, self.started - self.accepted, self.first_step, self.last_step,
                       self._prompt_logprobs())

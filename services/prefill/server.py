@@ -12,12 +12,16 @@ call's own gRPC deadline (the gateway sets one), capped by --max-prefill-seconds
 a passed deadline stops the prompt without sealing, so a half-written slot can never be admitted (Generate
 verifies the seal and checksum), and the lock is let go. The prefix cache (prefix_cache.py) restores a
 prompt's cached prefix into the slot in the job's first step and keeps the full blocks each chunk completes.
+
+A lease whose arena this worker cannot map (another host: the decode worker's file is not under this --shm-dir, or
+the file there is not the lease's) goes over the network instead (splitgemma/serving/kv_transport.py): the prompt
+runs into a staging slot here and its K/V streams to the decode worker (Decode.PushKv at Lease.kv_address), which
+takes the slot's writer lock, checks the lease stamp, and seals the slot; the rest of the call is the same.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import threading
@@ -30,6 +34,9 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitgemma.serving import telemetry
+from splitgemma.serving.credentials import TlsFiles
+from splitgemma.serving.kv_transport import (NETWORK, SHM, KvChannels, KvSender, PushRefused, StagingSlots,
+                                             arena_reachable, outside, stamp_refusal)
 from splitgemma.serving.grammar import Grammars, worker_grammars
 from splitgemma.serving.logits import row_sampler
 from splitgemma.serving.stop_tokens import model_stop_tokens
@@ -60,8 +67,10 @@ _LOCK_POLL_S = (0.002, 0.02)
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, *, model, shm_dir: str, worker: str, registry: CollectorRegistry, tracer, policy: str,
                  max_prompts: int, max_seconds: float, prefix_cache: PrefixCache, grammars: Grammars,
-                 stop_tokens=()):
+                 stop_tokens=(), kv_token: str | None = None, kv_tls: TlsFiles | None = None):
         self.model = model
+        self.kv_channels = KvChannels(kv_token, kv_tls)  # to decode workers, for leases sent over the network
+        self.staging = StagingSlots(model)
         self.stop_tokens = frozenset(stop_tokens)  # what min_tokens holds off unless ignore_eos
         self.grammars = grammars
         self.prefix_cache = prefix_cache
@@ -88,6 +97,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.prompt_tokens = 0
         self.busy_seconds = 0.0
         self.queued_seconds = 0.0
+        self.transport_prompts = {SHM: 0, NETWORK: 0}
+        self.wire_bytes = self.network_tokens = 0
+        self.m_transport = Counter("splitgemma_prefill_kv_transport_prompts", "prompts by how their K/V reached the "
+                                   "slot: shm (the mapped arena) or network (Decode.PushKv)", ["transport"],
+                                   registry=registry)
+        self.m_wire = Counter("splitgemma_prefill_kv_wire_bytes", "K/V bytes sent over the network transport",
+                              registry=registry)
+        self.m_network_tokens = Counter("splitgemma_prefill_kv_network_tokens",
+                                        "prompt tokens whose K/V went over the network (wire bytes / this = bytes "
+                                        "per token)", registry=registry)
         self.m_requests = Counter("splitgemma_prefill_requests", "Prefill calls by outcome", ["outcome"],
                                   registry=registry)
         self.m_tokens = Counter("splitgemma_prefill_tokens", "prompt tokens run", registry=registry)
@@ -129,9 +148,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 busy_seconds=self.busy_seconds, backend=self.model.backend, model=self.model.path,
                                 layout_signature=self.model.layout_signature, prefix_cache=self.prefix_cache.stats(),
                                 prompts_waiting=waiting, prompts_running=running, queued_seconds=self.queued_seconds,
-                                prefill_policy=self.scheduler.policy, max_prompts=self.max_prompts)
+                                prefill_policy=self.scheduler.policy, max_prompts=self.max_prompts,
+                                kv_shm_prompts=self.transport_prompts[SHM],
+                                kv_network_prompts=self.transport_prompts[NETWORK], kv_wire_bytes=self.wire_bytes,
+                                kv_network_tokens=self.network_tokens)
         stats.prefix_cache.block_tokens = self.model.chunk
         return stats
+
+    async def PrefixIndex(self, request, context):
+        version, keys = self.prefix_cache.route_index()
+        return pb.PrefixIndexResponse(version=version, block_tokens=self.model.chunk, keys=keys)
 
     async def Prefill(self, request, context):
         span = self.tracer.start_span("prefill.forward", attributes={
@@ -153,7 +179,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             span.end()
 
     async def _prefill(self, request, context, span) -> pb.PrefillResponse:
-        rid, lease = request.request_id, request.lease
+        lease = request.lease
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill worker is draining")
         try:
@@ -163,7 +189,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             sampler = row_sampler(request.sampling, vocab_size=self.model.vocab_size, rng_state=seed,
                                   want_logprob=True, prompt_ids=tokens, stop_ids=stop_ids)
             digest = lease_digest(lease.worker_id, lease.slot, lease.generation, lease.secret)
-            view = self._arena(lease)
+            view = self._shm_view(lease)
         except ArenaMissing as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (InvalidRequest, InvalidLease, ArenaError) as e:
@@ -173,11 +199,13 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                 f"the lease on slot {lease.slot} expired before the prefill started; nothing was "
                                 "written")
         matcher = await constraint_matcher(self.grammars, request.sampling, context)
+        transport = SHM if view is not None else NETWORK
+        span.set_attribute("splitgemma.kv.transport", transport)
+        if transport == NETWORK:
+            return await self._prefill_network(request, context, span, tokens, sampler, matcher)
         job = self._accept(context, view, request, tokens, sampler, matcher)
         if job is None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
-                                "retry later", trailing_metadata=(("retry-after-ms", "1000"),))
+            await self._full(context)
         try:
             await self._lock_slot(job)
         except Stopped as e:
@@ -192,8 +220,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except Stopped as e:  # not this lease's slot, or the worker is stopping
             self._release(job)
             await context.abort(e.code, str(e))
+        r = await self._outcome(job, context)
+        return self._done(request, span, job, r, SHM, 0)
+
+    async def _full(self, context) -> None:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the prefill worker has {self.max_prompts} prompts in flight (--max-prompts); "
+                            "retry later", trailing_metadata=(("retry-after-ms", "1000"),))
+
+    async def _outcome(self, job: PrefillJob, context, sender: KvSender | None = None):
+        rid, lease = job.request.request_id, job.lease
         try:
-            r = await job.outcome
+            return await job.outcome
         except asyncio.CancelledError:
             # The caller went away: the model thread, which sweeps its jobs before every turn, drops this one before
             # its next chunk; the slot stays unsealed.
@@ -201,10 +239,70 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             log.info("prefill cancelled by the caller", extra={"request_id": rid, "slot": lease.slot})
             raise
         except Stopped as e:
+            if sender is not None and sender.broken is not None:  # the stream broke, which stopped the job
+                await self._push_failed(context, lease, sender.broken)
             await context.abort(e.code, str(e))
         except (ValueError, IndexError) as e:  # the engine refused (its checks run before any slot byte changes)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"prefill refused: {e}")
+
+    async def _push_failed(self, context, lease, e: PushRefused) -> None:
+        await context.abort(_push_code(e.code), f"decode worker {lease.kv_address}: {e.details}")
+
+    async def _prefill_network(self, request, context, span, tokens, sampler, matcher) -> pb.PrefillResponse:
+        """The prompt into a staging slot here, its K/V streamed to the decode worker chunk by chunk (module doc)."""
+        lease = request.lease
+        staging = self.staging.take()
+        job = self._accept(context, staging, request, tokens, sampler, matcher, slot=0,
+                           release=lambda: self._end_staged(job, staging))
+        if job is None:
+            self.staging.give_back(staging)
+            await self._full(context)
+        # A stream that breaks while the prompt runs stops it before its next chunk: nobody would take its K/V.
+        sender = KvSender(self.kv_channels.stub(lease.kv_address), request.request_id, lease, len(tokens),
+                          timeout=max(0.0, job.deadline - time.monotonic()), on_broken=job.cancel)
+        job.sink = sender
+        submitted = False
+        try:
+            try:
+                await sender.open()  # the decode worker holds the slot's lock and checked the stamp
+            except PushRefused as e:
+                await self._push_failed(context, lease, e)
+            try:
+                self.scheduler.submit(job)
+            except Stopped as e:
+                await context.abort(e.code, str(e))
+            submitted = True  # from here on the job's end gives the staging slot back
+            r = await self._outcome(job, context, sender)
+            try:
+                sealed = await sender.seal(len(tokens), r.checksum)
+            except PushRefused as e:
+                await self._push_failed(context, lease, e)
+        except BaseException:
+            sender.cancel()  # the decode worker lets the slot go unsealed
+            if not submitted:
+                self._end_staged(job, staging)
+            raise
+        if sealed.checksum != r.checksum:
+            await context.abort(grpc.StatusCode.DATA_LOSS, f"the decode worker sealed checksum "
+                                                          f"{sealed.checksum:016x}, this worker {r.checksum:016x}")
+        span.set_attribute("splitgemma.kv.wire_bytes", sender.wire_bytes)
+        return self._done(request, span, job, r, NETWORK, sender.wire_bytes)
+
+    def _end_staged(self, job: PrefillJob, staging: MappedArena) -> None:
+        """A network job has ended (or never ran): its staging slot goes back, then its place in flight."""
+        self.staging.give_back(staging)
+        self._drop(job)
+
+    def _done(self, request, span, job: PrefillJob, r, transport: str, wire_bytes: int) -> pb.PrefillResponse:
+        rid, lease, tokens = request.request_id, request.lease, job.tokens
         n = len(tokens)
+        self.transport_prompts[transport] += 1
+        self.m_transport.labels(transport=transport).inc()
+        if transport == NETWORK:
+            self.wire_bytes += wire_bytes
+            self.network_tokens += n
+            self.m_wire.inc(wire_bytes)
+            self.m_network_tokens.inc(n)
         self.requests += 1
         self.prompt_tokens += n
         self.busy_seconds += job.busy_seconds
@@ -216,17 +314,19 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         span.set_attribute("gen_ai.usage.cache_read.input_tokens", r.cached_tokens)
         span.set_attribute("splitgemma.prefill.queued_seconds", r.queued_seconds)
         log.info("prefilled", extra={"request_id": rid, "slot": lease.slot, "generation": lease.generation,
-                                     "arena": lease.arena_path, "prompt_tokens": n, "cached_tokens": r.cached_tokens,
+                                     "arena": lease.arena_path, "kv_transport": transport, "kv_wire_bytes": wire_bytes,
+                                     "prompt_tokens": n, "cached_tokens": r.cached_tokens,
                                      "seconds": round(r.seconds, 6), "queued_seconds": round(r.queued_seconds, 6),
                                      "first_token": r.first.token})
         return pb.PrefillResponse(first_token=token_message(r.first), prompt_tokens=n, kv_checksum=r.checksum,
                                   rng_state=r.first.rng_state, prefill_seconds=r.seconds,
                                   kv_bytes_written=self._kv_bytes(n), cached_tokens=r.cached_tokens,
                                   queued_seconds=r.queued_seconds, first_chunk_step=r.first_step,
-                                  last_chunk_step=r.last_step, prompt_logprobs=r.prompt_logprobs)
+                                  last_chunk_step=r.last_step, prompt_logprobs=r.prompt_logprobs,
+                                  kv_transport=transport, kv_wire_bytes=wire_bytes)
 
     def _accept(self, context, view: MappedArena, request, tokens: np.ndarray, sampler,
-                matcher) -> PrefillJob | None:
+                matcher, slot: int | None = None, release=None) -> PrefillJob | None:
         """A job for the call, counted in flight; None when --max-prompts are in flight already."""
         remaining = context.time_remaining()
         if remaining is not None and remaining < self.max_seconds:
@@ -235,8 +335,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             deadline, reason = time.monotonic() + self.max_seconds, \
                 f"the worker's limit of {self.max_seconds:g} s per prompt (--max-prefill-seconds)"
         job = PrefillJob(self.model, view, request, tokens, sampler, deadline, reason,
-                         prefix_cache=self.prefix_cache, release=lambda: self._release(job),
-                         loop=asyncio.get_running_loop(), matcher=matcher)
+                         prefix_cache=self.prefix_cache, release=release or (lambda: self._release(job)),
+                         loop=asyncio.get_running_loop(), matcher=matcher, slot=slot)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_prompts:
                 return None
@@ -299,6 +399,22 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             raise InvalidRequest(f"prompt_logprobs must be 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
         return tokens
 
+    def _shm_view(self, lease) -> MappedArena | None:
+        """The mapped arena of the lease, or None when its K/V must go over the network: the lease names an address
+        for that (Lease.kv_address) and its arena is not this host's to map (not under this --shm-dir, no such file
+        here, or a file whose slot header does not hold the lease's generation: kv_transport's proof)."""
+        if lease.kv_address and outside(lease.arena_path, self.shm_dir):
+            return None
+        try:
+            view = self._arena(lease)
+        except ArenaMissing:
+            if lease.kv_address:
+                return None
+            raise
+        if lease.kv_address and not arena_reachable(view, lease):
+            return None
+        return view
+
     def _arena(self, lease) -> MappedArena:
         """The mapping of the lease's arena, cached per path. Mappings of files that are gone or replaced
         (their decode worker stopped or restarted) are dropped first, so their memory is freed."""
@@ -322,19 +438,18 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
 
 def _check_stamp(job: PrefillJob, digest: bytes) -> None:
-    """Under the slot's writer lock, before anything is written: is the slot leased to the job's lease? The decode
-    worker stamps the generation and the digest of the lease's secret when it leases the slot and clears both, under
-    the same lock, when it takes the slot back; so while this call holds the lock the answer cannot change."""
+    """Under the slot's writer lock, before anything is written: is the slot leased to the job's lease?"""
     lease = job.lease
-    header = job.view.arena.header(lease.slot)
-    if header["generation"] != lease.generation:
-        raise Stopped(grpc.StatusCode.FAILED_PRECONDITION,
-                      f"slot {lease.slot} is not leased to generation {lease.generation} (the lease was revoked: "
-                      "released or expired, or was never issued); nothing was written")
-    if not hmac.compare_digest(header["lease_digest"], digest):
-        raise Stopped(grpc.StatusCode.PERMISSION_DENIED,
-                      f"the lease's secret does not match the one slot {lease.slot} is leased with (a forged "
-                      "lease); nothing was written")
+    refusal = stamp_refusal(job.view.arena.header(lease.slot), lease.slot, lease.generation, digest)
+    if refusal is not None:
+        raise Stopped(*refusal)
+
+
+def _push_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    """The Prefill status for a PushKv that failed with `code`: the decode worker's verdict on the lease as it is;
+    a decode worker that cannot be reached is FAILED_PRECONDITION, as a vanished arena is on shared memory (an
+    UNAVAILABLE would tell the gateway this prefill worker is down)."""
+    return grpc.StatusCode.FAILED_PRECONDITION if code == grpc.StatusCode.UNAVAILABLE else code
 
 
 async def serve(args) -> int:
@@ -348,7 +463,8 @@ async def serve(args) -> int:
                                max_seconds=args.max_prefill_seconds, prefix_cache=PrefixCache(args.prefix_cache_bytes),
                                grammars=worker_grammars(args.model, getattr(args, "tokenizer", None),
                                                         model.vocab_size),
-                               stop_tokens=model_stop_tokens(args.model)[0])
+                               stop_tokens=model_stop_tokens(args.model)[0], kv_token=args.service_token,
+                               kv_tls=args.kv_tls)
     try:
         server = GrpcServer(args.host, args.port, [pb.DESCRIPTOR.services_by_name["Prefill"].full_name],
                             lambda srv: pb_grpc.add_PrefillServicer_to_server(servicer, srv),
@@ -369,6 +485,7 @@ async def serve(args) -> int:
         await serve_until_signalled(server, lambda: servicer.in_flight, args.drain_timeout, start_draining)
     finally:
         servicer.close()
+        await servicer.kv_channels.close()
         tel.shutdown()
     log.info("prefill worker stopped")
     return 0

@@ -99,6 +99,9 @@ def register(subparsers) -> None:
                         "without one, texts stay empty and stop strings are refused)")
     p.add_argument("--worker-id", default=None,
                    help="names the arena file (default: decode-<pid>-<random>, unique per start)")
+    p.add_argument("--advertise-address", default=None, metavar="HOST:PORT",
+                   help="where prefill workers on other hosts reach this worker to send K/V over the network "
+                        "(Decode.PushKv), put in every lease (default: the address the gateway dials this worker at)")
     p.set_defaults(func=run)
 
 

@@ -59,7 +59,9 @@ def register(subparsers) -> None:
         "prefill", help="run a prefill worker (gRPC service splitgemma.v1.Prefill)",
         description="Run a prefill worker: for each Prefill call it maps the decode worker's arena named in the "
                     "lease (a splitgemma-kv-* file directly under --shm-dir), runs the prompt into the leased slot, "
-                    "seals the slot header and returns the first token. Also serves grpc.health.v1 and server "
+                    "seals the slot header and returns the first token. When the arena is not on this host it "
+                    "streams the K/V to the decode worker instead (Decode.PushKv at the lease's kv_address, with "
+                    "the service token and --kv-tls-*). Also serves grpc.health.v1 and server "
                     "reflection. --max-context and --chunk must match the decode workers'.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_options(p, DEFAULT_PORT, default_weights="auto:16")
@@ -68,6 +70,10 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json for constrained outputs (structured outputs: the first token is masked "
                         "here); default: beside the model file; without one, constrained requests are refused")
+    add_tls_options(p, "--kv-tls", cert_help="a PEM client certificate to present to decode workers when K/V goes "
+                                             "over the network (Decode.PushKv; mTLS)",
+                    ca_help="verify decode workers' TLS certificates with this PEM CA when K/V goes over the "
+                            "network (default: plaintext; with only --kv-tls-cert/--kv-tls-key, the system's CAs)")
     p.set_defaults(func=run)
 
 
@@ -102,4 +108,7 @@ def run(args) -> int:
     from splitgemma.services.prefill.server import serve
 
     check_worker_options(args)
+    args.kv_tls = tls_files(args, "kv_tls")
+    if args.kv_tls.enabled:
+        args.kv_tls.check(server=False)
     return asyncio.run(serve(args))

@@ -111,6 +111,11 @@ async def constraint_matcher(grammars: Grammars, sampling: pb.SamplingParams, co
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.constraint: {e}")
 
 
+# The largest gRPC message a worker takes (gRPC's default is 4 MiB): a network K/V part may be one whole prefix-cache
+# block, one chunk of positions (splitgemma/serving/kv_transport.py; E2B at --chunk 1024: 9.6 MB).
+MAX_MESSAGE_BYTES = 64 << 20
+
+
 class GrpcServer:
     """A grpc.aio server with OTel interceptors, health (grpc.health.v1) and reflection for `services`; with a
     service token, calls without it are refused (health excepted), and with `tls`, the port speaks TLS
@@ -124,7 +129,8 @@ class GrpcServer:
         # bind fails and the worker says so.
         self.server = grpc.aio.server(interceptors=[*credentials.server_interceptors(token),
                                                     *telemetry.grpc_server_interceptors()],
-                                      options=[("grpc.so_reuseport", 0)])
+                                      options=[("grpc.so_reuseport", 0),
+                                               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         add_servicers(self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
