@@ -13,16 +13,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from test_gateway import MAX_CONTEXT, MODEL, MODEL_NAME, TEMPLATE, Stack, _error
-from tools.otlp_collector import OtlpCollector
+from test_gateway import collector  # noqa: F401  (the module's OTLP receiver fixture, shared)
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w5 w6 w7"}]
-
-
-@pytest.fixture(scope="module")
-def collector():
-    c = OtlpCollector()
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")
