@@ -301,9 +301,9 @@ class BatchLoop:
 
     @staticmethod
     def _sample(batch: list[Sequence], logits) -> list:
-        """The rows' tokens (a Sample, or the error message of a row that failed), in one native call."""
-        rows = logits if isinstance(logits, np.ndarray) else np.stack(logits)
-        return sample_rows(rows, [s.sampler for s in batch],
+        """The rows' tokens (a Sample, or the error message of a row that failed), in one native call; logits: the
+        [len(batch), V] array (Model.decode's, or _rows_alone's stack)."""
+        return sample_rows(logits, [s.sampler for s in batch],
                            [s.matcher.bits if s.matcher is not None else None for s in batch])
 
     def _decode(self, batch: list[Sequence], drafts: list[list[int]]):
