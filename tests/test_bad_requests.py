@@ -4,11 +4,10 @@ fuzzing with hypothesis), .fgm headers and tensor tables against the native read
 model file truncated under a running stack, CLI integers out of range.
 
 Reproducibility of the fuzzing: every hypothesis test here runs with derandomize=True (the examples are a function
-of the test's source, so CI runs the same ones every time and a failure is never a matter of luck) plus explicit
-@example()s for each class of input that once failed (so those stay covered whatever the generator does). That is
-instead of a committed DirectoryBasedExampleDatabase: hypothesis turns its database off under derandomize, and a
-directory of opaque blobs that changes with every local run would be a poor thing to review. A failure hypothesis
-finds is printed as a minimal example, which belongs in an @example() here.
+of the test's source, so CI runs the same ones every time and a failure is never a matter of luck), and first runs
+the committed seed corpus in tests/fixtures/fuzz/ (its README): every input that once failed, or stands for a class
+of bad input, as an explicit example, so those stay covered whatever the generator does. A failure hypothesis finds
+is printed as a minimal example, which belongs in that corpus.
 
 Budget: the request fuzzing sends REQUEST_EXAMPLES bodies (most are answered 400 in milliseconds; the valid ones
 generate at most 4 tokens × 3 choices), the .fgm fuzzing opens FGM_EXAMPLES files; together well under a minute.
@@ -331,6 +330,26 @@ def _check_answer(http, path: str, content: bytes) -> None:
         json.loads(text)
 
 
+SEEDS = Path(__file__).parent / "fixtures" / "fuzz"
+
+
+def seeded(corpus: str, to_example):
+    """Applies one hypothesis example per line of the seed corpus tests/fixtures/fuzz/<corpus>."""
+    entries = [json.loads(line) for line in (SEEDS / corpus).read_text().splitlines() if line.strip()]
+    assert entries, corpus
+
+    def apply(test):
+        for e in entries:
+            test = to_example(e)(test)
+        return test
+    return apply
+
+
+def _named(body: dict) -> dict:
+    """A corpus body with the served model's name in place of its "MODEL"."""
+    return {**body, "model": MODEL_NAME} if body.get("model") == "MODEL" else body
+
+
 _FUZZ = settings(max_examples=REQUEST_EXAMPLES, deadline=None, derandomize=True, database=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                         HealthCheck.function_scoped_fixture])
@@ -340,14 +359,8 @@ _FUZZ = settings(max_examples=REQUEST_EXAMPLES, deadline=None, derandomize=True,
 @given(path=st.sampled_from([None, None, None, C, CHAT]), body=_bodies(), mangle=st.sampled_from(
     ["none", "none", "none", "surrogate", "nan", "digits", "nest", "duplicate", "truncate", "bytes"]),
     junk=st.binary(max_size=40))
-@example(path=C, body=completion(prompt="\ud800"), mangle="none", junk=b"")
-@example(path=CHAT, body=chat(chat_template_kwargs={"tools": [{"type": "function"}]}), mangle="none", junk=b"")
-@example(path=C, body=completion(top_k=1 << 40, stop_token_ids=[1 << 33]), mangle="none", junk=b"")
-@example(path=C, body=completion(seed=0), mangle="digits", junk=b"")
-@example(path=C, body=completion(), mangle="nest", junk=b"")
-@example(path=C, body=completion(temperature=1e-40, logprobs=3, max_tokens=3), mangle="none", junk=b"")
-@example(path=CHAT, body=chat(stream=True, logprobs=True, top_logprobs=2, temperature=1e-40), mangle="none",
-         junk=b"")
+@seeded("requests.jsonl", lambda e: example(path=e["path"], body=_named(e["body"]), mangle=e["mangle"],
+                                                junk=bytes.fromhex(e["junk_hex"])))
 def test_fuzzed_bodies_get_an_answer_never_a_500(http, path, body, mangle, junk):
     """path None = the endpoint the body was made for."""
     path = path or (CHAT if "messages" in body else C)
@@ -440,13 +453,7 @@ def _finite_logits(path: Path) -> bool:
 @settings(max_examples=FGM_EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(changes=st.lists(_header_change(), min_size=1, max_size=3))
-@example(changes=[(("config", "rms_norm_eps", None), 1e-300)])
-@example(changes=[(("config", "embed_scale", None), 1e300)])
-@example(changes=[(("config", "final_logit_softcapping", None), 1e-300)])
-@example(changes=[(("config", "head_dim", None), 2**30)])
-@example(changes=[(("config", "num_attention_heads", None), 2**16), (("config", "head_dim", None), 2**16)])
-@example(changes=[(("entry", "norm", "offset"), 2**63)])
-@example(changes=[(("shape", "embed_tokens", 0), 2**40)])
+@seeded("fgm_headers.jsonl", lambda e: example(changes=[(tuple(where), value) for where, value in e["changes"]]))
 def test_fuzzed_fgm_headers_load_or_raise_fgm_error(tmp_path_factory, changes):
     data, header = _FGM
     header = json.loads(json.dumps(header))
