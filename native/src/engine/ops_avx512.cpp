@@ -46,25 +46,159 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
 }
 
+// The sums of the 16 lanes of a0..a3, as the 4 lanes of the result (lane i: a_i). Transposes while it adds: 13
+// shuffles and adds for four dot products, where _mm512_reduce_add_ps takes ~8 dependent steps for each one.
+inline __m128i hsum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  // Per 128-bit lane: [a0, a1, a0, a1] partials, then [a0, a1, a2, a3].
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+  const __m256i h = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d d01 = _mm512_castps_pd(s01), d23 = _mm512_castps_pd(s23);
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores of HB heads (q rows q_stride apart) against P consecutive cache rows (P = 4, or 1 for a run's last
+// positions) from k on, f16 or f32 elements: each K vector is converted once for the HB heads, and the HB x P dot
+// products are summed four positions at a time (hsum4).
+template <int HB, int P, int E>
+inline void qk_float_group(const float* q, int q_stride, int hd, const uint8_t* k, int row_bytes, float* out,
+                           int span) {
+  __m512 acc[HB][P];
+  for (int h = 0; h < HB; ++h)
+    for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_ps();
+  for (int d = 0; d < hd; d += 16) {
+    __m512 kf[P];
+    for (int p = 0; p < P; ++p) kf[p] = load_kv16<E>(k + int64_t(p) * row_bytes, d);
+    for (int h = 0; h < HB; ++h) {
+      const __m512 qv = _mm512_loadu_ps(q + h * q_stride + d);
+      for (int p = 0; p < P; ++p) acc[h][p] = _mm512_fmadd_ps(qv, kf[p], acc[h][p]);
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    if constexpr (P == 4) _mm_storeu_ps(out + h * span, hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
+    else out[h * span] = _mm512_reduce_add_ps(acc[h][0]);
+  }
+}
+
+template <int NH, int E>
+void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs,
+                     int span, float* s) {
+  constexpr int HB = NH < 4 ? NH : 4;  // heads per pass: HB x 4 accumulators, 4 K vectors, one q vector
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
+    float* out = s + runs[ri].off;
+    const int len = runs[ri].len;
+    for (int h0 = 0; h0 < NH; h0 += HB) {
+      const float* qh = q + h0 * q_stride;
+      float* oh = out + h0 * span;
+      int j = 0;
+      for (; j + 4 <= len; j += 4)
+        qk_float_group<HB, 4, E>(qh, q_stride, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, oh + j, span);
+      for (; j < len; ++j)
+        qk_float_group<HB, 1, E>(qh, q_stride, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, oh + j, span);
+    }
+  }
+}
+
+// The largest head_dim the int8 Q·K path takes (its quantised queries live on the stack); longer heads convert.
+constexpr int kQ8MaxDim = 512;
+
+// Q·K on the int8 cache in int8 (vpdpbusd, 64 products an instruction), as llama.cpp does for a quantised K cache:
+// each query head is quantised to int8 codes with one scale (its largest |q| / 127), K codes become unsigned by
+// k + 128 (a XOR of the sign bit), and sum((k + 128) q8) - 128 sum(q8) is the exact integer dot of the codes. The
+// score is that times the head's q scale and the row's K scale. The error against the f32 dot is the queries'
+// rounding alone (the keys are codes already): at most hd/2 * qscale * max|k code| * kscale, and in practice (random
+// rounding signs) ~sqrt(hd) times smaller.
+template <int HB, int P>
+inline void qk_int8_group(const int8_t* q8, int hd, const uint8_t* k, int row_bytes, const int32_t* qsum128,
+                          const float* qscale, const float* ks, float* out, int span) {
+  __m512i acc[HB][P];
+  for (int h = 0; h < HB; ++h)
+    for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_si512();
+  const __m512i sign = _mm512_set1_epi8(char(0x80));
+  for (int d = 0; d < hd; d += 64) {
+    __m512i ku[P];
+    for (int p = 0; p < P; ++p)
+      ku[p] = _mm512_xor_si512(_mm512_loadu_si512(k + int64_t(p) * row_bytes + d), sign);
+    for (int h = 0; h < HB; ++h) {
+      const __m512i qv = _mm512_loadu_si512(q8 + h * hd + d);
+      for (int p = 0; p < P; ++p) acc[h][p] = _mm512_dpbusd_epi32(acc[h][p], ku[p], qv);
+    }
+  }
+  for (int h = 0; h < HB; ++h) {
+    if constexpr (P == 4) {
+      const __m128i dot = _mm_sub_epi32(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_epi32(qsum128[h]));
+      const __m128 sc = _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(qscale[h]));
+      _mm_storeu_ps(out + h * span, _mm_mul_ps(sc, _mm_loadu_ps(ks)));
+    } else {
+      out[h * span] = float(_mm512_reduce_add_epi32(acc[h][0]) - qsum128[h]) * qscale[h] * ks[0];
+    }
+  }
+}
+
+template <int NH>
+void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
+                    float* s) {
+  alignas(64) int8_t q8[NH * kQ8MaxDim];
+  int32_t qsum128[NH];
+  float qscale[NH];
+  for (int h = 0; h < NH; ++h) {
+    const float* qh = q + h * q_stride;
+    __m512 mx = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh + d)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    qscale[h] = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int d = 0; d < hd; d += 16) {
+      const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qh + d), inv));  // round to nearest
+      sum = _mm512_add_epi32(sum, qi);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + h * hd + d), _mm512_cvtsepi32_epi8(qi));
+    }
+    qsum128[h] = 128 * _mm512_reduce_add_epi32(sum);
+  }
+  constexpr int HB = NH < 4 ? NH : 4;
+  for (int ri = 0; ri < n_runs; ++ri) {
+    const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
+    const float* ks = c.ks + runs[ri].row;
+    float* out = s + runs[ri].off;
+    const int len = runs[ri].len;
+    for (int h0 = 0; h0 < NH; h0 += HB) {
+      const int8_t* qh = q8 + h0 * hd;
+      float* oh = out + h0 * span;
+      int j = 0;
+      for (; j + 4 <= len; j += 4)
+        qk_int8_group<HB, 4>(qh, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, qsum128 + h0, qscale + h0, ks + j,
+                             oh + j, span);
+      for (; j < len; ++j)
+        qk_int8_group<HB, 1>(qh, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, qsum128 + h0, qscale + h0, ks + j,
+                             oh + j, span);
+    }
+  }
+}
+
 template <int NH, int E>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                float* s) {
-  for (int ri = 0; ri < n_runs; ++ri) {
-    const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
-    const float* ks = E != 1 ? nullptr : c.ks + runs[ri].row;
-    float* out = s + runs[ri].off;
-    for (int j = 0; j < runs[ri].len; ++j, k += c.row_bytes) {
-      __m512 acc[NH];
-      for (int h = 0; h < NH; ++h) acc[h] = _mm512_setzero_ps();
-      for (int d = 0; d < hd; d += 16) {
-        const __m512 kf = load_kv16<E>(k, d);
-        for (int h = 0; h < NH; ++h) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * q_stride + d), kf, acc[h]);
-      }
-      for (int h = 0; h < NH; ++h) {
-        const float dot = _mm512_reduce_add_ps(acc[h]);
-        out[h * span + j] = E != 1 ? dot : dot * ks[j];
-      }
-    }
+  if constexpr (E == 1) {
+    if (hd % 64 == 0 && hd <= kQ8MaxDim) return qk_scores_int8<NH>(q, q_stride, hd, c, runs, n_runs, span, s);
+    // Other head sizes: the codes as f32, times the row scale afterwards.
+    qk_scores_float<NH, 1>(q, q_stride, hd, c, runs, n_runs, span, s);
+    for (int ri = 0; ri < n_runs; ++ri)
+      for (int h = 0; h < NH; ++h)
+        for (int i = 0; i < runs[ri].len; ++i) s[h * span + runs[ri].off + i] *= c.ks[runs[ri].row + i];
+  } else {
+    qk_scores_float<NH, E>(q, q_stride, hd, c, runs, n_runs, span, s);
   }
 }
 
