@@ -1,14 +1,24 @@
-// AVX-512 (zmm) twins of ops_avx2.cpp's attention (see ops.h): the same algorithm on 16 lanes, so each K/V element
-// costs half the conversions and FMAs. Compiled with -mavx512f -mavx512bw -mavx512vl -mfma -mf16c; the Model calls
-// it only on the VNNI and AMX backends (their CPUs have AVX-512), FGM_BACKEND=avx2 keeps the ymm code.
-//
-// Not bit-identical to the ymm path: a dot product sums its 16-lane partial products in another order, and the
-// exponential is the same polynomial evaluated on zmm. The tolerance (tests/test_engine.py
-// test_avx512_attention_matches_avx2) is that of f32 reassociation: relative 1e-5 on the attention output.
+// AVX-512 (zmm) attention for one query row (see ops.h), beside ops_avx2.cpp's ymm reference. Compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mfma -mf16c; the Model calls it only on the VNNI and AMX backends
+// (their CPUs have AVX-512 VNNI), FGM_BACKEND=avx2 keeps the ymm code. What differs from the ymm algorithm:
+//  * Q·K takes four cache rows at a time for up to four heads and sums the 16 lanes of the 16 dot products with one
+//    transposing reduction (hsum4) instead of a horizontal reduction per dot product;
+//  * on the int8 cache (head_dim a multiple of 64, at most 512) Q·K runs in int8: each query head is quantised to
+//    int8 with one scale (qk_int8_group), and P·V (head_dim a multiple of 32) in int16: the weights of a tile of
+//    positions are quantised to int16 with one scale (pv_int8);
+//  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM).
+// So the result is not bit-identical to the ymm path. f16 and f32 K/V: f32 reassociation only (relative ~1e-6).
+// int8 K/V: the queries' int8 rounding moves a score by at most q scale / 2 * sum_d |k_d| (k = code * scale) and
+// typically by q scale / sqrt(12) * |k| (independent roundings), about what the keys' own int8 rounding costs (and
+// what llama.cpp's q8_0 query does for a quantised K cache); the weights' int16 rounding moves each weight by at most
+// 2^-16 of its tile's largest. tests/test_engine.py test_attend_row_zmm_matches_ymm states the output tolerance that
+// follows, test_avx512_attention_matches_avx2 checks the logits of whole runs.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "attend_common.h"
 #include "ops.h"
@@ -16,6 +26,18 @@
 namespace sg::ops {
 
 namespace {
+
+// acc + the products of u8 a and s8 b (vpdpbusd), of s16 a and b (vpdpwssd), written as asm: GCC 12 copies the
+// accumulator through another register around each of its intrinsics (two moves an instruction, and spills once the
+// accumulators fill the register file), which costs more than the products.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
 
 // e^x as exp8 in ops_avx2.cpp: x = n ln2 + r, degree-7 Taylor polynomial of e^r, 2^n in the exponent field.
 inline __m512 exp16(__m512 x) {
@@ -46,6 +68,18 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
 }
 
+// Software prefetch of cache rows [from, to) of a run (row_bytes apart, `bytes` each) into L1. The hardware
+// prefetchers stop at each 4 KiB page, which a head's K or V crosses every 8-16 rows; ahead of the reads by ~8 KiB,
+// a decode batch's attention (every row streams its own slot from DRAM) waits for memory far less.
+inline void prefetch_rows(const uint8_t* base, int from, int to, int row_bytes, int bytes) {
+  for (int r = from; r < to; ++r)
+    for (int o = 0; o < bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(base + int64_t(r) * row_bytes + o), _MM_HINT_T0);
+}
+// Rows ahead for prefetch_rows: ~8 KiB of the head's elements, a multiple of 4 rows (measured on a batch of cold
+// slots: 2 KiB is too short for 512-dim int8 heads, 16 KiB gains nothing more).
+inline int prefetch_ahead(int head_bytes) { return std::max(4, (8192 / head_bytes) & ~3); }
+
 // The sums of the 16 lanes of a0..a3, as the 4 lanes of the result (lane i: a_i). Transposes while it adds: 13
 // shuffles and adds for four dot products, where _mm512_reduce_add_ps takes ~8 dependent steps for each one.
 inline __m128i hsum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
@@ -65,6 +99,14 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// f(std::integral_constant<int, n>, h0) for the blocks [h0, h0 + n) of NH heads: n = HB, then NH % HB for the rest.
+template <int NH, int HB, class F>
+inline void for_head_blocks(F&& f) {
+  int h0 = 0;
+  for (; h0 + HB <= NH; h0 += HB) f(std::integral_constant<int, HB>{}, h0);
+  if constexpr (NH % HB != 0) f(std::integral_constant<int, NH % HB>{}, h0);
 }
 
 // Scores of HB heads (q rows q_stride apart) against P consecutive cache rows (P = 4, or 1 for a run's last
@@ -98,15 +140,20 @@ void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, c
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     float* out = s + runs[ri].off;
     const int len = runs[ri].len;
-    for (int h0 = 0; h0 < NH; h0 += HB) {
-      const float* qh = q + h0 * q_stride;
-      float* oh = out + h0 * span;
-      int j = 0;
-      for (; j + 4 <= len; j += 4)
-        qk_float_group<HB, 4, E>(qh, q_stride, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, oh + j, span);
-      for (; j < len; ++j)
-        qk_float_group<HB, 1, E>(qh, q_stride, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, oh + j, span);
+    const int ahead = prefetch_ahead(hd * E);
+    int j = 0;
+    for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
+      prefetch_rows(k, std::min(len, j + ahead), std::min(len, j + ahead + 4), c.row_bytes, hd * E);
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        qk_float_group<decltype(hb)::value, 4, E>(q + h0 * q_stride, q_stride, hd, k + int64_t(j) * c.row_bytes,
+                                                  c.row_bytes, out + h0 * span + j, span);
+      });
     }
+    for (; j < len; ++j)
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        qk_float_group<decltype(hb)::value, 1, E>(q + h0 * q_stride, q_stride, hd, k + int64_t(j) * c.row_bytes,
+                                                  c.row_bytes, out + h0 * span + j, span);
+      });
   }
 }
 
@@ -132,7 +179,7 @@ inline void qk_int8_group(const int8_t* q8, int hd, const uint8_t* k, int row_by
       ku[p] = _mm512_xor_si512(_mm512_loadu_si512(k + int64_t(p) * row_bytes + d), sign);
     for (int h = 0; h < HB; ++h) {
       const __m512i qv = _mm512_loadu_si512(q8 + h * hd + d);
-      for (int p = 0; p < P; ++p) acc[h][p] = _mm512_dpbusd_epi32(acc[h][p], ku[p], qv);
+      for (int p = 0; p < P; ++p) acc[h][p] = dpbusd(acc[h][p], ku[p], qv);
     }
   }
   for (int h = 0; h < HB; ++h) {
@@ -173,17 +220,20 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     const float* ks = c.ks + runs[ri].row;
     float* out = s + runs[ri].off;
     const int len = runs[ri].len;
-    for (int h0 = 0; h0 < NH; h0 += HB) {
-      const int8_t* qh = q8 + h0 * hd;
-      float* oh = out + h0 * span;
-      int j = 0;
-      for (; j + 4 <= len; j += 4)
-        qk_int8_group<HB, 4>(qh, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, qsum128 + h0, qscale + h0, ks + j,
-                             oh + j, span);
-      for (; j < len; ++j)
-        qk_int8_group<HB, 1>(qh, hd, k + int64_t(j) * c.row_bytes, c.row_bytes, qsum128 + h0, qscale + h0, ks + j,
-                             oh + j, span);
+    const int ahead = prefetch_ahead(hd);
+    int j = 0;
+    for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
+      prefetch_rows(k, std::min(len, j + ahead), std::min(len, j + ahead + 4), c.row_bytes, hd);
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        qk_int8_group<decltype(hb)::value, 4>(q8 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                              qsum128 + h0, qscale + h0, ks + j, out + h0 * span + j, span);
+      });
     }
+    for (; j < len; ++j)
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        qk_int8_group<decltype(hb)::value, 1>(q8 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                              qsum128 + h0, qscale + h0, ks + j, out + h0 * span + j, span);
+      });
   }
 }
 
@@ -219,6 +269,9 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
           for (int b = 0; b < DB; ++b) acc[h][b] = _mm512_loadu_ps(out + h * out_stride + d + 16 * b);
         const uint8_t* v = v0;
         for (int j = 0; j < tn; ++j, v += c.row_bytes) {
+          if (d == 0)  // the next tile's rows, as in pv_int8
+            prefetch_rows(v0, std::min(runs[ri].len - t0, tile + j), std::min(runs[ri].len - t0, tile + j + 1),
+                          c.row_bytes, hd * E);
           __m512 vf[DB];
           for (int b = 0; b < DB; ++b) vf[b] = load_kv16<E>(v, d + 16 * b);
           for (int h = 0; h < NH; ++h) {
@@ -228,6 +281,72 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
         }
         for (int h = 0; h < NH; ++h)
           for (int b = 0; b < DB; ++b) _mm512_storeu_ps(out + h * out_stride + d + 16 * b, acc[h][b]);
+      }
+    }
+  }
+}
+
+// P·V on the int8 cache in int16 (vpdpwssd: 32 products an instruction, twice an f32 FMA's): per tile of positions
+// each head's weights (softmax normaliser and V scales folded in) become int16 codes with one scale, the tile's
+// largest weight / 32767, and two positions' V codes are interleaved into int16 pairs that all heads share. The
+// integer sums of a tile are exact (|sum| <= 256 * 32767 * 127 < 2^31) and go to the f32 output times the scale, so
+// the only error is the weights' rounding: at most 2^-16 of the tile's largest weight per weight.
+template <int NH>
+void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
+             int out_stride) {
+  constexpr int kTile = 256;  // positions a tile (even; bounds the integer sums, above)
+  for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
+  const int tile = std::min(kTile, hd >= 1024 ? 16 : 16384 / hd);  // the tile's V rows stay in L1 over the dims
+  alignas(64) int16_t wq[NH][kTile + 16];
+  float wscale[NH];
+  for (int ri = 0; ri < n_runs; ++ri) {
+    for (int t0 = 0; t0 < runs[ri].len; t0 += tile) {
+      const int tn = std::min(tile, runs[ri].len - t0), tp = (tn + 1) & ~1;
+      const uint8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
+      for (int h = 0; h < NH; ++h) {
+        const float* wh = w + h * span + runs[ri].off + t0;
+        __m512 mx = _mm512_setzero_ps();
+        for (int j = 0; j < tn; j += 16) {
+          const __mmask16 k = tn - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (tn - j)) - 1);
+          mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(k, wh + j));
+        }
+        const float m = _mm512_reduce_max_ps(mx);  // weights are >= 0
+        wscale[h] = m / 32767.0f;
+        const __m512 inv = _mm512_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
+        for (int j = 0; j < tp; j += 16) {  // codes past tn are 0 (the masked load), so an odd tile's pad adds 0
+          const __mmask16 k = tn - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (tn - j)) - 1);
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, wh + j), inv));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&wq[h][j]), _mm512_cvtsepi32_epi16(qi));
+        }
+      }
+      for (int d = 0; d < hd; d += 32) {
+        __m512i acc[NH][2];
+        for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_si512();
+        const uint8_t* v = v0 + d;
+        for (int j = 0; j < tp; j += 2, v += 2 * c.row_bytes) {
+          if (d == 0)  // the next tile's rows, while this one is worked through hd / 32 times
+            prefetch_rows(v0, std::min(runs[ri].len - t0, tile + j), std::min(runs[ri].len - t0, tile + j + 2),
+                          c.row_bytes, hd);
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j + 1 < tn ? v + c.row_bytes : v));
+          // int16 pairs (v_j, v_j+1) of dims [0..7 | 16..23] and [8..15 | 24..31] of the 32.
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(a, b));
+          const __m512i y = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(a, b));
+          for (int h = 0; h < NH; ++h) {
+            int32_t pair;
+            std::memcpy(&pair, &wq[h][j], 4);
+            const __m512i wv = _mm512_set1_epi32(pair);
+            acc[h][0] = dpwssd(acc[h][0], wv, x);
+            acc[h][1] = dpwssd(acc[h][1], wv, y);
+          }
+        }
+        for (int h = 0; h < NH; ++h) {
+          const __m512 f0 = _mm512_cvtepi32_ps(acc[h][0]), f1 = _mm512_cvtepi32_ps(acc[h][1]);
+          const __m512 sc = _mm512_set1_ps(wscale[h]);
+          float* o = out + h * out_stride + d;
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(sc, _mm512_shuffle_f32x4(f0, f1, 0x44), _mm512_loadu_ps(o)));
+          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(sc, _mm512_shuffle_f32x4(f0, f1, 0xEE), _mm512_loadu_ps(o + 16)));
+        }
       }
     }
   }
@@ -257,6 +376,9 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     }
     // Fold the normaliser and each position's V scale into the weights.
     fold_weights<E>(sh, c, runs, n_runs, 1.0f / _mm512_reduce_add_ps(sv));
+  }
+  if constexpr (E == 1) {
+    if (hd % 32 == 0) return pv_int8<NH>(s, span, hd, c, runs, n_runs, out, out_stride);
   }
   if constexpr (NH <= 4) {
     if (hd % 64 == 0) return pv_accumulate<NH, 4, E>(s, span, hd, c, runs, n_runs, out, out_stride);
