@@ -3,16 +3,15 @@
 // (their CPUs have AVX-512 VNNI), FGM_BACKEND=avx2 keeps the ymm code. What differs from the ymm algorithm:
 //  * Q·K takes four cache rows at a time for up to four heads and sums the 16 lanes of the 16 dot products with one
 //    transposing reduction (hsum4) instead of a horizontal reduction per dot product;
-//  * on the int8 cache (head_dim a multiple of 64, at most 512) Q·K runs in int8: each query head is quantised to
-//    int8 with one scale (qk_int8_group), and P·V (head_dim a multiple of 32) in int16: the weights of a tile of
-//    positions are quantised to int16 with one scale (pv_int8);
+//  * on the int8 cache (head_dim a multiple of 32, at most 512) Q·K and P·V run in int16 (vpdpwssd): each query
+//    head is quantised to int16 with one scale (qk_int8_group), and the weights of a tile of positions likewise
+//    (pv_int8);
 //  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM).
 // So the result is not bit-identical to the ymm path. f16 and f32 K/V: f32 reassociation only (relative ~1e-6).
-// int8 K/V: the queries' int8 rounding moves a score by at most q scale / 2 * sum_d |k_d| (k = code * scale) and
-// typically by q scale / sqrt(12) * |k| (independent roundings), about what the keys' own int8 rounding costs (and
-// what llama.cpp's q8_0 query does for a quantised K cache); the weights' int16 rounding moves each weight by at most
-// 2^-16 of its tile's largest. tests/test_engine.py test_attend_row_zmm_matches_ymm states the output tolerance that
-// follows, test_avx512_attention_matches_avx2 checks the logits of whole runs.
+// int8 K/V: the queries' int16 rounding moves a score by at most max|q| / 32766 * sum_d |k_d| (k = code * scale),
+// typically by max|q| / (16383 sqrt(12)) * |k| (independent roundings); the weights' int16 rounding moves each
+// weight by at most 2^-16 of its tile's largest. tests/test_engine.py test_attend_row_zmm_matches_ymm states the
+// output tolerance that follows, test_avx512_attention_matches_avx2 checks the logits of whole runs.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,13 +26,9 @@ namespace sg::ops {
 
 namespace {
 
-// acc + the products of u8 a and s8 b (vpdpbusd), of s16 a and b (vpdpwssd), written as asm: GCC 12 copies the
-// accumulator through another register around each of its intrinsics (two moves an instruction, and spills once the
-// accumulators fill the register file), which costs more than the products.
-inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
+// acc + the products of the int16 pairs of a and b (vpdpwssd), written as asm: GCC 12 copies the accumulator through
+// another register around each of its intrinsics (two moves an instruction, and spills once the accumulators fill
+// the register file), which costs more than the products.
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
@@ -128,7 +123,8 @@ inline void qk_float_group(const float* q, int q_stride, int hd, const uint8_t* 
   }
   for (int h = 0; h < HB; ++h) {
     if constexpr (P == 4) _mm_storeu_ps(out + h * span, hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));
-    else out[h * span] = _mm512_reduce_add_ps(acc[h][0]);
+    // hsum4's order, so a position's score does not depend on whether it falls in a group of 4 (the ring's runs)
+    else out[h * span] = _mm_cvtss_f32(hsum4(acc[h][0], acc[h][0], acc[h][0], acc[h][0]));
   }
 }
 
@@ -157,38 +153,38 @@ void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, c
   }
 }
 
-// The largest head_dim the int8 Q·K path takes (its quantised queries live on the stack); longer heads convert.
+// The largest head_dim the integer Q·K path takes (its quantised queries live on the stack, and a dot of that many
+// int16 products stays inside int32); longer heads convert.
 constexpr int kQ8MaxDim = 512;
 
-// Q·K on the int8 cache in int8 (vpdpbusd, 64 products an instruction), as llama.cpp does for a quantised K cache:
-// each query head is quantised to int8 codes with one scale (its largest |q| / 127), K codes become unsigned by
-// k + 128 (a XOR of the sign bit), and sum((k + 128) q8) - 128 sum(q8) is the exact integer dot of the codes. The
-// score is that times the head's q scale and the row's K scale. The error against the f32 dot is the queries'
-// rounding alone (the keys are codes already): at most hd/2 * qscale * max|k code| * kscale, and in practice (random
-// rounding signs) ~sqrt(hd) times smaller.
+// Q·K on the int8 cache in int16 (vpdpwssd, 32 products an instruction, twice an f32 FMA's): each query head is
+// quantised to int16 codes with one scale s = max|q| / 16383 (14 bits and the sign, so a dot of 512 codes stays
+// inside int32), so its error is at most s / 2 = max|q| / 32766 per element; the K codes are widened to int16 once
+// for every head of the pass. The integer dot is exact; the score is it times s and the row's K scale. (An int8
+// query, as llama.cpp's q8_0 one for a quantised K cache, runs as fast per product but moves the scores by about as
+// much as the keys' own rounding: enough to flip near-tied greedy tokens on the test fixtures.)
 template <int HB, int P>
-inline void qk_int8_group(const int8_t* q8, int hd, const uint8_t* k, int row_bytes, const int32_t* qsum128,
-                          const float* qscale, const float* ks, float* out, int span) {
+inline void qk_int8_group(const int16_t* q16, int hd, const uint8_t* k, int row_bytes, const float* qscale,
+                          const float* ks, float* out, int span) {
   __m512i acc[HB][P];
   for (int h = 0; h < HB; ++h)
     for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_si512();
-  const __m512i sign = _mm512_set1_epi8(char(0x80));
-  for (int d = 0; d < hd; d += 64) {
-    __m512i ku[P];
+  for (int d = 0; d < hd; d += 32) {
+    __m512i kx[P];
     for (int p = 0; p < P; ++p)
-      ku[p] = _mm512_xor_si512(_mm512_loadu_si512(k + int64_t(p) * row_bytes + d), sign);
+      kx[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + int64_t(p) * row_bytes + d)));
     for (int h = 0; h < HB; ++h) {
-      const __m512i qv = _mm512_loadu_si512(q8 + h * hd + d);
-      for (int p = 0; p < P; ++p) acc[h][p] = dpbusd(acc[h][p], ku[p], qv);
+      const __m512i qv = _mm512_loadu_si512(q16 + h * hd + d);
+      for (int p = 0; p < P; ++p) acc[h][p] = dpwssd(acc[h][p], kx[p], qv);
     }
   }
   for (int h = 0; h < HB; ++h) {
     if constexpr (P == 4) {
-      const __m128i dot = _mm_sub_epi32(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_epi32(qsum128[h]));
-      const __m128 sc = _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(qscale[h]));
+      const __m128 sc = _mm_mul_ps(_mm_cvtepi32_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3])),
+                                   _mm_set1_ps(qscale[h]));
       _mm_storeu_ps(out + h * span, _mm_mul_ps(sc, _mm_loadu_ps(ks)));
     } else {
-      out[h * span] = float(_mm512_reduce_add_epi32(acc[h][0]) - qsum128[h]) * qscale[h] * ks[0];
+      out[h * span] = float(_mm512_reduce_add_epi32(acc[h][0])) * qscale[h] * ks[0];
     }
   }
 }
@@ -196,25 +192,21 @@ inline void qk_int8_group(const int8_t* q8, int hd, const uint8_t* k, int row_by
 template <int NH>
 void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                     float* s) {
-  alignas(64) int8_t q8[NH * kQ8MaxDim];
-  int32_t qsum128[NH];
+  alignas(64) int16_t q16[NH * kQ8MaxDim];
   float qscale[NH];
   for (int h = 0; h < NH; ++h) {
     const float* qh = q + h * q_stride;
     __m512 mx = _mm512_setzero_ps();
     for (int d = 0; d < hd; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh + d)));
     const float amax = _mm512_reduce_max_ps(mx);
-    qscale[h] = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
-    __m512i sum = _mm512_setzero_si512();
+    qscale[h] = amax / 16383.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0 ? 16383.0f / amax : 0.0f);
     for (int d = 0; d < hd; d += 16) {
       const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qh + d), inv));  // round to nearest
-      sum = _mm512_add_epi32(sum, qi);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + h * hd + d), _mm512_cvtsepi32_epi8(qi));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + h * hd + d), _mm512_cvtsepi32_epi16(qi));
     }
-    qsum128[h] = 128 * _mm512_reduce_add_epi32(sum);
   }
-  constexpr int HB = NH < 4 ? NH : 4;
+  constexpr int HB = NH < 4 ? NH : 4;  // HB heads x 4 rows of accumulators
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     const float* ks = c.ks + runs[ri].row;
@@ -225,14 +217,14 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
       prefetch_rows(k, std::min(len, j + ahead), std::min(len, j + ahead + 4), c.row_bytes, hd);
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
-        qk_int8_group<decltype(hb)::value, 4>(q8 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
-                                              qsum128 + h0, qscale + h0, ks + j, out + h0 * span + j, span);
+        qk_int8_group<decltype(hb)::value, 4>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                              qscale + h0, ks + j, out + h0 * span + j, span);
       });
     }
     for (; j < len; ++j)
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
-        qk_int8_group<decltype(hb)::value, 1>(q8 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
-                                              qsum128 + h0, qscale + h0, ks + j, out + h0 * span + j, span);
+        qk_int8_group<decltype(hb)::value, 1>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                              qscale + h0, ks + j, out + h0 * span + j, span);
       });
   }
 }
@@ -241,7 +233,7 @@ template <int NH, int E>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                float* s) {
   if constexpr (E == 1) {
-    if (hd % 64 == 0 && hd <= kQ8MaxDim) return qk_scores_int8<NH>(q, q_stride, hd, c, runs, n_runs, span, s);
+    if (hd % 32 == 0 && hd <= kQ8MaxDim) return qk_scores_int8<NH>(q, q_stride, hd, c, runs, n_runs, span, s);
     // Other head sizes: the codes as f32, times the row scale afterwards.
     qk_scores_float<NH, 1>(q, q_stride, hd, c, runs, n_runs, span, s);
     for (int ri = 0; ri < n_runs; ++ri)
@@ -286,36 +278,44 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
   }
 }
 
-// P·V on the int8 cache in int16 (vpdpwssd: 32 products an instruction, twice an f32 FMA's): per tile of positions
-// each head's weights (softmax normaliser and V scales folded in) become int16 codes with one scale, the tile's
-// largest weight / 32767, and two positions' V codes are interleaved into int16 pairs that all heads share. The
-// integer sums of a tile are exact (|sum| <= 256 * 32767 * 127 < 2^31) and go to the f32 output times the scale, so
-// the only error is the weights' rounding: at most 2^-16 of the tile's largest weight per weight.
+// P·V on the int8 cache in int16 (vpdpwssd: 32 products an instruction, twice an f32 FMA's): each head's weights
+// (softmax normaliser and V scales folded in) become int16 codes with one scale for the whole span, and two
+// positions' V codes are interleaved into int16 pairs that all heads share. The scale is the largest weight / 32767,
+// or the weights' sum / 2^23 when that is larger (diffuse attention: it keeps the sum of codes * 127 inside int32),
+// so the integer sums over the span are exact, whatever the tiles and ring runs: the result of a position does not
+// depend on the ring's capacity (the chunk a slot was laid out with). The only error is the weights' rounding: at
+// most 2^-16 of the largest weight per weight (or 2^-24 of their sum).
 template <int NH>
 void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
              int out_stride) {
-  constexpr int kTile = 256;  // positions a tile (even; bounds the integer sums, above)
+  // The integer sums go where the output will be (as int32), converted once at the end.
   for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
-  const int tile = std::min(kTile, hd >= 1024 ? 16 : 16384 / hd);  // the tile's V rows stay in L1 over the dims
-  alignas(64) int16_t wq[NH][kTile + 16];
+  const int tile = std::min(256, hd >= 1024 ? 16 : 16384 / hd);  // even; the tile's V rows stay in L1 over the dims
+  alignas(64) int16_t wq[NH][256 + 16];
   float wscale[NH];
+  __m512 winv[NH];
+  for (int h = 0; h < NH; ++h) {
+    const float* wh = w + h * span;
+    __m512 mx = _mm512_setzero_ps(), sm = _mm512_setzero_ps();
+    for (int j = 0; j < span; j += 16) {
+      const __mmask16 k = span - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - j)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(k, wh + j);
+      mx = _mm512_max_ps(mx, x);
+      sm = _mm512_add_ps(sm, x);
+    }
+    const float m = std::max(_mm512_reduce_max_ps(mx) / 32767.0f, _mm512_reduce_add_ps(sm) / 8388608.0f);
+    wscale[h] = m;
+    winv[h] = _mm512_set1_ps(m > 0 ? 1.0f / m : 0.0f);
+  }
   for (int ri = 0; ri < n_runs; ++ri) {
     for (int t0 = 0; t0 < runs[ri].len; t0 += tile) {
       const int tn = std::min(tile, runs[ri].len - t0), tp = (tn + 1) & ~1;
       const uint8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
       for (int h = 0; h < NH; ++h) {
         const float* wh = w + h * span + runs[ri].off + t0;
-        __m512 mx = _mm512_setzero_ps();
-        for (int j = 0; j < tn; j += 16) {
-          const __mmask16 k = tn - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (tn - j)) - 1);
-          mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(k, wh + j));
-        }
-        const float m = _mm512_reduce_max_ps(mx);  // weights are >= 0
-        wscale[h] = m / 32767.0f;
-        const __m512 inv = _mm512_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
         for (int j = 0; j < tp; j += 16) {  // codes past tn are 0 (the masked load), so an odd tile's pad adds 0
           const __mmask16 k = tn - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (tn - j)) - 1);
-          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, wh + j), inv));
+          const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, wh + j), winv[h]));
           _mm256_store_si256(reinterpret_cast<__m256i*>(&wq[h][j]), _mm512_cvtsepi32_epi16(qi));
         }
       }
@@ -340,15 +340,21 @@ void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* ru
             acc[h][1] = dpwssd(acc[h][1], wv, y);
           }
         }
-        for (int h = 0; h < NH; ++h) {
-          const __m512 f0 = _mm512_cvtepi32_ps(acc[h][0]), f1 = _mm512_cvtepi32_ps(acc[h][1]);
-          const __m512 sc = _mm512_set1_ps(wscale[h]);
+        for (int h = 0; h < NH; ++h) {  // back to dims [0..15] and [16..31]
           float* o = out + h * out_stride + d;
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(sc, _mm512_shuffle_f32x4(f0, f1, 0x44), _mm512_loadu_ps(o)));
-          _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(sc, _mm512_shuffle_f32x4(f0, f1, 0xEE), _mm512_loadu_ps(o + 16)));
+          const __m512i lo = _mm512_shuffle_i32x4(acc[h][0], acc[h][1], 0x44);
+          const __m512i hi = _mm512_shuffle_i32x4(acc[h][0], acc[h][1], 0xEE);
+          _mm512_storeu_si512(o, _mm512_add_epi32(lo, _mm512_loadu_si512(o)));
+          _mm512_storeu_si512(o + 16, _mm512_add_epi32(hi, _mm512_loadu_si512(o + 16)));
         }
       }
     }
+  }
+  for (int h = 0; h < NH; ++h) {
+    float* o = out + h * out_stride;
+    const __m512 sc = _mm512_set1_ps(wscale[h]);
+    for (int d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(o + d)), sc));
   }
 }
 
