@@ -741,6 +741,65 @@ def test_avx512_attention_matches_avx2(kv_dtype):
     np.testing.assert_allclose(vs_ref["vnni"], vs_ref["avx2"], rtol=0, atol=2e-4)
 
 
+def _attend_cache(rng, kv_dtype, cap, hd, heads_in_row):
+    """A K/V cache of cap rows holding heads_in_row KV heads of hd elements, as the slot stores it: int8 codes with a
+    scale per row, or f16 / f32 values; also the dequantised K and V (float64) for the checks."""
+    width = heads_in_row * hd
+    if kv_dtype == "int8":
+        kc = rng.integers(-127, 128, (cap, width)).astype(np.int8)
+        vc = rng.integers(-127, 128, (cap, width)).astype(np.int8)
+        ks = rng.uniform(0.004, 0.02, cap).astype(np.float32)
+        vs = rng.uniform(0.004, 0.02, cap).astype(np.float32)
+        return (kc.view(np.uint8), vc.view(np.uint8), ks, vs, kc * ks[:, None].astype(np.float64),
+                vc * vs[:, None].astype(np.float64))
+    t = np.float16 if kv_dtype == "f16" else np.float32
+    k = rng.standard_normal((cap, width)).astype(t)
+    v = rng.standard_normal((cap, width)).astype(t)
+    return k.view(np.uint8), v.view(np.uint8), None, None, k.astype(np.float64), v.astype(np.float64)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attend_row_zmm_matches_ymm(kv_dtype):
+    """The zmm attention kernel (ops_avx512.cpp, the vnni backend's decode) against the ymm one (ops_avx2.cpp, the
+    reference) on one query row, for every head size whose path differs (64 / 256 / 512: int16 Q.K and P.V on the
+    int8 cache; 48: the converting P.V), 1..8 query heads, a run of positions that wraps the ring, a second KV head
+    in the row, and tails of 1-3 positions. Stated tolerance: f16 / f32 K/V, f32 reassociation (1e-5 of the
+    largest |v|); int8: the queries' int16 rounding (independent, uniform in +-qscale/2) moves score j
+    with a standard deviation sigma_j = qscale / sqrt(12) * |k_j|; with every score off by at most 4 max sigma the
+    output moves by at most (e^(8 max sigma) - 1) max|v|, and the int16 weights add at most span / 2^16 * max|v|
+    (measured: 7-10% of that bound is used). Both kernels also match the float64 definition (the ring mapping),
+    the ymm one to 1e-5."""
+    if not N.kernels.cpu_supports("vnni"):
+        pytest.skip("the zmm attention needs an AVX-512 VNNI CPU")
+    rng = np.random.default_rng(21)
+    for hd in (64, 256, 512, 48):
+        # (cap, lo, hi): a full ring, a window wrapping it (lo % cap > 0, positions past cap), short odd tails.
+        for cap, lo, hi in ((300, 0, 299), (96, 203, 290), (40, 9, 11), (64, 70, 70), (33, 40, 72)):
+            k, v, ks, vs, kf, vf = _attend_cache(rng, kv_dtype, cap, hd, 2)
+            for nq in range(1, 9):
+                q = (rng.standard_normal((nq, hd)) * (2.0 / np.sqrt(hd) if kv_dtype != "int8" else 0.25))
+                q = q.astype(np.float32)
+                head = int(rng.integers(0, 2))  # the KV head: the second one starts hd elements into the row
+                off = head * (k.shape[1] // 2)  # bytes
+                y = N.attend_row(q, k, v, ks, vs, kv_dtype, off, lo, hi, False)
+                z = N.attend_row(q, k, v, ks, vs, kv_dtype, off, lo, hi, True)
+                rows = np.arange(lo, hi + 1) % cap
+                kh, vh = kf[rows, head * hd:(head + 1) * hd], vf[rows, head * hd:(head + 1) * hd]
+                sc = q.astype(np.float64) @ kh.T
+                p = np.exp(sc - sc.max(1, keepdims=True))
+                ref = (p / p.sum(1, keepdims=True)) @ vh
+                vmax = np.abs(vh).max()
+                np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * vmax)
+                bound = 1e-5 * vmax
+                if kv_dtype == "int8":
+                    qscale = np.abs(q).max(1) / 16383
+                    sigma = (qscale[:, None] / np.sqrt(12) * np.linalg.norm(kh, axis=1)[None, :]).max()
+                    bound += (np.expm1(2 * 4 * sigma) + (hi - lo + 1) / 65536) * vmax
+                err = np.abs(z - y).max()
+                assert err <= bound, (hd, cap, lo, hi, nq, err, bound)
+                np.testing.assert_allclose(z, ref, rtol=0, atol=bound + 1e-5 * vmax)
+
+
 def test_pool_spin_setting(monkeypatch):
     """FGM_POOL_SPIN_US lets the pool's threads spin for the next job before they sleep (threadpool.h): the results
     are the same bits with and without the spin, and a value that is not a microsecond count is refused by name."""

@@ -14,6 +14,7 @@
 
 #include "kv_layout.h"
 #include "model.h"
+#include "ops.h"
 #include "row_sampler.h"
 #include "sampling.h"
 
@@ -525,6 +526,48 @@ void bind_engine(py::module_& m) {
       py::arg("logits"), py::arg("tokens"), py::arg("top_n") = 0,
       "Row r's log-softmax at tokens[r] (the token that followed), its rank (1 = most likely) and the top_n "
       "(id, logprob), best first: (logprob [R], rank [R], top_ids [R, top_n], top_logprobs [R, top_n]).");
+
+  m.def(
+      "attend_row",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array_t<uint8_t, py::array::c_style> k,
+         py::array_t<uint8_t, py::array::c_style> v, py::object ks, py::object vs, const std::string& kv_dtype,
+         int head_off, int lo, int hi, bool zmm) {
+        const sg::KvDtype dt = sg::kv_dtype_from_name(kv_dtype);
+        if (q.ndim() != 2 || k.ndim() != 2 || v.ndim() != 2)
+          throw py::value_error("attend_row: q must be [nq, head_dim], k and v [cap, row_bytes] uint8");
+        const int nq = int(q.shape(0)), hd = int(q.shape(1)), cap = int(k.shape(0)), rb = int(k.shape(1));
+        const int eb = sg::kv_element_bytes(dt);
+        if (v.shape(0) != cap || v.shape(1) != rb) throw py::value_error("attend_row: k and v differ in shape");
+        if (nq < 1 || hd < 1 || head_off < 0 || head_off + hd * eb > rb)
+          throw py::value_error("attend_row: the head (head_off + head_dim elements) must lie inside a row");
+        if (lo < 0 || hi < lo || hi - lo + 1 > cap) throw py::value_error("attend_row: need 0 <= lo <= hi < lo + cap");
+        if (zmm && !sg::cpu_supports(sg::Backend::Vnni))
+          throw py::value_error("attend_row: the zmm kernel needs an AVX-512 VNNI CPU");
+        py::array_t<float, py::array::c_style> ksa, vsa;
+        if (dt == sg::KvDtype::Int8) {
+          if (ks.is_none() || vs.is_none()) throw py::value_error("attend_row: int8 K/V need ks and vs");
+          ksa = ks.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+          vsa = vs.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
+          if (ksa.size() != cap || vsa.size() != cap) throw py::value_error("attend_row: ks and vs need cap scales");
+        }
+        const sg::ops::AttnCache c{k.data(), v.data(), dt == sg::KvDtype::Int8 ? ksa.data() : nullptr,
+                                   dt == sg::KvDtype::Int8 ? vsa.data() : nullptr, rb, head_off, cap,
+                                   dt == sg::KvDtype::F32};
+        py::array_t<float> out({nq, hd});
+        std::vector<float> scratch(size_t(nq) * (hi - lo + 1));
+        {
+          py::gil_scoped_release nogil;
+          (zmm ? sg::ops::attend_avx512 : sg::ops::attend)(q.data(), hd, nq, hd, c, lo, hi, out.mutable_data(), hd,
+                                                          scratch.data());
+        }
+        return out;
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("kv_dtype"), py::arg("head_off"),
+      py::arg("lo"), py::arg("hi"), py::arg("zmm"),
+      "One query row's attention (the kernel the engine's decode calls, for tests): q [nq, head_dim] f32 against the "
+      "cached positions [lo, hi] of k, v [cap, row_bytes] (position p in row p % cap, the head at byte head_off; "
+      "kv_dtype 'int8' with per-row scales ks, vs, or 'f16' / 'f32' with None). zmm: the AVX-512 kernel "
+      "(ops_avx512.cpp), else the AVX2 one. Returns [nq, head_dim] f32.");
 
   m.def(
       "sample",

@@ -58,8 +58,9 @@ struct AttnCache {
 };
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch);
-// The same on zmm (ops_avx512.cpp, AVX-512F): call only when the CPU has AVX-512 (the VNNI and AMX backends). Equal to
-// attend() up to f32 reassociation (relative ~1e-6), not bit for bit.
+// The same on zmm (ops_avx512.cpp): call only when the CPU has AVX-512 VNNI (the VNNI and AMX backends). f16 / f32
+// K/V: equal to attend() up to f32 reassociation (relative ~1e-6); int8 K/V: Q·K in int8 and P·V in int16, within
+// the bound ops_avx512.cpp states. Not bit for bit.
 void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
                    int out_stride, float* scratch);
 
