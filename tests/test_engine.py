@@ -483,8 +483,11 @@ def test_profile_phases(monkeypatch):
     prof = m.profile()
     assert set(prof) == {"embed", "ple", "norms", "act_quant", "qkv_gemm", "qk_rope_kv", "attention", "o_gemm",
                          "ffn_gemm", "ffn_act", "ple_inject", "lm_head"}
-    # Layers 0..3 on 20 rows, layers 4..5 on the last row: six attention passes.
-    assert prof["attention"][1] == 6 and all(sec > 0 and calls > 0 for sec, calls in prof.values())
+    # Layers 0..3 on 20 rows, layers 4..5 on the last row: six attention passes. The GELU runs inside the down
+    # projection's activation quantisation (act_quant) when that weight reads int8 activations, as here: ffn_act is
+    # timed only when a q8g weight needs the f32 rows written out.
+    assert prof["attention"][1] == 6 and prof["ffn_act"] == (0.0, 0)
+    assert all(sec > 0 and calls > 0 for name, (sec, calls) in prof.items() if name != "ffn_act")
     m.reset_profile()
     assert all(v == (0.0, 0) for v in m.profile().values())
     monkeypatch.setenv("FGM_PROFILE", "0")

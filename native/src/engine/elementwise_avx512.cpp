@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "exp_avx512.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -34,30 +35,11 @@ inline float hsum(__m256 v) {
 
 inline __m256 upper256(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-// As exp8 (ops_avx2.cpp): x = n ln2 + r, degree-7 Taylor polynomial of e^r, 2^n in the exponent field.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 // As gelu8: x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3).
 inline __m512 gelu16(__m512 x) {
   const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
   const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f), _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
-  const __m512 e = exp16(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)));
+  const __m512 e = exp16_z(_mm512_mul_ps(u, _mm512_set1_ps(-2.0f)));
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
@@ -65,7 +47,7 @@ inline __m512 gelu16(__m512 x) {
 inline __m512 tanh16(__m512 t) {
   const __m512i sign = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32(int(0x80000000u)));
   const __m512 a = _mm512_abs_ps(t);
-  const __m512 e = exp16(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+  const __m512 e = exp16_z(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
   const __m512 r = _mm512_div_ps(_mm512_sub_ps(_mm512_set1_ps(1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(r), sign));
 }

@@ -204,6 +204,11 @@ class Model {
   // Scratch, [max_rows_] rows each.
   std::vector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
   std::vector<float> rope_cs_[2];  // per type: [row][cos(half) | sin(half)]
+  // Per type: [position][cos(half) | sin(half)] for positions [0, rope_filled_), filled as positions are first met;
+  // the first min(max_context, kRopeTablePositions) positions have a row (E2B: 3 KB each, 24 MB in all at 8192).
+  static constexpr int kRopeTablePositions = 8192;
+  std::vector<float> rope_table_[2];
+  int rope_positions_ = 0, rope_filled_[2] = {0, 0};
   std::vector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
   size_t row_scratch_per_worker_ = 0;
   struct Aligned {
