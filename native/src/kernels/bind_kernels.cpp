@@ -60,7 +60,8 @@ sg::Backend pick_backend(const std::optional<std::string>& name) {
 using QuantizeFn = void (*)(const float*, int, int, int, int, sg::QAct*, sg::ThreadPool*);
 QuantizeFn quantizer_for(sg::Backend b) {
   if (b == sg::Backend::Avx2) return sg::quantize_activations;
-  if (!sg::cpu_supports(b)) throw std::runtime_error(std::string("the ") + sg::backend_name(b) + " backend cannot run on this CPU");
+  if (!sg::cpu_supports(b))
+    throw std::runtime_error(std::string("quantize: this CPU cannot run the ") + sg::backend_name(b) + " backend");
   return sg::quantize_activations_avx512;
 }
 
