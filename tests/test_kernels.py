@@ -235,6 +235,31 @@ def test_quantize_rows(hadamard, k):
         assert d.max() <= 1 and (d > 0).mean() < 1e-3
 
 
+@pytest.mark.parametrize("hadamard", [0, 128])
+@pytest.mark.parametrize("k", [128, 1536, 16512])
+def test_zmm_quantiser_and_row_sources_are_bit_identical(hadamard, k):
+    """The VNNI/AMX engine quantises activations with the zmm twin of the quantiser (activations_avx512.cpp) and
+    hands norm/GELU rows to it one at a time (quantize_activations_from): both must give the ymm quantiser's codes and
+    scales bit for bit (test_linear_synthetic_bit_exact covers the zmm row sums through the GEMMs' bias terms). 37
+    rows: two padded 16-row panels, a ragged last task."""
+    rng = np.random.default_rng(k + hadamard)
+    x = rng.standard_normal((37, k)).astype(np.float32) * rng.uniform(1e-3, 1e3, (37, 1)).astype(np.float32)
+    x[4] = 0.0
+    x[9, 5] = -3e4
+    ref = K.quantize_rows(x, hadamard)
+    variants = [dict(via_source=True)]
+    if K.cpu_supports("vnni"):
+        variants += [dict(backend="vnni"), dict(backend="vnni", via_source=True)]
+    if k > 16384:  # a made row must fit the task's buffer (gemm.h kRowSourceMaxK); the engine writes x instead
+        with pytest.raises(ValueError, match="above 16384"):
+            K.quantize_rows(x, hadamard, via_source=True)
+        variants = [v for v in variants if not v.get("via_source")]
+    for v in variants:
+        codes, scale = K.quantize_rows(x, hadamard, **v)
+        np.testing.assert_array_equal(codes, ref[0], err_msg=str(v))
+        np.testing.assert_array_equal(scale, ref[1], err_msg=str(v))
+
+
 def test_quantize_rows_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 64"):
         K.quantize_rows(np.zeros((2, 100), np.float32), 0)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,8 @@
 namespace py = pybind11;
 
 namespace {
+
+using F32Vec = py::array_t<float, py::array::c_style | py::array::forcecast>;
 
 // A KvArena over a Python buffer; holds the buffer export (so a bytearray cannot be resized nor an mmap closed
 // while the arena exists) and the Model whose layout it uses.
@@ -588,4 +591,60 @@ void bind_engine(py::module_& m) {
       py::arg("rng_state") = 0, py::arg("n_logprobs") = 0,
       "Sample one token. Returns (token, new_rng_state, logprob, [(id, logprob), ...]). temperature 0 = greedy. "
       "See docs/engine-api.md for the generator and which distribution the logprobs describe.");
+
+  m.def(
+      "elementwise",
+      [](const std::string& op, const std::string& isa, const F32Vec& x, std::optional<F32Vec> a,
+         std::optional<F32Vec> w, double p0, double p1, double p2, int block) -> py::object {
+        // One element-wise kernel of the Model's table (ops.h) on one row, for the tests of the zmm twins.
+        if (isa != "avx2" && isa != "avx512") throw py::value_error("elementwise: isa must be 'avx2' or 'avx512'");
+        if (!sg::ops::cpu_has_avx2_fma_f16c()) throw std::runtime_error("elementwise: needs AVX2, FMA and F16C");
+        if (isa == "avx512" && !sg::cpu_supports(sg::Backend::Vnni))
+          throw std::runtime_error("elementwise: this CPU has no AVX-512 (the vnni backend)");
+        const sg::ops::Elementwise& e = isa == "avx2" ? sg::ops::elementwise_avx2() : sg::ops::elementwise_avx512();
+        if (x.ndim() != 1) throw py::value_error("elementwise: x must be 1-D");
+        const int n = int(x.size());
+        auto need = [&](const std::optional<F32Vec>& v, const char* name, int len) -> const float* {
+          if (!v) throw py::value_error(std::string("elementwise: ") + op + " needs " + name);
+          if (v->ndim() != 1 || v->size() != len)
+            throw py::value_error(std::string("elementwise: ") + name + " must have " + std::to_string(len) + " floats");
+          return v->data();
+        };
+        auto opt = [&](const std::optional<F32Vec>& v, const char* name) { return v ? need(v, name, n) : nullptr; };
+        py::array_t<float> y(py::ssize_t{n});
+        float* yp = y.mutable_data();
+        std::memcpy(yp, x.data(), sizeof(float) * n);
+        const float f0 = float(p0), f1 = float(p1), f2 = float(p2);
+        if (op == "rmsnorm") e.rmsnorm(x.data(), opt(w, "w"), yp, n, f0);
+        else if (op == "add_rmsnorm") e.add_rmsnorm(yp, need(a, "a", n), need(w, "w", n), n, f0);
+        else if (op == "scale") e.scale(yp, n, f0);
+        else if (op == "gelu_mul") e.gelu_mul(yp, need(a, "a", n), n);
+        else if (op == "softcap") e.softcap(yp, n, f0);
+        else if (op == "fwht_blocks") {
+          if (block < 1 || (block & (block - 1)) || n % block) throw py::value_error("elementwise: bad block");
+          e.fwht_blocks(yp, n, block);
+        } else if (op == "head_norm_rope") {
+          if (n % 2 || block < 1 || (block & (block - 1)) || n % block) throw py::value_error("elementwise: bad head");
+          e.head_norm_rope(yp, need(w, "w", n), n, need(a, "a (cos | sin)", n), block, f0);
+        } else if (op == "ple_mix") e.ple_mix(yp, need(a, "a", n), need(w, "w", n), n, f0, f1, f2);
+        else if (op == "quantize_row_i8") {
+          py::array_t<int8_t> q(py::ssize_t{n});
+          float scale = 0;
+          e.quantize_row_i8(x.data(), n, q.mutable_data(), &scale);
+          return py::make_tuple(q, scale);
+        } else if (op == "store_row_f16") {
+          py::array_t<uint16_t> h(py::ssize_t{n});
+          e.store_row_f16(x.data(), n, h.mutable_data());
+          return std::move(h);
+        } else {
+          throw py::value_error("elementwise: unknown op '" + op + "'");
+        }
+        return std::move(y);
+      },
+      py::arg("op"), py::arg("isa"), py::arg("x"), py::arg("a") = py::none(), py::arg("w") = py::none(),
+      py::arg("p0") = 0.0, py::arg("p1") = 0.0, py::arg("p2") = 0.0, py::arg("block") = 1,
+      "Runs one element-wise kernel (ops.h Elementwise: rmsnorm, add_rmsnorm, scale, gelu_mul, softcap, "
+      "fwht_blocks, head_norm_rope, ple_mix, quantize_row_i8, store_row_f16) of the ymm ('avx2') or zmm ('avx512') "
+      "table on a copy of the 1-D row x; p0..p2 are its scalar arguments (eps, scale, cap) in the C++ order and "
+      "block its block size. Returns the new row ((codes, scale) for quantize_row_i8, f16 bits for store_row_f16).");
 }

@@ -117,6 +117,11 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
     if (!cpu_supports(backend_))
       throw std::runtime_error(std::string("the ") + backend_name(backend_) + " GEMM backend cannot run on this CPU");
   }
+  // zmm element-wise kernels and quantiser where the backend's CPU has AVX-512 (FGM_BACKEND=avx2 keeps ymm).
+  const bool zmm = backend_ != Backend::Avx2;
+  ew_ = zmm ? &ops::elementwise_avx512() : &ops::elementwise_avx2();
+  quantize_ = zmm ? quantize_activations_avx512 : static_cast<decltype(quantize_)>(quantize_activations);
+  quantize_from_ = zmm ? quantize_activations_from_avx512 : quantize_activations_from;
   policy_ = WeightPolicy::parse(opt.weights.empty() ? env_or("FGM_WEIGHTS", "auto:16") : opt.weights);
   if (opt.max_context < 1) throw std::invalid_argument("max_context must be at least 1");
   if (opt.chunk < 1) throw std::invalid_argument("chunk must be at least 1");
@@ -156,6 +161,9 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   }
   rope_cs_[0].assign(R * c.global_head_dim, 0.0f);
   rope_cs_[1].assign(R * c.head_dim, 0.0f);
+  rope_positions_ = std::min(opt.max_context, kRopeTablePositions);
+  rope_table_[0].assign(size_t(rope_positions_) * c.global_head_dim, 0.0f);
+  rope_table_[1].assign(size_t(rope_positions_) * c.head_dim, 0.0f);
   // Attention scores: one work item covers at most nh/nkv heads over at most max_context positions.
   const size_t scores = size_t(nh / nkv) * size_t(opt.max_context);
   row_scratch_per_worker_ = (std::max(scores, size_t(L) * P) + 15) & ~size_t(15);
@@ -274,9 +282,34 @@ void Model::for_rows(int m, int64_t work_per_row, F&& f) {
     for (int r = 0; r < m; ++r) f(r, 0);
 }
 
-void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase) {
+namespace {
+
+// A RowSource calling f(r, row).
+template <class F>
+RowSource row_source(const F& f) {
+  return RowSource{[](const void* ctx, int r, float* row) { (*static_cast<const F*>(ctx))(r, row); }, &f};
+}
+
+}  // namespace
+
+void Model::gelu_row(const float* g, const float* u, int n, float* row) const {
+  if (row != g) std::memcpy(row, g, sizeof(float) * n);
+  ew_->gelu_mul(row, u, n);
+}
+
+void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase,
+                       const RowPrep* prep) {
   // The int8-activation GEMMs that share a quantised input go out in one dispatch (gemm_multi); a q8g one reads x
   // itself.
+  if (prep) {
+    bool fused = k <= kRowSourceMaxK;
+    for (const GemmOut& o : outs) fused &= o.w->pick(shape_rows(m), policy_).dtype != DType::Q8G;
+    if (!fused) {
+      Timer t(this, prep->phase);
+      for_rows(m, k, [&](int r, int) { prep->src.fill(prep->src.ctx, r, x + size_t(r) * ldx); });
+      prep = nullptr;
+    }
+  }
   GemmTarget batch[4];
   int n = 0, quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
   auto flush = [&] {
@@ -298,7 +331,8 @@ void Model::gemm_group(const float* x, int ldx, int m, int k, std::initializer_l
       flush();
       if (w.hadamard != quantised_for) {
         Timer t(this, kActQuant);
-        quantize_activations(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
+        if (prep) quantize_from_(prep->src, m, k, w.hadamard, &qact_, pool_.get());
+        else quantize_(x, ldx, m, k, w.hadamard, &qact_, pool_.get());
         quantised_for = w.hadamard;
       }
     }
@@ -335,30 +369,39 @@ void Model::embed(const int32_t* tokens, int m, int full_from) {
     ple_table_.row(tokens[r] < ple_table_.rows ? tokens[r] : 0, tok_scale, g);
     float* row = &ple_[size_t(r) * LP];
     const int layers = r >= full_from ? c.num_layers : fs;
-    for (int l = 0; l < layers; ++l) {
-      float* p = row + l * P;
-      ops::scale(p, P, proj_scale);
-      ops::rmsnorm(p, ple_proj_norm_, p, P, eps);
-      const float* gl = g + l * P;
-      for (int i = 0; i < P; ++i) p[i] = (p[i] + gl[i]) * in_scale;
-    }
+    for (int l = 0; l < layers; ++l)
+      ew_->ple_mix(row + l * P, g + l * P, ple_proj_norm_, P, proj_scale, in_scale, eps);
   });
 }
 
 void Model::compute_rope(int m, const RowCtx* rows) {
+  Timer timer(this, kQkRopeKv);
   const ModelConfig& c = config();
   for (int t = 0; t < 2; ++t) {
     if (!inv_freq_[t]) continue;
     const int hd = t == 0 ? c.global_head_dim : c.head_dim, half = hd / 2;
     const float* f = inv_freq_[t];
-    for (int r = 0; r < m; ++r) {
-      float* cs = &rope_cs_[t][size_t(r) * hd];
+    auto angles = [&](int pos, float* cs) {
       for (int d = 0; d < half; ++d) {
         // The angle in double: at position 1e5 a float product would already be off by ~0.004 rad.
-        const double a = double(rows[r].pos) * double(f[d]);
+        const double a = double(pos) * double(f[d]);
         cs[d] = float(std::cos(a));
         cs[half + d] = float(std::sin(a));
       }
+    };
+    // Positions below rope_positions_ come from the table, filled up to the largest position asked for so far (the
+    // libm cos/sin of a row cost ~10 us, a decode step at B = 32 would spend ~0.4 ms on them).
+    int need = 0;
+    for (int r = 0; r < m; ++r) need = std::max(need, std::min(rows[r].pos + 1, rope_positions_));
+    if (need > rope_filled_[t]) {
+      const int p0 = rope_filled_[t];
+      for_rows(need - p0, 8 * hd, [&](int i, int) { angles(p0 + i, &rope_table_[t][size_t(p0 + i) * hd]); });
+      rope_filled_[t] = need;
+    }
+    for (int r = 0; r < m; ++r) {
+      float* cs = &rope_cs_[t][size_t(r) * hd];
+      if (rows[r].pos < rope_positions_) std::memcpy(cs, &rope_table_[t][size_t(rows[r].pos) * hd], sizeof(float) * hd);
+      else angles(rows[r].pos, cs);
     }
   }
 }
@@ -374,21 +417,19 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
   for (int l = l0; l < l1; ++l) {
     const LayerSpec& ls = c.layers[l];
     const LayerWeights& W = layers_[l];
-    const int hd = ls.head_dim, half = hd / 2, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
+    const int hd = ls.head_dim, qw = nh * hd, kvw = nkv * hd, I = ls.intermediate;
     const KvDtype kvt = layout_.dtype();
     const bool float_kv = kvt != KvDtype::Int8;
     const int rot = float_kv ? 1 : ops::kv_rotation_block(hd);  // f16/f32 have no scale to share: nothing to spread
     const float* rope_cs = rope_cs_[ls.sliding ? 1 : 0].data();
 
     // --- attention ---
-    {
-      Timer t(this, kNorms);
-      for_rows(m, D, [&](int r, int) { ops::rmsnorm(h + size_t(r) * D, W.input_ln, x + size_t(r) * D, D, eps); });
-    }
+    const auto input_norm = [&](int r, float* row) { ew_->rmsnorm(h + size_t(r) * D, W.input_ln, row, D, eps); };
+    const RowPrep input_prep{row_source(input_norm), kNorms};
     if (ls.owns_kv)
-      gemm_group(x, D, m, D, {{&W.q, q}, {&W.k, k}, {&W.v, v}}, kQkvGemm);
+      gemm_group(x, D, m, D, {{&W.q, q}, {&W.k, k}, {&W.v, v}}, kQkvGemm, &input_prep);
     else
-      gemm_group(x, D, m, D, {{&W.q, q}}, kQkvGemm);
+      gemm_group(x, D, m, D, {{&W.q, q}}, kQkvGemm, &input_prep);
     {
       Timer t(this, kQkRopeKv);
       const KvLayerLayout& kl = layout_.layer(l);
@@ -397,33 +438,29 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         // q, k and v are rotated per head by the orthonormal Hadamard H (kv_layout.h): q·k is unchanged, the int8
         // codes of k and v see their energy spread over the block, and attend()'s output is rotated back below.
         for (int hh = 0; hh < nh; ++hh) {
-          float* qh = q + size_t(r) * qw + size_t(hh) * hd;
-          ops::rmsnorm(qh, W.q_norm, qh, hd, eps);
-          ops::rope(qh, half, cs, cs + half);
-          ops::fwht_blocks(qh, hd, rot);
+          ew_->head_norm_rope(q + size_t(r) * qw + size_t(hh) * hd, W.q_norm, hd, cs, rot, eps);
         }
         if (!ls.owns_kv) return;
         float* kr = k + size_t(r) * kvw;
         float* vr = v + size_t(r) * kvw;
         for (int g = 0; g < nkv; ++g) {
-          ops::rmsnorm(kr + g * hd, W.k_norm, kr + g * hd, hd, eps);
-          ops::rope(kr + g * hd, half, cs, cs + half);
-          if (c.use_v_norm) ops::rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
+          // K's rotation per head equals the rotation of the whole row: blocks never straddle heads (rot | hd).
+          ew_->head_norm_rope(kr + g * hd, W.k_norm, hd, cs, rot, eps);
+          if (c.use_v_norm) ew_->rmsnorm(vr + g * hd, nullptr, vr + g * hd, hd, eps);
         }
-        ops::fwht_blocks(kr, kvw, rot);
-        ops::fwht_blocks(vr, kvw, rot);
+        ew_->fwht_blocks(vr, kvw, rot);
         uint8_t* s = rows[r].slot;
         const int64_t row = rows[r].pos % kl.cap;
         if (kvt == KvDtype::F32) {
           std::memcpy(reinterpret_cast<float*>(s + kl.k_off) + row * kvw, kr, sizeof(float) * kvw);
           std::memcpy(reinterpret_cast<float*>(s + kl.v_off) + row * kvw, vr, sizeof(float) * kvw);
         } else if (kvt == KvDtype::F16) {
-          ops::store_row_f16(kr, kvw, reinterpret_cast<uint16_t*>(s + kl.k_off) + row * kvw);
-          ops::store_row_f16(vr, kvw, reinterpret_cast<uint16_t*>(s + kl.v_off) + row * kvw);
+          ew_->store_row_f16(kr, kvw, reinterpret_cast<uint16_t*>(s + kl.k_off) + row * kvw);
+          ew_->store_row_f16(vr, kvw, reinterpret_cast<uint16_t*>(s + kl.v_off) + row * kvw);
         } else {
-          ops::quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
+          ew_->quantize_row_i8(kr, kvw, reinterpret_cast<int8_t*>(s + kl.k_off) + row * kvw,
                                reinterpret_cast<float*>(s + kl.ks_off) + row);
-          ops::quantize_row_i8(vr, kvw, reinterpret_cast<int8_t*>(s + kl.v_off) + row * kvw,
+          ew_->quantize_row_i8(vr, kvw, reinterpret_cast<int8_t*>(s + kl.v_off) + row * kvw,
                                reinterpret_cast<float*>(s + kl.vs_off) + row);
         }
       });
@@ -453,46 +490,44 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         float* out = attn + size_t(r) * qw + size_t(h0) * hd;
         attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
                &row_scratch_[size_t(w) * row_scratch_per_worker_]);
-        ops::fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
+        ew_->fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
       });
     }
     gemm_group(attn, qw, m, qw, {{&W.o, tmp}}, kOGemm);
     {
       Timer t(this, kNorms);
-      for_rows(m, 2 * D, [&](int r, int) {
-        float* hr = h + size_t(r) * D;
-        ops::add_rmsnorm(hr, tmp + size_t(r) * D, W.post_attn_ln, D, eps);
-        ops::rmsnorm(hr, W.pre_ffn_ln, x + size_t(r) * D, D, eps);
+      for_rows(m, D, [&](int r, int) {
+        ew_->add_rmsnorm(h + size_t(r) * D, tmp + size_t(r) * D, W.post_attn_ln, D, eps);
       });
     }
 
     // --- MLP ---
-    gemm_group(x, D, m, D, {{&W.gate, gate}, {&W.up, up}}, kFfnGemm);
-    {
-      Timer t(this, kFfnAct);
-      for_rows(m, I, [&](int r, int) { ops::gelu_mul(gate + size_t(r) * I, up + size_t(r) * I, I); });
-    }
-    gemm_group(gate, I, m, I, {{&W.down, tmp}}, kFfnGemm);
+    const auto ffn_norm = [&](int r, float* row) { ew_->rmsnorm(h + size_t(r) * D, W.pre_ffn_ln, row, D, eps); };
+    const RowPrep ffn_prep{row_source(ffn_norm), kNorms};
+    gemm_group(x, D, m, D, {{&W.gate, gate}, {&W.up, up}}, kFfnGemm, &ffn_prep);
+    const auto ffn_act = [&](int r, float* row) { gelu_row(gate + size_t(r) * I, up + size_t(r) * I, I, row); };
+    const RowPrep act_prep{row_source(ffn_act), kFfnAct};
+    gemm_group(gate, I, m, I, {{&W.down, tmp}}, kFfnGemm, &act_prep);
     {
       Timer t(this, kNorms);
-      for_rows(m, D, [&](int r, int) { ops::add_rmsnorm(h + size_t(r) * D, tmp + size_t(r) * D, W.post_ffn_ln, D, eps); });
+      for_rows(m, D, [&](int r, int) { ew_->add_rmsnorm(h + size_t(r) * D, tmp + size_t(r) * D, W.post_ffn_ln, D, eps); });
     }
 
     // --- per-layer input, then the layer scalar ---
     if (P > 0) {
       gemm_group(h, D, m, D, {{&W.ple_gate, pg}}, kPleInject);
-      {
-        Timer t(this, kPleInject);
-        for_rows(m, P, [&](int r, int) { ops::gelu_mul(pg + size_t(r) * P, ple + size_t(r) * LP + size_t(l) * P, P); });
-      }
-      gemm_group(pg, P, m, P, {{&W.ple_proj, tmp}}, kPleInject);
+      const auto ple_act = [&](int r, float* row) {
+        gelu_row(pg + size_t(r) * P, ple + size_t(r) * LP + size_t(l) * P, P, row);
+      };
+      const RowPrep ple_prep{row_source(ple_act), kPleInject};
+      gemm_group(pg, P, m, P, {{&W.ple_proj, tmp}}, kPleInject, &ple_prep);
     }
     if (P == 0 && W.layer_scalar == 1.0f) continue;
     Timer t(this, kNorms);
     for_rows(m, D, [&](int r, int) {
       float* hr = h + size_t(r) * D;
-      if (P > 0) ops::add_rmsnorm(hr, tmp + size_t(r) * D, W.post_ple_ln, D, eps);
-      if (W.layer_scalar != 1.0f) ops::scale(hr, D, W.layer_scalar);
+      if (P > 0) ew_->add_rmsnorm(hr, tmp + size_t(r) * D, W.post_ple_ln, D, eps);
+      if (W.layer_scalar != 1.0f) ew_->scale(hr, D, W.layer_scalar);
     });
   }
 }
@@ -500,17 +535,15 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
 void Model::lm_head(int m, float* out) {
   const ModelConfig& c = config();
   const int D = c.hidden_size, V = c.vocab_size;
-  {
-    Timer t(this, kNorms);
-    for_rows(m, D, [&](int r, int) {
-      ops::rmsnorm(&h_[size_t(r) * D], final_norm_, &x_[size_t(r) * D], D, float(c.rms_norm_eps));
-    });
-  }
-  gemm_group(x_.data(), D, m, D, {{&lm_head_, out}}, kLmHead);
+  const auto final_norm = [&](int r, float* row) {
+    ew_->rmsnorm(&h_[size_t(r) * D], final_norm_, row, D, float(c.rms_norm_eps));
+  };
+  const RowPrep prep{row_source(final_norm), kNorms};
+  gemm_group(x_.data(), D, m, D, {{&lm_head_, out}}, kLmHead, &prep);
   if (c.final_softcap > 0) {
     Timer t(this, kLmHead);
     const float cap = float(c.final_softcap);
-    for_rows(m, V, [&](int r, int) { ops::softcap(out + size_t(r) * V, V, cap); });
+    for_rows(m, V, [&](int r, int) { ew_->softcap(out + size_t(r) * V, V, cap); });
   }
 }
 

@@ -27,6 +27,10 @@
 
 namespace sg {
 
+namespace ops {
+struct Elementwise;  // ops.h
+}
+
 // Which of a weight's two encodings a GEMM uses when the file has an int8 twin (`<name>.i8`).
 // FGM_WEIGHTS=int4 | int8 | auto:M (default auto:16: the int8 twin when the GEMM has >= M rows, i.e. prefill
 // chunks; int4 for decode, which is bound by reading the weights).
@@ -159,13 +163,29 @@ class Model {
     float* y;
     int ldy = 0;  // 0: the weight's row count
   };
-  void gemm_group(const float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase);
+  // The group's input made row by row (an RMS norm of h, the GELU of gate and up; src.fill writes row r, k floats).
+  // When every weight of the group reads int8 activations the rows go straight into the quantiser
+  // (quantize_activations_from: no m x k array is written and read back); when one reads f32 x (q8g) they are first
+  // written to x (row stride ldx), timed as `phase`.
+  struct RowPrep {
+    RowSource src;
+    int phase;
+  };
+  void gemm_group(float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase,
+                  const RowPrep* prep = nullptr);
   template <class F>
   void for_rows(int m, int64_t work_per_row, F&& f);
+  // row = gelu_tanh(g) * u over n floats (row may be g).
+  void gelu_row(const float* g, const float* u, int n, float* row) const;
 
   std::shared_ptr<const FgmFile> file_;
   WeightPolicy policy_;
   Backend backend_;
+  // The element-wise kernels and the activation quantiser of backend_'s instruction set: zmm on the VNNI and AMX
+  // backends, ymm on AVX2 (ops.h, gemm.h; both give the same bits).
+  const ops::Elementwise* ew_ = nullptr;
+  void (*quantize_)(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool) = nullptr;
+  void (*quantize_from_)(const RowSource& src, int m, int k, int hadamard, QAct* out, ThreadPool* pool) = nullptr;
   int chunk_ = 0, max_rows_ = 0;
   KvLayout layout_;
   std::unique_ptr<ThreadPool> pool_;
@@ -184,6 +204,11 @@ class Model {
   // Scratch, [max_rows_] rows each.
   std::vector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
   std::vector<float> rope_cs_[2];  // per type: [row][cos(half) | sin(half)]
+  // Per type: [position][cos(half) | sin(half)] for positions [0, rope_filled_), filled as positions are first met;
+  // the first min(max_context, kRopeTablePositions) positions have a row (E2B: 3 KB each, 24 MB in all at 8192).
+  static constexpr int kRopeTablePositions = 8192;
+  std::vector<float> rope_table_[2];
+  int rope_positions_ = 0, rope_filled_[2] = {0, 0};
   std::vector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
   size_t row_scratch_per_worker_ = 0;
   struct Aligned {

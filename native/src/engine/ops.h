@@ -43,6 +43,29 @@ void fwht_blocks(float* x, int n, int block);
 // The block the K/V cache is rotated in: the largest power of two dividing head_dim, at most 128.
 int kv_rotation_block(int head_dim);
 
+// The element-wise kernels of the forward pass as one table per instruction set: elementwise_avx2() holds the
+// functions above (ymm, ops_avx2.cpp), elementwise_avx512() their zmm twins (elementwise_avx512.cpp, AVX-512F/BW/VL:
+// call only when the CPU has AVX-512, i.e. on the VNNI and AMX backends). The zmm kernels give the ymm ones' bits
+// (same IEEE operations per element, reductions in the ymm association; docs/engine-api.md).
+struct Elementwise {
+  void (*rmsnorm)(const float* x, const float* w, float* y, int n, float eps);
+  void (*add_rmsnorm)(float* h, const float* a, const float* w, int n, float eps);
+  void (*scale)(float* x, int n, float s);
+  void (*gelu_mul)(float* g, const float* u, int n);
+  void (*softcap)(float* x, int n, float cap);
+  void (*quantize_row_i8)(const float* x, int n, int8_t* q, float* scale);
+  void (*store_row_f16)(const float* x, int n, uint16_t* out);
+  void (*fwht_blocks)(float* x, int n, int block);
+  // One attention head in place: rmsnorm(x, w) over hd, rope with cos = cs[0..hd/2), sin = cs[hd/2..hd), then
+  // fwht_blocks(x, hd, rot).
+  void (*head_norm_rope)(float* x, const float* w, int hd, const float* cs, int rot, float eps);
+  // One per-layer-input chunk (spec §3.1) in place: p = (rmsnorm(p * proj_scale, w) + g) * in_scale, each step an
+  // f32 rounding.
+  void (*ple_mix)(float* p, const float* g, const float* w, int n, float proj_scale, float in_scale, float eps);
+};
+const Elementwise& elementwise_avx2();
+const Elementwise& elementwise_avx512();
+
 // Attention of nq query heads that share one KV head, for one query row, over the cached positions
 // [lo, hi] (hi = the query's own position): softmax(q . k) . v with k = code * kscale, v = code * vscale (int8) or
 // the f16 or f32 values (ks, vs null), scale 1.0, fp32 softmax.

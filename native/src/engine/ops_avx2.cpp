@@ -371,6 +371,32 @@ void fwht_blocks(float* x, int n, int block) {
 
 int kv_rotation_block(int head_dim) { return std::min(128, head_dim & -head_dim); }
 
+namespace {
+
+void head_norm_rope(float* x, const float* w, int hd, const float* cs, int rot, float eps) {
+  rmsnorm(x, w, x, hd, eps);
+  rope(x, hd / 2, cs, cs + hd / 2);
+  fwht_blocks(x, hd, rot);
+}
+
+void ple_mix(float* p, const float* g, const float* w, int n, float proj_scale, float in_scale, float eps) {
+  scale(p, n, proj_scale);
+  rmsnorm(p, w, p, n, eps);
+  const __m256 s8 = _mm256_set1_ps(in_scale);
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(p + i, _mm256_mul_ps(_mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(g + i)), s8));
+  for (; i < n; ++i) p[i] = (p[i] + g[i]) * in_scale;
+}
+
+}  // namespace
+
+const Elementwise& elementwise_avx2() {
+  static const Elementwise e{rmsnorm,         add_rmsnorm,   scale,          gelu_mul, softcap, quantize_row_i8,
+                             store_row_f16,   fwht_blocks,   head_norm_rope, ple_mix};
+  return e;
+}
+
 
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch) {

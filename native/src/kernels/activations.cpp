@@ -10,6 +10,7 @@
 
 #include "gemm.h"
 #include "kernels_impl.h"
+#include "quantize_row.h"
 
 namespace sg {
 namespace {
@@ -93,50 +94,14 @@ inline int32_t quantize64(const float* p, __m256 scale, int8_t* dst) {
   return _mm_cvtsi128_si32(s);
 }
 
-// Row `row` of x (or a zero padding row when x is null) into the packed layout.
+struct Isa {
+  static void fwht_block(const float* src, float* dst) { sg::fwht_block(src, dst); }
+  static float amax_of(const float* p, int n) { return sg::amax_of(p, n); }
+  static int32_t quantize64(const float* p, float scale, int8_t* dst) { return sg::quantize64(p, _mm256_set1_ps(scale), dst); }
+};
+
 void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {
-  const int KB = k / 64;
-  int8_t* dst = out->packed + ((size_t)(row / 16) * KB * 16 + row % 16) * 64;  // k-block kb at + kb·1024
-  int32_t* rs = out->rowsum + (size_t)row * KB;
-  if (!x) {
-    for (int kb = 0; kb < KB; ++kb) {
-      std::memset(dst + (size_t)kb * 1024, 0, 64);
-      rs[kb] = 0;
-    }
-    out->scale[row] = 0.f;
-    return;
-  }
-  // The rotated row is kept on the stack for pass 2 when it fits; longer rows are rotated
-  // again block by block (the transform is deterministic, so both passes see the same values).
-  constexpr int kCachedK = 16384;
-  alignas(32) float rotated[kCachedK];
-  const bool cached = hadamard && k <= kCachedK;
-  float amax = 0.f;
-  if (hadamard) {
-    for (int b = 0; b < k; b += 128) {
-      float* dst = cached ? rotated + b : rotated;
-      fwht_block(x + b, dst);
-      const float m = amax_of(dst, 128);
-      amax = m > amax ? m : amax;
-    }
-  } else {
-    amax = amax_of(x, k);
-  }
-  const float scale = amax > 0.f ? amax / 127.0f : 1.0f;
-  out->scale[row] = scale;
-  const __m256 sv = _mm256_set1_ps(scale);
-  for (int kb = 0; kb < KB; ++kb) {
-    const float* src;
-    if (cached) {
-      src = rotated + (size_t)kb * 64;
-    } else if (hadamard) {
-      if (kb % 2 == 0) fwht_block(x + (size_t)kb * 64, rotated);
-      src = rotated + (kb % 2) * 64;
-    } else {
-      src = x + (size_t)kb * 64;
-    }
-    rs[kb] = quantize64(src, sv, dst + (size_t)kb * 1024);
-  }
+  detail::quantize_row_with<Isa>(x, k, hadamard, row, out);
 }
 
 }  // namespace
@@ -146,14 +111,20 @@ void fwht128(float* x, int n) {
   for (int b = 0; b < n; b += 128) fwht_block(x + b, x + b);
 }
 
-void quantize_activations(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool) {
+namespace detail {
+
+void quantize_rows(const float* x, int ldx, const RowSource* src, int m, int k, int hadamard, QAct* out,
+                   ThreadPool* pool, QuantizeRowFn quantize_one) {
   if (m < 0 || k <= 0 || k % 64 != 0)
     throw std::invalid_argument("quantize_activations: need m >= 0 and k a positive multiple of 64 (m=" +
                                 std::to_string(m) + ", k=" + std::to_string(k) + ")");
   if (hadamard != 0 && (hadamard != 128 || k % 128 != 0))
     throw std::invalid_argument("quantize_activations: hadamard must be 0, or 128 with k % 128 == 0 (hadamard=" +
                                 std::to_string(hadamard) + ", k=" + std::to_string(k) + ")");
-  if (ldx < k) throw std::invalid_argument("quantize_activations: ldx < k");
+  if (!src && ldx < k) throw std::invalid_argument("quantize_activations: ldx < k");
+  if (src && k > kRowSourceMaxK)
+    throw std::invalid_argument("quantize_activations_from: k = " + std::to_string(k) + " is above " +
+                                std::to_string(kRowSourceMaxK));
   if (!out || !out->packed || !out->scale || !out->rowsum)
     throw std::invalid_argument("quantize_activations: output buffers not set");
   out->m = m;
@@ -164,11 +135,30 @@ void quantize_activations(const float* x, int ldx, int m, int k, int hadamard, Q
   // hand-out overhead small at decode sizes.
   const int per_task = 4;
   auto task = [&](int t, int) {
-    for (int r = t * per_task; r < (t + 1) * per_task && r < rows; ++r)
-      quantize_row(r < m ? x + (size_t)r * ldx : nullptr, k, hadamard, r, out);
+    alignas(64) float made[kRowSourceMaxK];  // a made row: L1-resident between its producer and the quantiser
+    for (int r = t * per_task; r < (t + 1) * per_task && r < rows; ++r) {
+      const float* row = nullptr;
+      if (r < m && src) {
+        src->fill(src->ctx, r, made);
+        row = made;
+      } else if (r < m) {
+        row = x + (size_t)r * ldx;
+      }
+      quantize_one(row, k, hadamard, r, out);
+    }
   };
   const int n_tasks = (rows + per_task - 1) / per_task;
-  detail::run_tasks(m * (size_t)k >= 16384 ? pool : nullptr, n_tasks, task);
+  run_tasks(m * (size_t)k >= 16384 ? pool : nullptr, n_tasks, task);
+}
+
+}  // namespace detail
+
+void quantize_activations(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool) {
+  detail::quantize_rows(x, ldx, nullptr, m, k, hadamard, out, pool, quantize_row);
+}
+
+void quantize_activations_from(const RowSource& src, int m, int k, int hadamard, QAct* out, ThreadPool* pool) {
+  detail::quantize_rows(nullptr, 0, &src, m, k, hadamard, out, pool, quantize_row);
 }
 
 }  // namespace sg

@@ -56,6 +56,15 @@ sg::Backend pick_backend(const std::optional<std::string>& name) {
   return name ? sg::backend_from_name(name->c_str()) : sg::active_backend();
 }
 
+// The activation quantiser of a backend's instruction set, as the engine picks it (model.cpp): zmm on VNNI/AMX.
+using QuantizeFn = void (*)(const float*, int, int, int, int, sg::QAct*, sg::ThreadPool*);
+QuantizeFn quantizer_for(sg::Backend b) {
+  if (b == sg::Backend::Avx2) return sg::quantize_activations;
+  if (!sg::cpu_supports(b))
+    throw std::runtime_error(std::string("quantize: this CPU cannot run the ") + sg::backend_name(b) + " backend");
+  return sg::quantize_activations_avx512;
+}
+
 const F32Array& check_rows(const F32Array& x, int k, const char* what) {
   if (x.ndim() != 2) throw std::invalid_argument(std::string(what) + ": x must be 2-D [M, K]");
   if (x.shape(1) != k)
@@ -80,7 +89,7 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
     if (w.dtype == sg::DType::Q8G) {  // weight-only: no activation quantisation, one code path for every backend
       sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool, b);
     } else {
-      sg::quantize_activations(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
+      quantizer_for(b)(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
       sg::gemm(qa.q, w, yp, w.n, &pool, b);
     }
   }
@@ -146,12 +155,29 @@ void bind_kernels(py::module_& parent) {
 
   m.def(
       "quantize_rows",
-      [](const F32Array& x, int hadamard) {
+      [](const F32Array& x, int hadamard, const std::optional<std::string>& backend, bool via_source) {
         if (x.ndim() != 2) throw std::invalid_argument("quantize_rows: x must be 2-D [M, K]");
         const int mr = int(x.shape(0)), k = int(x.shape(1));
         if (k % 64 != 0) throw std::invalid_argument("quantize_rows: K must be a multiple of 64");
+        const sg::Backend b = backend ? sg::backend_from_name(backend->c_str()) : sg::Backend::Avx2;
+        const QuantizeFn quantize = quantizer_for(b);
         QActStore qa(mr, k);
-        sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, nullptr);
+        if (via_source) {  // the rows through a RowSource that copies them (quantize_activations_from)
+          struct Ctx {
+            const float* x;
+            int k;
+          } ctx{x.data(), k};
+          const sg::RowSource src{[](const void* c, int r, float* row) {
+                                    const Ctx& cx = *static_cast<const Ctx*>(c);
+                                    std::memcpy(row, cx.x + size_t(r) * cx.k, sizeof(float) * cx.k);
+                                  },
+                                  &ctx};
+          sg::ThreadPool pool(2);
+          (b == sg::Backend::Avx2 ? sg::quantize_activations_from : sg::quantize_activations_from_avx512)(
+              src, mr, k, hadamard, &qa.q, &pool);
+        } else {
+          quantize(x.data(), k, mr, k, hadamard, &qa.q, nullptr);
+        }
         // Unpack the tile layout into plain rows (the layout itself is what gemm() reads).
         py::array_t<int8_t> codes({py::ssize_t(mr), py::ssize_t(k)});
         py::array_t<float> scale(py::ssize_t{mr});
@@ -164,8 +190,10 @@ void bind_kernels(py::module_& parent) {
         }
         return py::make_tuple(codes, scale);
       },
-      py::arg("x"), py::arg("hadamard") = 0,
-      "Per-row int8 quantisation exactly as gemm() sees it: (codes int8[M,K], scale f32[M]).");
+      py::arg("x"), py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("via_source") = false,
+      "Per-row int8 quantisation exactly as gemm() sees it: (codes int8[M,K], scale f32[M]); with the ymm quantiser, "
+      "or the one the named backend's engine uses (vnni/amx: zmm); via_source: the rows handed over one by one "
+      "through a RowSource on a 2-thread pool (quantize_activations_from).");
 
   m.def(
       "linear",
@@ -238,22 +266,23 @@ void bind_kernels(py::module_& parent) {
 
   m.def(
       "bench_quantize",
-      [](const F32Array& x, int hadamard, int threads, int repeats) {
+      [](const F32Array& x, int hadamard, int threads, int repeats, const std::optional<std::string>& backend) {
         if (x.ndim() != 2) throw std::invalid_argument("bench_quantize: x must be 2-D [M, K]");
         const int mr = int(x.shape(0)), k = int(x.shape(1));
+        const QuantizeFn quantize = quantizer_for(backend ? sg::backend_from_name(backend->c_str()) : sg::Backend::Avx2);
         std::vector<double> times;
         py::gil_scoped_release nogil;
         QActStore qa(mr, k);
         sg::ThreadPool pool(threads);
         for (int r = 0; r < repeats; ++r) {
           const auto t0 = std::chrono::steady_clock::now();
-          sg::quantize_activations(x.data(), k, mr, k, hadamard, &qa.q, &pool);
+          quantize(x.data(), k, mr, k, hadamard, &qa.q, &pool);
           times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         }
         return times;
       },
       py::arg("x"), py::arg("hadamard") = 0, py::arg("threads") = 1, py::arg("repeats") = 10,
-      "Seconds per quantize_activations() call.");
+      py::arg("backend") = py::none(), "Seconds per quantize_activations() call (ymm, or the backend's quantiser).");
 
   m.def(
       "peak_tops",

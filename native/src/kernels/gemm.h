@@ -89,6 +89,21 @@ int qact_padded_rows(int m);
 // x: m rows of k floats, row stride ldx. k % 64 == 0 (and % 128 when hadamard = 128).
 // out->packed/scale/rowsum must be set by the caller; m, k, hadamard are filled in.
 void quantize_activations(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool);
+// The same on zmm (activations_avx512.cpp, AVX-512F/BW): call only when the CPU has AVX-512 (the VNNI and AMX
+// backends). BIT-IDENTICAL to quantize_activations(): the transform's butterflies, the f32 division by the scale and
+// the round-half-even conversion are the same operations on every element, only 16 at a time.
+void quantize_activations_avx512(const float* x, int ldx, int m, int k, int hadamard, QAct* out, ThreadPool* pool);
+// The same on rows made on the fly: fill(ctx, r, row) writes row r (k floats) and must depend on r alone (it may run
+// on any thread, and more than once per row). Each row goes straight from its producer (an RMS norm, a GELU) into
+// the quantiser through an L1-resident buffer instead of through an m x k array in memory. k <= kRowSourceMaxK.
+struct RowSource {
+  void (*fill)(const void* ctx, int r, float* row);
+  const void* ctx;
+};
+constexpr int kRowSourceMaxK = 16384;
+void quantize_activations_from(const RowSource& src, int m, int k, int hadamard, QAct* out, ThreadPool* pool);
+void quantize_activations_from_avx512(const RowSource& src, int m, int k, int hadamard, QAct* out,
+                                      ThreadPool* pool);
 
 // y[m, n] (row stride ldy) = dequantised x · Wᵀ. a.hadamard must equal w.hadamard.
 // Work is split over the pool in tasks of whole 16-column blocks (each task owns disjoint
