@@ -12,9 +12,9 @@
 namespace sg::detail {
 namespace {
 
-// Up to 12 rows a register block (M=8 in one block, M=32 in three of 11, 11 and 10): every weight vector is widened
-// to f32 once per row block, so the more rows share it, the fewer conversions each FMA carries (6 rows × 2 panels
-// spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6 per 24).
+// Decode (at most kDecodeRows rows): up to 12 rows a register block (M=8 in one block, M=32 in three of 11, 11 and
+// 10): every weight vector is widened to f32 once per row block, so the more rows share it, the fewer conversions
+// each FMA carries (6 rows × 2 panels spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6 per 24).
 constexpr int kMaxRows = 12;
 
 // acc lives in y (read, fma, written back once per group: 1/group of the FMAs) so that the 32 zmm hold MR·NP part
@@ -93,6 +93,15 @@ constexpr Q8gBlockFn kOne[kMaxRows + 1] = {
     q8g_block_zmm<8, 1, OFF>,   q8g_block_zmm<9, 1, OFF>,  q8g_block_zmm<10, 1, OFF>, q8g_block_zmm<11, 1, OFF>,
     q8g_block_zmm<12, 1, OFF>};
 
+// Prefill (more rows than a decode batch): the blocks of at most 6 rows the kernel had before the 12-row ones, which
+// measured slower there (docs/benchmarks.md, "Gemma 3 270M decode"): for many row blocks the conversions are not the limit.
+constexpr int kDecodeRows = 32, kPrefillRows = 6;
+constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 3, 2, 2, 2, 2};
+template <bool OFF>
+constexpr Q8gBlockFn kWidePrefill[kPrefillRows + 1] = {
+    nullptr, q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 3, OFF>, q8g_block_zmm<3, 2, OFF>,
+    q8g_block_zmm<4, 2, OFF>, q8g_block_zmm<5, 2, OFF>, q8g_block_zmm<6, 2, OFF>};
+
 }  // namespace
 
 uint64_t peak_loop_fma512(uint64_t iters) {
@@ -113,8 +122,13 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                                 int p0, int p1) {
   constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; 120 KB of codes at K=640
-  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
-            ldx, m, w, xsum, y, ldy, p0, p1);
+  if (m > kDecodeRows)
+    q8g_drive(Q8gKernels{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>, kOne<false>,
+                         kWidePrefill<true>, kOne<true>},
+              x, ldx, m, w, xsum, y, ldy, p0, p1);
+  else
+    q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
+              ldx, m, w, xsum, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail
