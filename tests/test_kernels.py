@@ -420,7 +420,7 @@ def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group):
     q[1], q[2], q[3] = 0, 127, -127
     scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
     blob = q8g_panels(q)
-    for m in (1, 2, 5, 6, 7, 13):
+    for m in (1, 2, 5, 6, 7, 8, 12, 13, 25, 32, 40):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2)
         np.testing.assert_array_equal(y, q8g_contract(x, q, scale, group))

@@ -299,8 +299,8 @@ void Model::gelu_row(const float* g, const float* u, int n, float* row) const {
 
 void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase,
                        const RowPrep* prep) {
-  // The int8-activation GEMMs that share a quantised input go out in one dispatch (gemm_multi); a q8g one reads x
-  // itself.
+  // The GEMMs that share an input go out in one dispatch each kind: the int8-activation ones on one quantised x
+  // (gemm_multi), the q8g (weight-only) ones on x itself (gemm_q8g_multi), which a row preparation fills first.
   if (prep) {
     bool fused = k <= kRowSourceMaxK;
     for (const GemmOut& o : outs) fused &= o.w->pick(shape_rows(m), policy_).dtype != DType::Q8G;
@@ -310,21 +310,26 @@ void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<Ge
       prep = nullptr;
     }
   }
-  GemmTarget batch[4];
-  int n = 0, quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
+  GemmTarget batch[4], q8g[4];
+  int n = 0, n_q8g = 0, quantised_for = -1;  // the Hadamard setting qact_ currently holds x for
   auto flush = [&] {
     if (!n) return;
     Timer t(this, phase);
     gemm_multi(qact_, batch, n, pool_.get(), backend_);
     n = 0;
   };
+  auto flush_q8g = [&] {
+    if (!n_q8g) return;
+    Timer t(this, phase);
+    gemm_q8g_multi(x, ldx, m, q8g, n_q8g, pool_.get(), backend_);
+    n_q8g = 0;
+  };
   for (const GemmOut& o : outs) {
     const QLinear& w = o.w->pick(shape_rows(m), policy_);
     const int ldy = o.ldy ? o.ldy : w.n;
-    if (w.dtype == DType::Q8G) {  // weight-only int8: reads x itself
-      flush();
-      Timer t(this, phase);
-      gemm_q8g(x, ldx, m, w, o.y, ldy, pool_.get(), backend_);
+    if (w.dtype == DType::Q8G) {
+      if (n_q8g == 4) flush_q8g();
+      q8g[n_q8g++] = GemmTarget{&w, o.y, ldy};
       continue;
     }
     if (w.hadamard != quantised_for || n == 4) {
@@ -339,6 +344,7 @@ void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<Ge
     batch[n++] = GemmTarget{&w, o.y, ldy};
   }
   flush();
+  flush_q8g();
 }
 
 void Model::embed(const int32_t* tokens, int m, int full_from) {

@@ -259,37 +259,61 @@ void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ld
 }
 
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b) {
+  const GemmTarget t{&w, y, ldy};
+  gemm_q8g_multi(x, ldx, m, &t, 1, pool, b);
+}
+
+void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b) {
+  constexpr int kMaxTargets = 8;
+  if (n < 1 || n > kMaxTargets)
+    throw std::invalid_argument("gemm_q8g_multi: between 1 and " + std::to_string(kMaxTargets) + " targets, got " +
+                                std::to_string(n));
   auto bad = [](const std::string& msg) { throw std::invalid_argument("gemm_q8g: " + msg); };
-  if (w.dtype != DType::Q8G) bad("weight dtype must be q8g");
-  if (w.n <= 0 || w.n % 16 != 0 || w.k <= 0 || w.group <= 0 || w.k % w.group != 0)
-    bad("weight [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "] with group " + std::to_string(w.group) +
-        " needs N % 16 == 0 and a group dividing K");
-  if (!w.codes || !w.scales) bad("weight without codes or scales");
+  for (int i = 0; i < n; ++i) {
+    const QLinear& w = *targets[i].w;
+    if (w.dtype != DType::Q8G) bad("weight dtype must be q8g");
+    if (w.n <= 0 || w.n % 16 != 0 || w.k <= 0 || w.group <= 0 || w.k % w.group != 0)
+      bad("weight [" + std::to_string(w.n) + ", " + std::to_string(w.k) + "] with group " + std::to_string(w.group) +
+          " needs N % 16 == 0 and a group dividing K");
+    if (w.k != targets[0].w->k) bad("targets of one call must share K (they read the same x)");
+    if (!w.codes || !w.scales) bad("weight without codes or scales");
+    if (m > 0 && !targets[i].y) bad("null buffer");
+    if (targets[i].ldy < w.n) bad("ldy " + std::to_string(targets[i].ldy) + " < N " + std::to_string(w.n));
+  }
+  const int K = targets[0].w->k;
   if (m < 0) bad("negative row count");
-  if (m > 0 && (!x || !y)) bad("null buffer");
-  if (ldx < w.k) bad("ldx " + std::to_string(ldx) + " < K " + std::to_string(w.k));
-  if (ldy < w.n) bad("ldy " + std::to_string(ldy) + " < N " + std::to_string(w.n));
+  if (m > 0 && !x) bad("null buffer");
+  if (ldx < K) bad("ldx " + std::to_string(ldx) + " < K " + std::to_string(K));
   if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm_q8g: this CPU cannot run the ") + backend_name(b) +
                                                  " backend");
   if (m == 0) return;
-  // q8ga: each row's group sums, once per call for all N outputs, by one routine for every backend (AVX2 is the
-  // floor of all of them). One buffer per calling thread.
+  // q8ga: each row's group sums, once per target for all its N outputs (m·K adds: nothing beside the GEMM), by one
+  // routine for every backend (AVX2 is the floor of all of them). One buffer per calling thread.
   thread_local std::vector<float> xsum;
-  if (w.offsets) {
-    xsum.resize(size_t(m) * (w.k / w.group));
-    detail::q8g_group_sums(x, ldx, m, w.k, w.group, xsum.data());
+  size_t xsum_at[kMaxTargets], used = 0;
+  for (int i = 0; i < n; ++i) {
+    xsum_at[i] = used;
+    if (targets[i].w->offsets) used += size_t(m) * (K / targets[i].w->group);
   }
-  const float* xs = w.offsets ? xsum.data() : nullptr;
+  xsum.resize(used);
+  float* const sums = xsum.data();  // the caller's buffer: a pool thread's `xsum` would be its own, empty one
+  for (int i = 0; i < n; ++i)
+    if (targets[i].w->offsets) detail::q8g_group_sums(x, ldx, m, K, targets[i].w->group, sums + xsum_at[i]);
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
-  // 12 panels a task: a whole number of the kernel's panel blocks for every row count (6, 3, 2 or 1 panels).
+  // 12 panels a task: a whole number of the kernel's panel blocks for every row count. The targets' tasks form one
+  // list, as in gemm_multi: q, k and v (or gate and up) pay one wake-up and one barrier, not one each.
   constexpr int kTaskPanels = 12;
-  const int panels = w.n / 16;
-  const int n_tasks = (panels + kTaskPanels - 1) / kTaskPanels;
+  int first[kMaxTargets + 1] = {0};
+  for (int i = 0; i < n; ++i) first[i + 1] = first[i] + (targets[i].w->n / 16 + kTaskPanels - 1) / kTaskPanels;
   auto task = [&](int t, int) {
-    const int p0 = t * kTaskPanels;
-    panels_fn(x, ldx, m, w, xs, y, ldy, p0, std::min(p0 + kTaskPanels, panels));
+    int i = 0;
+    while (t >= first[i + 1]) ++i;
+    const GemmTarget& g = targets[i];
+    const int panels = g.w->n / 16, p0 = (t - first[i]) * kTaskPanels;
+    const float* xs = g.w->offsets ? sums + xsum_at[i] : nullptr;
+    panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + kTaskPanels, panels));
   };
-  detail::run_tasks(pool, n_tasks, task);
+  detail::run_tasks(pool, first[n], task);
 }
 
 }  // namespace sg

@@ -139,6 +139,9 @@ void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* poo
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
 // The same on an explicit backend. Throws std::runtime_error when the CPU cannot run it.
 void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
+// Several q8g GEMMs of the same x (q, k and v; gate and up) in ONE pool dispatch, as gemm_multi: each output gets
+// the bits gemm_q8g would give it.
+void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b);
 
 // In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n)
 // (n % 128 == 0): x·H with H = H₁₂₈/√128 in Sylvester order.

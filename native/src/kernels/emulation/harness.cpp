@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
   const std::vector<Shape> q8g_shapes = {{16, 64, 64, 0}, {48, 640, 32, 0}, {272, 640, 16, 0}, {64, 2048, 32, 0},
                                          {32, 40, 8, 0},  {400, 96, 1, 0}};
   for (const Shape& sh : q8g_shapes)
-    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32})
+    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 40})
     for (bool with_offsets : {false, true}) {  // q8g, and q8ga (offsets)
       std::vector<float> x(size_t(m) * sh.k);
       for (float& v : x) v = normal(rng);
