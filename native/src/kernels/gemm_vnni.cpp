@@ -9,10 +9,11 @@
 // b·Σa gives the exact int32 sum (|Σ| ≤ K·255·127 fits int32 for K ≤ 66048). The float
 // epilogue is the one specified in gemm.h, so results are bit-identical to the other backends.
 //
-// Register block: 8 rows × 2 column blocks (32 columns) = 16 zmm accumulators; A is
-// broadcast one 4-byte group at a time from the shared packed layout. Smaller row counts
-// (decode) use 1, 2 or 4 rows: the packed rows are zero-padded to 16, so rounding a row count
-// up to a power of two only computes padding rows, which are never stored.
+// Up to 8 rows (decode at small batches: bound by reading the weights): one pass over the task's
+// column blocks with a register block of 1, 2, 4 or 8 rows × 2 column blocks (32 columns); A is
+// broadcast one 4-byte group at a time from the shared packed layout. The packed rows are
+// zero-padded to 16, so rounding a row count up to a power of two only computes padding rows,
+// which are never stored. More rows: panels of 32 rows over k-chunks (see panel() below).
 #include <immintrin.h>
 
 #include <cstring>
