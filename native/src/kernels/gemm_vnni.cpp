@@ -13,7 +13,9 @@
 // column blocks with a register block of 1, 2, 4 or 8 rows × 2 column blocks (32 columns); A is
 // broadcast one 4-byte group at a time from the shared packed layout. The packed rows are
 // zero-padded to 16, so rounding a row count up to a power of two only computes padding rows,
-// which are never stored. More rows: panels of 32 rows over k-chunks (see panel() below).
+// which are never stored; prefill chunks (more than kPanelMaxRows rows) run the same blocks 8
+// rows at a time. Decode batches of 9..kPanelMaxRows rows: panels of 32 rows over k-chunks
+// (see panel() below).
 #include <immintrin.h>
 
 #include <cstring>
@@ -162,7 +164,7 @@ void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
 }
 
 
-// Taller calls (M > 8: decode batches, prefill chunks). The blocks above stream a task's weights once per 8 rows, so
+// Taller calls (8 < M <= kPanelMaxRows: decode batches). The blocks above stream a task's weights once per 8 rows, so
 // at M = 32 the first of four passes reads DRAM in a burst with little arithmetic to hide it, and the other three
 // re-read L2. Here a set of column blocks is walked in chunks of up to kChunkTiles 64-deep k-blocks (never across a
 // q4g scale group), and every row block of a panel of up to kPanelRows rows runs over the chunk while it is in L1;
@@ -174,6 +176,10 @@ void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
 // alternated on the shared host).
 constexpr int kChunkTiles = 4;
 constexpr int kPanelRows = 32;
+// Up to this many rows (decode batches). Prefill chunks keep the 8-row blocks: at M = 256 (N=6144 and K=1536, or
+// N=1536 and K=6144, int8) the panels took 1.18x and 1.28x as long, at M = 128 1.02x, at M = 64 0.75x (alternated
+// call by call, 2 threads, load 9).
+constexpr int kPanelMaxRows = 64;
 
 // Prefetches the lines of one chunk of NB strips, one line per step().
 struct ChunkPrefetch {
@@ -302,7 +308,7 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
 
 void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {
   const Ctx c{&a, &w, y, ldy, a.k / 64};
-  if (a.m > 8) {
+  if (a.m > 8 && a.m <= kPanelMaxRows) {
     for (int m = 0; m < a.m; m += kPanelRows) {
       const int rows = a.m - m < kPanelRows ? a.m - m : kPanelRows;
       int nb = nb0;
@@ -312,13 +318,15 @@ void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int 
     }
     return;
   }
-  // Up to 8 rows (decode): one block of 1, 2, 4 or 8 rows; the power-of-two round-up stays inside the zero-padded
-  // 16-row block.
-  const int valid = a.m;
-  if (valid > 4) rows<8>(c, 0, valid, nb0, nb1);
-  else if (valid > 2) rows<4>(c, 0, valid, nb0, nb1);
-  else if (valid == 2) rows<2>(c, 0, valid, nb0, nb1);
-  else rows<1>(c, 0, valid, nb0, nb1);
+  // 8-row blocks start at rows 0 and 8 of each 16-row block, so the power-of-two round-up
+  // below never leaves the (zero-padded) block.
+  for (int m = 0; m < a.m; m += 8) {
+    const int valid = a.m - m < 8 ? a.m - m : 8;
+    if (valid > 4) rows<8>(c, m, valid, nb0, nb1);
+    else if (valid > 2) rows<4>(c, m, valid, nb0, nb1);
+    else if (valid == 2) rows<2>(c, m, valid, nb0, nb1);
+    else rows<1>(c, m, valid, nb0, nb1);
+  }
 }
 
 #ifndef SG_KERNEL_EMULATION  // the emulated test build has no zmm registers to pin
