@@ -63,6 +63,24 @@ struct Ctx {
   int KB;
 };
 
+// The q8c epilogue of rows m .. m + valid − 1 once the whole K is summed: y = ((acc − 128·Σa) · a_scale) · w_scale.
+template <int MR, int NB>
+inline void store_q8(const Ctx& c, int m, int valid, int nb, const __m512i (&acc)[MR][NB]) {
+  const int KB = c.KB;
+  const float* ws = static_cast<const float*>(c.w->scales) + nb * 16;
+  for (int i = 0; i < MR && i < valid; ++i) {
+    int32_t total = 0;
+    for (int kb = 0; kb < KB; ++kb) total += c.a->rowsum[(size_t)(m + i) * KB + kb];
+    const __m512i corr = _mm512_set1_epi32(128 * total);
+    const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
+    float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
+    for (int j = 0; j < NB; ++j) {
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr));
+      _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)));
+    }
+  }
+}
+
 // MR rows starting at row m (MR | 16, m % MR == 0 … m + MR within one 16-row block), NB column
 // blocks starting at nb; rows >= valid are padding and not stored.
 template <int MR, int NB>
@@ -88,18 +106,7 @@ void block_q8(const Ctx& c, int m, int valid, int nb) {
       }
     }
   }
-  const float* ws = static_cast<const float*>(c.w->scales) + nb * 16;
-  for (int i = 0; i < MR && i < valid; ++i) {
-    int32_t total = 0;
-    for (int kb = 0; kb < KB; ++kb) total += c.a->rowsum[(size_t)(m + i) * KB + kb];
-    const __m512i corr = _mm512_set1_epi32(128 * total);
-    const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
-    float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
-    for (int j = 0; j < NB; ++j) {
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr));
-      _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)));
-    }
-  }
+  store_q8<MR, NB>(c, m, valid, nb, acc);
 }
 
 template <int MR, int NB>
@@ -262,19 +269,8 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
           continue;
         }
         const int valid = rows - rb * MR < MR ? rows - rb * MR : MR;
-        if (q8) {  // the whole K is done: y = ((acc − 128·Σa) · a_scale) · w_scale
-          const float* ws = static_cast<const float*>(c.w->scales) + nb * 16;
-          for (int i = 0; i < valid; ++i) {
-            int32_t total = 0;
-            for (int kb = 0; kb < KB; ++kb) total += c.a->rowsum[(size_t)(m + i) * KB + kb];
-            const __m512i corr = _mm512_set1_epi32(128 * total);
-            const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
-            float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
-            for (int j = 0; j < NB; ++j) {
-              const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr));
-              _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)));
-            }
-          }
+        if (q8) {  // the whole K is done
+          store_q8<MR, NB>(c, m, valid, nb, acc);
           continue;
         }
         // q4g: fold group g into the float sums, in group order; after the last group, y = s · a_scale.
