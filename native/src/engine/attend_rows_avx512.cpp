@@ -115,19 +115,24 @@ inline void transpose_dwords(const uint8_t* base, const int32_t* off, int ndw, u
     }
 }
 
-// One tile's K and V (positions t0 .. t0 + tn - 1; the tile's padding repeats the first position, whose weights are
-// zero) into s.kt / s.vt (and the int8 scales into s.ks / s.vs).
+// One tile's K and V (positions t0 .. t0 + tn - 1) into s.kt / s.vt (and the int8 scales into s.ks / s.vs).
+// Positions outside the block's [first, t0 + tn) (the ring may hold other positions there) and the padding up to
+// kTile repeat position `first`: finite values, masked out of the softmax, zero weights.
 template <int E>
-void pack_tile(const AttnCache& c, int hd, int t0, int tn, Scratch& s) {
+void pack_tile(const AttnCache& c, int hd, int t0, int tn, int first, Scratch& s) {
   int32_t off[kTile];
-  for (int j = 0; j < kTile; ++j) off[j] = int32_t(((t0 + (j < tn ? j : 0)) % c.cap) * int64_t(c.row_bytes));
+  bool used[kTile];
+  for (int j = 0; j < kTile; ++j) {
+    used[j] = j < tn && t0 + j >= first;
+    off[j] = int32_t(((used[j] ? t0 + j : first) % c.cap) * int64_t(c.row_bytes));
+  }
   const uint8_t* kb = c.k + c.head_off;
   const uint8_t* vb = c.v + c.head_off;
   if constexpr (E == 1) {
     for (int j = 0; j < kTile; ++j) {
-      const int row = (t0 + (j < tn ? j : 0)) % c.cap;
+      const int row = (used[j] ? t0 + j : first) % c.cap;
       s.ks[j] = c.ks[row];
-      s.vs[j] = j < tn ? c.vs[row] : 0.0f;
+      s.vs[j] = used[j] ? c.vs[row] : 0.0f;
     }
     transpose_dwords(kb, off, hd / 4, 0x80808080u, s.kt);
   } else {
@@ -300,9 +305,12 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
 
   const auto lo_of = [&](int p) { return window > 0 ? std::max(0, p - window + 1) : 0; };
   const int hi = p0 + rows - 1;
-  for (int t0 = lo_of(p0); t0 <= hi; t0 += kTile) {
+  // Tiles on the absolute grid of kTile positions: a vector's arithmetic is then the same whichever rows share its
+  // block (prefill results do not depend on the chunking, docs/engine-api.md prefill()).
+  const int first = lo_of(p0);
+  for (int t0 = first / kTile * kTile; t0 <= hi; t0 += kTile) {
     const int tn = std::min(kTile, hi - t0 + 1);
-    pack_tile<E>(c, hd, t0, tn, s);
+    pack_tile<E>(c, hd, t0, tn, first, s);
     all_scores<I8>(nv, hd, s);
     // Online softmax: each vector's valid positions in this tile are [a, b] (its window and causality).
     for (int v = 0; v < nv; ++v) {
