@@ -531,46 +531,71 @@ void bind_engine(py::module_& m) {
       "(id, logprob), best first: (logprob [R], rank [R], top_ids [R, top_n], top_logprobs [R, top_n]).");
 
   m.def(
-      "attend_row",
-      [](py::array_t<float, py::array::c_style | py::array::forcecast> q, py::array_t<uint8_t, py::array::c_style> k,
-         py::array_t<uint8_t, py::array::c_style> v, py::object ks, py::object vs, const std::string& kv_dtype,
-         int head_off, int lo, int hi, bool zmm) {
-        const sg::KvDtype dt = sg::kv_dtype_from_name(kv_dtype);
-        if (q.ndim() != 2 || k.ndim() != 2 || v.ndim() != 2)
-          throw py::value_error("attend_row: q must be [nq, head_dim], k and v [cap, row_bytes] uint8");
-        const int nq = int(q.shape(0)), hd = int(q.shape(1)), cap = int(k.shape(0)), rb = int(k.shape(1));
-        const int eb = sg::kv_element_bytes(dt);
-        if (v.shape(0) != cap || v.shape(1) != rb) throw py::value_error("attend_row: k and v differ in shape");
-        if (nq < 1 || hd < 1 || head_off < 0 || head_off + hd * eb > rb)
-          throw py::value_error("attend_row: the head (head_off + head_dim elements) must lie inside a row");
-        if (lo < 0 || hi < lo || hi - lo + 1 > cap) throw py::value_error("attend_row: need 0 <= lo <= hi < lo + cap");
-        if (zmm && !sg::cpu_supports(sg::Backend::Vnni))
-          throw py::value_error("attend_row: the zmm kernel needs an AVX-512 VNNI CPU");
-        py::array_t<float, py::array::c_style> ksa, vsa;
-        if (dt == sg::KvDtype::Int8) {
-          if (ks.is_none() || vs.is_none()) throw py::value_error("attend_row: int8 K/V need ks and vs");
-          ksa = ks.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-          vsa = vs.cast<py::array_t<float, py::array::c_style | py::array::forcecast>>();
-          if (ksa.size() != cap || vsa.size() != cap) throw py::value_error("attend_row: ks and vs need cap scales");
+      "attention_rows",
+      [](py::array q, py::array k, py::array v, py::object ks, py::object vs, int kv_head, int p0, int window,
+         const std::string& kernel) {
+        // The attention kernels on caller-made data, for tests: the prefill tile kernel against attend().
+        auto qf = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(q);
+        if (!qf || qf.ndim() != 3) throw py::value_error("attention_rows: q must be a [rows, nq, head_dim] array");
+        const int rows = int(qf.shape(0)), nq = int(qf.shape(1)), hd = int(qf.shape(2));
+        if (k.ndim() != 3 || v.ndim() != 3 || k.shape(2) != hd || !k.dtype().is(v.dtype()) ||
+            k.shape(0) != v.shape(0) || k.shape(1) != v.shape(1) || !(k.flags() & v.flags() & py::array::c_style))
+          throw py::value_error("attention_rows: k and v must be C-contiguous [cap, kv_heads, head_dim] arrays of one "
+                                "dtype");
+        const char kind = k.dtype().kind();
+        const int E = int(k.itemsize());
+        if (!((kind == 'i' && E == 1) || (kind == 'f' && (E == 2 || E == 4))))
+          throw py::value_error("attention_rows: k and v must be int8, float16 or float32");
+        const int cap = int(k.shape(0)), nkv = int(k.shape(1));
+        if (kv_head < 0 || kv_head >= nkv) throw py::value_error("attention_rows: kv_head out of range");
+        if (rows < 1 || nq < 1 || hd % 16 || p0 < 0) throw py::value_error("attention_rows: bad rows, heads or p0");
+        const int lo0 = window > 0 ? std::max(0, p0 - window + 1) : 0;
+        if (p0 + rows - lo0 > cap) throw py::value_error("attention_rows: the attended positions exceed the ring");
+        py::array_t<float, py::array::c_style | py::array::forcecast> ksa, vsa;
+        if (E == 1) {
+          if (ks.is_none() || vs.is_none()) throw py::value_error("attention_rows: int8 K/V need ks and vs");
+          ksa = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(ks);
+          vsa = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(vs);
+          if (!ksa || !vsa || ksa.size() != cap || vsa.size() != cap)
+            throw py::value_error("attention_rows: ks and vs must hold one scale per cache row");
         }
-        const sg::ops::AttnCache c{k.data(), v.data(), dt == sg::KvDtype::Int8 ? ksa.data() : nullptr,
-                                   dt == sg::KvDtype::Int8 ? vsa.data() : nullptr, rb, head_off, cap,
-                                   dt == sg::KvDtype::F32};
-        py::array_t<float> out({nq, hd});
-        std::vector<float> scratch(size_t(nq) * (hi - lo + 1));
+        const bool tiles = kernel == "tiles";
+        if (!tiles && kernel != "ymm" && kernel != "zmm")
+          throw py::value_error("attention_rows: kernel must be 'tiles', 'zmm' or 'ymm'");
+        if (tiles && (!sg::ops::cpu_has_avx512_vnni() || hd % 32 || rows * nq > sg::ops::kAttendRowsVectors))
+          throw py::value_error("attention_rows: the tile kernel needs AVX-512 VNNI, head_dim % 32 == 0 and "
+                                "rows * nq <= " + std::to_string(sg::ops::kAttendRowsVectors));
+        if (kernel == "zmm" && !sg::ops::cpu_has_avx512_vnni())
+          throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
+        const int row_bytes = nkv * hd * E;
+        const sg::ops::AttnCache c{static_cast<const uint8_t*>(k.data()), static_cast<const uint8_t*>(v.data()),
+                                   E == 1 ? ksa.data() : nullptr, E == 1 ? vsa.data() : nullptr, row_bytes,
+                                   kv_head * hd * E, cap, E == 4};
+        py::array_t<float> out({rows, nq, hd});
+        float* o = out.mutable_data();
+        const float* qp = qf.data();
         {
           py::gil_scoped_release nogil;
-          (zmm ? sg::ops::attend_avx512 : sg::ops::attend)(q.data(), hd, nq, hd, c, lo, hi, out.mutable_data(), hd,
-                                                          scratch.data());
+          if (tiles) {
+            std::vector<float> scratch(sg::ops::attend_rows_scratch_floats(rows * nq, hd));
+            sg::ops::attend_rows_avx512(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data());
+          } else {
+            std::vector<float> scratch(size_t(nq) * (p0 + rows));
+            for (int r = 0; r < rows; ++r) {
+              const int pos = p0 + r, lo = window > 0 ? std::max(0, pos - window + 1) : 0;
+              (kernel == "ymm" ? sg::ops::attend : sg::ops::attend_avx512)(
+                  qp + size_t(r) * nq * hd, hd, nq, hd, c, lo, pos, o + size_t(r) * nq * hd, hd, scratch.data());
+            }
+          }
         }
         return out;
       },
-      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("kv_dtype"), py::arg("head_off"),
-      py::arg("lo"), py::arg("hi"), py::arg("zmm"),
-      "One query row's attention (the kernel the engine's decode calls, for tests): q [nq, head_dim] f32 against the "
-      "cached positions [lo, hi] of k, v [cap, row_bytes] (position p in row p % cap, the head at byte head_off; "
-      "kv_dtype 'int8' with per-row scales ks, vs, or 'f16' / 'f32' with None). zmm: the AVX-512 kernel "
-      "(ops_avx512.cpp), else the AVX2 one. Returns [nq, head_dim] f32.");
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks") = py::none(), py::arg("vs") = py::none(),
+      py::arg("kv_head") = 0, py::arg("p0") = 0, py::arg("window") = 0, py::arg("kernel") = "tiles",
+      "Attention of rows consecutive query rows at positions p0.. (q [rows, nq, head_dim]) against a ring cache "
+      "k, v [cap, kv_heads, head_dim] (int8 codes with per-row scales ks, vs; or float16/float32), position p in row "
+      "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
+      "tile kernel, 'zmm' / 'ymm' attend() per row. For tests (docs/engine-api.md).");
 
   m.def(
       "sample",

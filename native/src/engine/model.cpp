@@ -18,6 +18,11 @@ bool cpu_has_avx2_fma_f16c() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
 }  // namespace ops
 
 namespace {
@@ -166,7 +171,10 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   rope_table_[1].assign(size_t(rope_positions_) * c.head_dim, 0.0f);
   // Attention scores: one work item covers at most nh/nkv heads over at most max_context positions.
   const size_t scores = size_t(nh / nkv) * size_t(opt.max_context);
-  row_scratch_per_worker_ = (std::max(scores, size_t(L) * P) + 15) & ~size_t(15);
+  // The prefill tile kernel (ops::attend_rows_avx512): blocks of kAttendRowsVectors / group rows.
+  const int group = nh / nkv, block_rows = std::max(1, ops::kAttendRowsVectors / group);
+  const size_t tiles = ops::attend_rows_scratch_floats(std::min(block_rows, chunk_) * group, hd_max);
+  row_scratch_per_worker_ = (std::max({scores, size_t(L) * P, tiles}) + 15) & ~size_t(15);
   row_scratch_.assign(row_scratch_per_worker_ * pool_->size(), 0.0f);
 
   size_t packed = 0, rowsum = 0;
@@ -412,6 +420,20 @@ void Model::compute_rope(int m, const RowCtx* rows) {
   }
 }
 
+bool Model::attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const {
+  // Prefill only (shape_rows_ == 0), every pass of it (one row too): a row's result then does not depend on how the
+  // prompt was split into calls and chunks (prefix reuse equals a whole prefill). A multi-token decode run keeps
+  // attend()'s per-token results, which equal those of a plain decode. The tile kernel needs zmm with VNNI, not
+  // FGM_BACKEND=avx2 (the ymm reference).
+  static const bool cpu_ok = ops::cpu_has_avx512_vnni();
+  if (!cpu_ok || backend_ == Backend::Avx2 || shape_rows_ != 0 || head_dim % 32 ||
+      group > ops::kAttendRowsVectors || int64_t(src.cap) * src.row_bytes >= (int64_t(1) << 31))
+    return false;
+  for (int r = 1; r < m; ++r)
+    if (rows[r].slot != rows[0].slot || rows[r].pos != rows[0].pos + r) return false;
+  return true;
+}
+
 void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
   const ModelConfig& c = config();
   const int D = c.hidden_size, nh = c.num_heads, nkv = c.num_kv_heads, P = c.ple_dim, LP = c.num_layers * c.ple_dim;
@@ -482,22 +504,38 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (shape_items < pool_->size()) per = std::max(1, (group * shape_items + pool_->size() - 1) / pool_->size());
       const int nch = (group + per - 1) / per;
       const int window = c.sliding_window;
-      // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
-      const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;
-      pool_->parallel_for(base_items * nch, [&](int it, int w) {
-        const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
-        const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
-        uint8_t* s = rows[r].slot;
-        const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
-        const ops::AttnCache cache{s + src.k_off, s + src.v_off,
-                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
-                                   float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
-                                   g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
-        float* out = attn + size_t(r) * qw + size_t(h0) * hd;
-        attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache, lo, pos, out, hd,
-               &row_scratch_[size_t(w) * row_scratch_per_worker_]);
-        ew_->fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
-      });
+      const auto cache_of = [&](uint8_t* s, int g) {
+        return ops::AttnCache{s + src.k_off, s + src.v_off,
+                              float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
+                              float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
+                              g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
+      };
+      if (attend_rows_ok(m, rows, group, hd, src)) {
+        // Prefill: blocks of R consecutive rows x one KV head's query heads, each K/V tile read once per block
+        // (ops::attend_rows_avx512). The last blocks attend the most positions: they are handed out first.
+        const int R = std::max(1, ops::kAttendRowsVectors / group), nb = (m + R - 1) / R;
+        pool_->parallel_for(nb * nkv, [&](int it, int w) {
+          it = nb * nkv - 1 - it;
+          const int r0 = (it / nkv) * R, g = it % nkv, nr = std::min(R, m - r0);
+          const size_t at = size_t(r0) * qw + size_t(g) * group * hd;
+          ops::attend_rows_avx512(q + at, qw, nr, group, hd, cache_of(rows[r0].slot, g), rows[r0].pos,
+                                  ls.sliding ? window : 0, attn + at, qw,
+                                  &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+          for (int r = 0; r < nr; ++r) ew_->fwht_blocks(attn + at + size_t(r) * qw, group * hd, rot);
+        });
+      } else {
+        // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
+        const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;
+        pool_->parallel_for(base_items * nch, [&](int it, int w) {
+          const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
+          const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);
+          const int pos = rows[r].pos, lo = ls.sliding ? std::max(0, pos - window + 1) : 0;
+          float* out = attn + size_t(r) * qw + size_t(h0) * hd;
+          attend(q + size_t(r) * qw + size_t(h0) * hd, hd, nq, hd, cache_of(rows[r].slot, g), lo, pos, out, hd,
+                 &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+          ew_->fwht_blocks(out, nq * hd, rot);  // Σ p·(vH) = (Σ p·v)H; H is its own inverse
+        });
+      }
     }
     gemm_group(attn, qw, m, qw, {{&W.o, tmp}}, kOGemm);
     {

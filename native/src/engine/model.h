@@ -151,6 +151,8 @@ class Model {
   void embed(const int32_t* tokens, int m, int full_from);
   void compute_rope(int m, const RowCtx* rows);
   void run_layers(int l0, int l1, int m, const RowCtx* rows);
+  // Whether the chunk's attention takes the tile kernel: prefill rows of one slot at consecutive positions.
+  bool attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const;
   void lm_head(int m, float* out);
   // One decode pass over the runs [s0, s1) of seq_begin_ (at most max_rows_ tokens); logits rows go to *out.
   void decode_pass(KvArena& arena, const DecodeRow* in, int s0, int s1, float*& out);

@@ -5,6 +5,7 @@
 // leak into the rest of the library.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace sg::ops {
@@ -86,6 +87,19 @@ void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, in
 // the bound ops_avx512.cpp states. Not bit for bit.
 void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
                    int out_stride, float* scratch);
+
+// Prefill attention of `rows` consecutive query rows of one sequence (positions p0 .. p0 + rows - 1, all of them
+// already in the cache) × nq query heads sharing one KV head, against tiles of cached positions with an online
+// softmax (attend_rows_avx512.cpp; docs/engine-api.md gives the design and the tolerance against attend()). Row r,
+// head h reads q[r * q_row_stride + h * hd .. + hd) and writes out[r * out_row_stride + h * hd ..); row r attends
+// [lo, p0 + r] with lo = max(0, p0 + r - window + 1) for window > 0, else 0. Requires hd % 32 == 0,
+// rows * nq <= kAttendRowsVectors, cap * row_bytes < 2^31, and a CPU with AVX-512 VNNI
+// (cpu_has_avx512_vnni()); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
+constexpr int kAttendRowsVectors = 64;
+bool cpu_has_avx512_vnni();  // defined in a baseline translation unit
+size_t attend_rows_scratch_floats(int nv, int hd);
+void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
+                        int window, float* out, int out_row_stride, float* scratch);
 
 // Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
 // e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; with stop_at >= 0 it stops at the
