@@ -15,17 +15,17 @@
 // ~400 small jobs (the GEMMs of 35 layers, attention), back to back with microseconds between
 // them, so a worker that went to sleep after each one left the caller streaming alone for part
 // of every job. So a worker that finds no task may spin on the claim word for a while (spin_us;
-// FGM_POOL_SPIN_US, default kDefaultSpinUs = 0: sleep at once) before it sleeps,
+// FGM_POOL_SPIN_US, default kDefaultSpinUs = 300; 0: sleep at once) before it sleeps,
 // and the caller signals the condition variable only when a worker is asleep; the caller too
 // spins that long for the last task to finish before it sleeps. The spin is bounded so an
 // idle pool uses no CPU. On an oversubscribed machine spinning is a loss (the scheduler
 // shares the CPU between threads, and a spinning thread spends its share on nothing: measured
 // on the shared 2-core host at load 7-12, decode took 1.8x as long with an ungoverned spin), so
 // each thread looks every 5 ms at the threads runnable on the machine (/proc/loadavg) and spins
-// only while they are no more than the CPUs. Even so, on the shared host (load 11-20, session 5)
-// a 300 us spin ran decode B=1 at 0.88x of no spin, twice, in alternated in-process runs, and a
-// quiet machine to show the gain was not to be had; so the spin is off unless FGM_POOL_SPIN_US
-// asks for it, for that measurement (docs/benchmarks.md).
+// only while they are no more than the CPUs. Measured (docs/benchmarks.md): on the shared host
+// (load 11-20, session 5) a 300 us spin ran decode B=1 at 0.88x of no spin; on the quiet host
+// (session 6) it ran Gemma 3 270M decode B=1 at ~1.3x (four alternated pairs: 85-106 against
+// 63-86 tok/s) and E2B's at 1.0x. Servers get dedicated cores, so the spin is on by default.
 //
 // Every task runs with denormal floats flushed to zero (MXCSR FTZ + DAZ): on Intel cores an
 // operation that meets a denormal takes a microcode assist of ~100 cycles, and attention
@@ -69,7 +69,7 @@ class ThreadPool {
   explicit ThreadPool(int n_threads, std::function<void()> thread_init = {}, int spin_us = -1);
   // What a spin_us of -1 means: FGM_POOL_SPIN_US when set (a non-negative integer; anything else throws
   // std::invalid_argument), else this many microseconds.
-  static constexpr int kDefaultSpinUs = 0;
+  static constexpr int kDefaultSpinUs = 300;
   static int default_spin_us();
   // Per thread: whether it may spin now (see above).
   class SpinGovernor {
