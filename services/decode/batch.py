@@ -340,9 +340,9 @@ class BatchLoop:
 
     def _verify(self, seq: Sequence, draft: list[int], first, rows, batch_size: int, out: list) -> None:
         """Take the sequence's tokens from its rows (first: row 0's Sample, drawn with the batch): row j's choice is
-        taken; while it equals draft[j] (fed
-        already, so row j + 1 is its true continuation) go on. The first choice that differs (or the one after a
-        whole draft) becomes the next pending token. The K/V of rejected draft positions is dropped."""
+        taken; while it equals draft[j] (fed already, so row j + 1 is its true continuation) go on. The first choice
+        that differs (or the one after a whole draft) becomes the next pending token. The K/V of rejected draft
+        positions is dropped."""
         fed_end = seq.position + len(seq.pending) + len(draft)
         seq.pending = []
         taken = 0

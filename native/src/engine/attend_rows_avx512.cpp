@@ -11,7 +11,7 @@
 //   * f16/f32 K/V (f32 FMA): the tile converted to f32 once (kt[d][position], vt[position][d]); only the order of the
 //     f32 additions differs from attend(), as in attend_avx512.
 // docs/engine-api.md states the tolerance (tests/test_attention.py). Compiled with -mavx512f/bw/vl/vnni; the Model
-// calls it only when cpu_has_avx512_vnni().
+// calls it only on the vnni and amx backends (whose CPUs have AVX-512 VNNI).
 #include <immintrin.h>
 
 #include <algorithm>

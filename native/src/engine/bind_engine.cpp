@@ -562,10 +562,10 @@ void bind_engine(py::module_& m) {
         const bool tiles = kernel == "tiles";
         if (!tiles && kernel != "ymm" && kernel != "zmm")
           throw py::value_error("attention_rows: kernel must be 'tiles', 'zmm' or 'ymm'");
-        if (tiles && (!sg::ops::cpu_has_avx512_vnni() || hd % 32 || rows * nq > sg::ops::kAttendRowsVectors))
+        if (tiles && (!sg::cpu_supports(sg::Backend::Vnni) || hd % 32 || rows * nq > sg::ops::kAttendRowsVectors))
           throw py::value_error("attention_rows: the tile kernel needs AVX-512 VNNI, head_dim % 32 == 0 and "
                                 "rows * nq <= " + std::to_string(sg::ops::kAttendRowsVectors));
-        if (kernel == "zmm" && !sg::ops::cpu_has_avx512_vnni())
+        if (kernel == "zmm" && !sg::cpu_supports(sg::Backend::Vnni))
           throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
         const int row_bytes = nkv * hd * E;
         const sg::ops::AttnCache c{static_cast<const uint8_t*>(k.data()), static_cast<const uint8_t*>(v.data()),

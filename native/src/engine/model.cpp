@@ -18,11 +18,6 @@ bool cpu_has_avx2_fma_f16c() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
-bool cpu_has_avx512_vnni() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
 }  // namespace ops
 
 namespace {
@@ -423,10 +418,9 @@ void Model::compute_rope(int m, const RowCtx* rows) {
 bool Model::attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const {
   // Prefill only (shape_rows_ == 0), every pass of it (one row too): a row's result then does not depend on how the
   // prompt was split into calls and chunks (prefix reuse equals a whole prefill). A multi-token decode run keeps
-  // attend()'s per-token results, which equal those of a plain decode. The tile kernel needs zmm with VNNI, not
-  // FGM_BACKEND=avx2 (the ymm reference).
-  static const bool cpu_ok = ops::cpu_has_avx512_vnni();
-  if (!cpu_ok || backend_ == Backend::Avx2 || shape_rows_ != 0 || head_dim % 32 ||
+  // attend()'s per-token results, which equal those of a plain decode. The tile kernel needs AVX-512 VNNI, which
+  // the vnni and amx backends imply; FGM_BACKEND=avx2 keeps the ymm reference.
+  if (backend_ == Backend::Avx2 || shape_rows_ != 0 || head_dim % 32 ||
       group > ops::kAttendRowsVectors || int64_t(src.cap) * src.row_bytes >= (int64_t(1) << 31))
     return false;
   for (int r = 1; r < m; ++r)

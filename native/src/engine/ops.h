@@ -93,10 +93,9 @@ void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache
 // softmax (attend_rows_avx512.cpp; docs/engine-api.md gives the design and the tolerance against attend()). Row r,
 // head h reads q[r * q_row_stride + h * hd .. + hd) and writes out[r * out_row_stride + h * hd ..); row r attends
 // [lo, p0 + r] with lo = max(0, p0 + r - window + 1) for window > 0, else 0. Requires hd % 32 == 0,
-// rows * nq <= kAttendRowsVectors, cap * row_bytes < 2^31, and a CPU with AVX-512 VNNI
-// (cpu_has_avx512_vnni()); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
+// rows * nq <= kAttendRowsVectors, cap * row_bytes < 2^31, and a CPU with AVX-512 VNNI (the vnni and amx
+// backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
 constexpr int kAttendRowsVectors = 64;
-bool cpu_has_avx512_vnni();  // defined in a baseline translation unit
 size_t attend_rows_scratch_floats(int nv, int hd);
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                         int window, float* out, int out_row_stride, float* scratch);

@@ -56,7 +56,8 @@ CpuFeatures detect() {
   f.avx2 = os_ymm && fma && f16c && (b & (1u << 5));
   f.avx512 = f.avx2 && os_zmm && (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));
   f.vnni = f.avx512 && (c & (1u << 11));
-  f.amx = f.avx512 && (d & (1u << 24)) && (d & (1u << 25));
+  // AMX implies AVX-512 VNNI (every AMX CPU has it): the engine's zmm kernels run on both the vnni and amx backends.
+  f.amx = f.vnni && (d & (1u << 24)) && (d & (1u << 25));
   return f;
 }
 

@@ -120,7 +120,7 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 }
 
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
-                                int p0, int p1) {
+                            int p0, int p1) {
   constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; 120 KB of codes at K=640
   if (m > kDecodeRows)
     q8g_drive(Q8gKernels{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>, kOne<false>,
