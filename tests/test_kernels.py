@@ -408,19 +408,21 @@ def q8g_contract(x, q, scale, group):
     return acc
 
 
-Q8G_SHAPES = [(16, 64, 64), (48, 640, 32), (32, 48, 16), (64, 1024, 128), (16, 40, 8), (32, 96, 1)]
+# (208, 64, 32): 13 panels, tasks of 12 + 1 (decode) and of 4 + 4 + 4 + 1 (prefill, more than 32 rows)
+Q8G_SHAPES = [(16, 64, 64), (48, 640, 32), (32, 48, 16), (64, 1024, 128), (16, 40, 8), (32, 96, 1), (208, 64, 32)]
 
 
 @pytest.mark.parametrize("n,k,group", Q8G_SHAPES)
 def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group):
-    """Every row count (register blocks of 1-6 rows and their remainders) and every backend gives exactly the
-    prescribed sequence of roundings, so a row's result does not depend on what it was batched with."""
+    """Every row count (register blocks of 1-12 rows and their remainders; more than 32 rows: the prefill blocks)
+    and every backend gives exactly the prescribed sequence of roundings, so a row's result does not depend on what
+    it was batched with."""
     rng = np.random.default_rng(n * 131 + k * 7 + group)
     q = rng.integers(-127, 128, (n, k))
     q[1], q[2], q[3] = 0, 127, -127
     scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
     blob = q8g_panels(q)
-    for m in (1, 2, 5, 6, 7, 8, 12, 13, 25, 32, 40):
+    for m in (1, 2, 5, 6, 7, 8, 12, 13, 25, 32, 40, 70):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2)
         np.testing.assert_array_equal(y, q8g_contract(x, q, scale, group))

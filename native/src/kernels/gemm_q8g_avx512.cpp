@@ -93,14 +93,16 @@ constexpr Q8gBlockFn kOne[kMaxRows + 1] = {
     q8g_block_zmm<8, 1, OFF>,   q8g_block_zmm<9, 1, OFF>,  q8g_block_zmm<10, 1, OFF>, q8g_block_zmm<11, 1, OFF>,
     q8g_block_zmm<12, 1, OFF>};
 
-// Prefill (more rows than a decode batch): the blocks of at most 6 rows the kernel had before the 12-row ones, which
-// measured slower there (docs/benchmarks.md, "Gemma 3 270M decode"): for many row blocks the conversions are not the limit.
+// Prefill (more rows than a decode batch): blocks of at most 6 rows (the 12-row ones measured slower there,
+// docs/benchmarks.md, "Gemma 3 270M decode") × 4 panels: 24 FMA chains, 4 weight vectors and a broadcast in the 32
+// zmm: per k, 6 broadcasts and 4 conversions for 24 FMAs, where 6 × 2 spent 6 and 2 on 12. At M=256-512 on Zen 4
+// (one thread, in-process A/B) 6 × 4 took 0.83-0.93 of the time of 6 × 2; 8 × 3 0.89-0.98.
 constexpr int kDecodeRows = 32, kPrefillRows = 6;
-constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 3, 2, 2, 2, 2};
+constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
 constexpr Q8gBlockFn kWidePrefill[kPrefillRows + 1] = {
-    nullptr, q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 3, OFF>, q8g_block_zmm<3, 2, OFF>,
-    q8g_block_zmm<4, 2, OFF>, q8g_block_zmm<5, 2, OFF>, q8g_block_zmm<6, 2, OFF>};
+    nullptr, q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 4, OFF>, q8g_block_zmm<3, 4, OFF>,
+    q8g_block_zmm<4, 4, OFF>, q8g_block_zmm<5, 4, OFF>, q8g_block_zmm<6, 4, OFF>};
 
 }  // namespace
 
