@@ -92,10 +92,11 @@ void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache
 // as can be (part p starts at attend_part_start), each normalised within itself, folded in order into the result
 // (attend_fold_part in ops_avx512.cpp: rescaled by l exp(m - m') per head). The parts depend on the span only, so
 // single-stream decode can hand them to different threads (each reads and widens its share of the K/V once for all
-// the group's heads) and give the bits of one attend_avx512 call: attend_avx512_part attends one part [lo, hi] and
-// stores head h's largest score and sum of exp(score - largest) in stats[2 h], stats[2 h + 1]; attend_merge_parts
-// folds n_parts of them in order, parts[p * nq * hd ..] the nq heads' outputs of part p (hd floats a head) and
-// stats[p * nq * 2 ..] its stats, into out[h * out_stride ..]. hd % 16 == 0 for both.
+// the group's heads) and give the bits of one attend_avx512 call: attend_avx512_part attends one part [lo, hi] (at
+// most kAttendPartPositions positions, as its scratch holds) and stores head h's largest score and sum of
+// exp(score - largest) in stats[2 h], stats[2 h + 1]; attend_merge_parts folds n_parts of them in order,
+// parts[p * nq * hd ..] the nq heads' outputs of part p (hd floats a head) and stats[p * nq * 2 ..] its stats, into
+// out[h * out_stride ..]. hd % 16 == 0 for both.
 constexpr int kAttendPartPositions = 256;
 inline int attend_parts(int span) { return (span + kAttendPartPositions - 1) / kAttendPartPositions; }
 inline int attend_part_start(int lo, int span, int p) { return lo + int(int64_t(span) * p / attend_parts(span)); }
