@@ -783,7 +783,10 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
     """The zmm attention kernel (ops_avx512.cpp, the vnni backend's decode) against the ymm one (ops_avx2.cpp, the
     reference) on one query row, for every head size whose path differs (64 / 256 / 512: int16 Q.K and P.V on the
     int8 cache; 48: the converting P.V), 1..8 query heads, a run of positions that wraps the ring, a second KV head
-    in the row, and tails of 1-3 positions. Stated tolerance: f16 / f32 K/V, f32 reassociation (1e-5 of the
+    in the row, and tails of 1-3 positions. The zmm kernel attends spans of more than 256 positions in parts (ops.h
+    attend_parts: each part with its own int16 weight scale, finer than the span's, folded in f32), so spans of 1-4
+    parts are here, and the parts attended one at a time and merged (as single-stream decode hands them to different
+    threads) must give the same bits. Stated tolerance: f16 / f32 K/V, f32 reassociation (1e-5 of the
     largest |v|); int8: the queries' int16 rounding (independent, uniform in +-qscale/2) moves score j
     with a standard deviation sigma_j = qscale / sqrt(12) * |k_j|; with every score off by at most 4 max sigma the
     output moves by at most (e^(8 max sigma) - 1) max|v|, and the int16 weights add at most span / 2^16 * max|v|
@@ -794,7 +797,8 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
     rng = np.random.default_rng(21)
     for hd in (64, 256, 512, 48):
         # (cap, lo, hi): a full ring, a window wrapping it (lo % cap > 0, positions past cap), short odd tails.
-        for cap, lo, hi in ((300, 0, 299), (96, 203, 290), (40, 9, 11), (64, 70, 70), (33, 40, 72)):
+        for cap, lo, hi in ((300, 0, 299), (96, 203, 290), (40, 9, 11), (64, 70, 70), (33, 40, 72), (800, 0, 799),
+                            (600, 637, 1199)):
             k, v, ks, vs, kf, vf = _attend_cache(rng, kv_dtype, cap, hd, 2)
             for nq in range(1, 9):
                 q = (rng.standard_normal((nq, hd)) * (2.0 / np.sqrt(hd) if kv_dtype != "int8" else 0.25))
@@ -803,7 +807,6 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
                 # One query row at position hi attending [lo, hi]: a window of hi - lo + 1 positions.
                 args = dict(ks=ks, vs=vs, kv_head=head, p0=hi, window=hi - lo + 1)
                 y = N.attention_rows(q[None], k, v, **args, kernel="ymm")[0]
-                z = N.attention_rows(q[None], k, v, **args, kernel="zmm")[0]
                 rows = np.arange(lo, hi + 1) % cap
                 kh, vh = kf[rows, head * hd:(head + 1) * hd], vf[rows, head * hd:(head + 1) * hd]
                 sc = q.astype(np.float64) @ kh.T
@@ -816,9 +819,11 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
                     qscale = np.abs(q).max(1) / 16383
                     sigma = (qscale[:, None] / np.sqrt(12) * np.linalg.norm(kh, axis=1)[None, :]).max()
                     bound += (np.expm1(2 * 4 * sigma) + (hi - lo + 1) / 65536) * vmax
+                z = N.attention_rows(q[None], k, v, **args, kernel="zmm")[0]
                 err = np.abs(z - y).max()
                 assert err <= bound, (hd, cap, lo, hi, nq, err, bound)
                 np.testing.assert_allclose(z, ref, rtol=0, atol=bound + 1e-5 * vmax)
+                np.testing.assert_array_equal(N.attention_rows(q[None], k, v, **args, kernel="zmm", split=True)[0], z)
 
 
 def _ew_cases(rng):

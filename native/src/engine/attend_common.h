@@ -40,33 +40,35 @@ inline void fold_weights(float* sh, const AttnCache& c, const Run* runs, int n_r
 }
 
 // attend() over blocks of up to 8 heads, so each block reads (and converts) every K/V row once:
-// Block<NH, E>::run(q, q_stride, hd, cache, lo, hi, out, out_stride, scratch) attends NH heads whose cached
-// elements are E bytes: int8 codes (1), f16 (2) or f32 (4).
+// Block<NH, E>::run(q, q_stride, hd, cache, lo, hi, out, out_stride, scratch, stats) attends NH heads whose cached
+// elements are E bytes: int8 codes (1), f16 (2) or f32 (4). stats (null, or 2 floats a head: the largest score and
+// the sum of exp(score - largest)) is for attending a part of the positions (ops.h attend_avx512_part).
 template <template <int, int> class Block, int E>
 inline void attend_heads(int nh, const float* qh, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* oh,
-                         int out_stride, float* scratch) {
+                         int out_stride, float* scratch, float* stats) {
   switch (nh) {
-    case 1: return Block<1, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 2: return Block<2, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 3: return Block<3, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 4: return Block<4, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 5: return Block<5, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 6: return Block<6, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    case 7: return Block<7, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    default: return Block<8, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    case 1: return Block<1, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 2: return Block<2, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 3: return Block<3, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 4: return Block<4, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 5: return Block<5, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 6: return Block<6, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    case 7: return Block<7, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
+    default: return Block<8, E>::run(qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, stats);
   }
 }
 
 template <template <int, int> class Block>
 inline void attend_in_blocks(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
-                             float* out, int out_stride, float* scratch) {
+                             float* out, int out_stride, float* scratch, float* stats = nullptr) {
   for (int h0 = 0; h0 < nq; h0 += 8) {
     const int nh = nq - h0 < 8 ? nq - h0 : 8;
     const float* qh = q + int64_t(h0) * q_stride;
     float* oh = out + int64_t(h0) * out_stride;
-    if (c.ks) attend_heads<Block, 1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else if (c.f32) attend_heads<Block, 4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
-    else attend_heads<Block, 2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch);
+    float* st = stats ? stats + 2 * h0 : nullptr;
+    if (c.ks) attend_heads<Block, 1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
+    else if (c.f32) attend_heads<Block, 4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
+    else attend_heads<Block, 2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
   }
 }
 

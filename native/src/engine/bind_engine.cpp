@@ -533,7 +533,7 @@ void bind_engine(py::module_& m) {
   m.def(
       "attention_rows",
       [](py::array q, py::array k, py::array v, py::object ks, py::object vs, int kv_head, int p0, int window,
-         const std::string& kernel) {
+         const std::string& kernel, bool split) {
         // The attention kernels on caller-made data, for tests: the prefill tile kernel against attend().
         auto qf = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(q);
         if (!qf || qf.ndim() != 3) throw py::value_error("attention_rows: q must be a [rows, nq, head_dim] array");
@@ -567,6 +567,7 @@ void bind_engine(py::module_& m) {
                                 "rows * nq <= " + std::to_string(sg::ops::kAttendRowsVectors));
         if (kernel == "zmm" && !sg::cpu_supports(sg::Backend::Vnni))
           throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
+        if (split && kernel != "zmm") throw py::value_error("attention_rows: split is for the zmm kernel");
         const int row_bytes = nkv * hd * E;
         const sg::ops::AttnCache c{static_cast<const uint8_t*>(k.data()), static_cast<const uint8_t*>(v.data()),
                                    E == 1 ? ksa.data() : nullptr, E == 1 ? vsa.data() : nullptr, row_bytes,
@@ -579,8 +580,24 @@ void bind_engine(py::module_& m) {
           if (tiles) {
             std::vector<float> scratch(sg::ops::attend_rows_scratch_floats(rows * nq, hd));
             sg::ops::attend_rows_avx512(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data());
+          } else if (split) {
+            // As single-stream decode runs it: each part of the positions on its own, merged after.
+            std::vector<float> scratch(sg::ops::attend_avx512_scratch_floats(nq, hd));
+            for (int r = 0; r < rows; ++r) {
+              const int pos = p0 + r, lo = window > 0 ? std::max(0, pos - window + 1) : 0, span = pos - lo + 1;
+              const int np = sg::ops::attend_parts(span);
+              std::vector<float> parts(size_t(np) * nq * (hd + 2));
+              float* stats = parts.data() + size_t(np) * nq * hd;
+              for (int p = 0; p < np; ++p)
+                sg::ops::attend_avx512_part(qp + size_t(r) * nq * hd, hd, nq, hd, c,
+                                            sg::ops::attend_part_start(lo, span, p),
+                                            sg::ops::attend_part_start(lo, span, p + 1) - 1,
+                                            parts.data() + size_t(p) * nq * hd, hd, scratch.data(),
+                                            stats + size_t(p) * nq * 2);
+              sg::ops::attend_merge_parts(parts.data(), stats, np, nq, hd, o + size_t(r) * nq * hd, hd);
+            }
           } else {
-            std::vector<float> scratch(size_t(nq) * (p0 + rows));
+            std::vector<float> scratch(std::max(size_t(nq) * (p0 + rows), sg::ops::attend_avx512_scratch_floats(nq, hd)));
             for (int r = 0; r < rows; ++r) {
               const int pos = p0 + r, lo = window > 0 ? std::max(0, pos - window + 1) : 0;
               (kernel == "ymm" ? sg::ops::attend : sg::ops::attend_avx512)(
@@ -592,10 +609,12 @@ void bind_engine(py::module_& m) {
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks") = py::none(), py::arg("vs") = py::none(),
       py::arg("kv_head") = 0, py::arg("p0") = 0, py::arg("window") = 0, py::arg("kernel") = "tiles",
+      py::arg("split") = false,
       "Attention of rows consecutive query rows at positions p0.. (q [rows, nq, head_dim]) against a ring cache "
       "k, v [cap, kv_heads, head_dim] (int8 codes with per-row scales ks, vs; or float16/float32), position p in row "
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
-      "tile kernel, 'zmm' / 'ymm' attend() per row. For tests (docs/engine-api.md).");
+      "tile kernel, 'zmm' / 'ymm' attend() per row; 'zmm' with split=True attends each part of a row's positions on "
+      "its own and merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
 
   m.def(
       "sample",

@@ -164,8 +164,10 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   rope_positions_ = std::min(opt.max_context, kRopeTablePositions);
   rope_table_[0].assign(size_t(rope_positions_) * c.global_head_dim, 0.0f);
   rope_table_[1].assign(size_t(rope_positions_) * c.head_dim, 0.0f);
-  // Attention scores: one work item covers at most nh/nkv heads over at most max_context positions.
-  const size_t scores = size_t(nh / nkv) * size_t(opt.max_context);
+  // Attention scores: one work item covers at most nh/nkv heads over at most max_context positions (ymm), or over
+  // one part of the positions, plus a part's outputs (zmm).
+  const size_t scores = std::max(size_t(nh / nkv) * size_t(opt.max_context),
+                                 ops::attend_avx512_scratch_floats(nh / nkv, hd_max));
   // The prefill tile kernel (ops::attend_rows_avx512): blocks of kAttendRowsVectors / group rows.
   const int group = nh / nkv, block_rows = std::max(1, ops::kAttendRowsVectors / group);
   const size_t tiles = ops::attend_rows_scratch_floats(std::min(block_rows, chunk_) * group, hd_max);
@@ -490,14 +492,24 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     {
       Timer t(this, kAttention);
       const KvLayerLayout& src = layout_.layer(ls.kv_source);
-      // Work items: (row, KV head, block of query heads). Split the heads of a KV group only when rows x KV heads
-      // would leave threads idle (decode); each split re-reads the group's K/V. The split follows shape_rows, so a
-      // token of a multi-token decode run goes through attend() with the head blocks a plain decode gives it.
+      // Work items: (row, KV head, block of query heads). When rows x KV heads would leave threads idle (decode),
+      // the zmm kernel hands the parts of each row's positions (ops::attend_parts: fixed by the span, so the bits
+      // are a whole attend_avx512's) to different threads, each part read once for all the group's heads, and
+      // merges them after; then, or on the ymm kernel, the group's heads are split (each split re-reads the K/V).
+      // Both follow shape_rows, so a token of a multi-token decode run is attended as a plain decode would.
       const int base_items = m * nkv, shape_items = shape_rows(m) * nkv;
-      int per = group;
-      if (shape_items < pool_->size()) per = std::max(1, (group * shape_items + pool_->size() - 1) / pool_->size());
-      const int nch = (group + per - 1) / per;
       const int window = c.sliding_window;
+      const auto span_of = [&](int r, int* lo) {
+        *lo = ls.sliding ? std::max(0, rows[r].pos - window + 1) : 0;
+        return rows[r].pos - *lo + 1;
+      };
+      int parts = 1;
+      if (shape_items < pool_->size() && backend_ != Backend::Avx2 && hd % 16 == 0)
+        for (int r = 0, lo; r < m; ++r) parts = std::max(parts, ops::attend_parts(span_of(r, &lo)));
+      int per = group;
+      if (shape_items * parts < pool_->size())
+        per = std::max(1, (group * shape_items * parts + pool_->size() - 1) / pool_->size());
+      const int nch = (group + per - 1) / per;
       const auto cache_of = [&](uint8_t* s, int g) {
         return ops::AttnCache{s + src.k_off, s + src.v_off,
                               float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
@@ -517,6 +529,31 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
                                   &row_scratch_[size_t(w) * row_scratch_per_worker_]);
           for (int r = 0; r < nr; ++r) ew_->fwht_blocks(attn + at + size_t(r) * qw, group * hd, rot);
         });
+      } else if (parts > 1) {
+        // attn_parts_: per (row, KV head), each part's outputs (group x hd), then each part's stats (group x 2).
+        const size_t part_floats = size_t(group) * hd, item_floats = parts * (part_floats + 2 * group);
+        if (attn_parts_.size() < base_items * item_floats) attn_parts_.resize(base_items * item_floats);
+        pool_->parallel_for(base_items * nch * parts, [&](int it, int w) {
+          const int item = it / (nch * parts), hc = (it / parts) % nch, p = it % parts, r = item / nkv, g = item % nkv;
+          int lo;
+          const int span = span_of(r, &lo);
+          if (p >= ops::attend_parts(span)) return;
+          const int h0 = hc * per, nq = std::min(per, group - h0);
+          float* at = &attn_parts_[item * item_floats];
+          ops::attend_avx512_part(q + size_t(r) * qw + size_t(g) * part_floats + size_t(h0) * hd, hd, nq, hd,
+                                  cache_of(rows[r].slot, g), ops::attend_part_start(lo, span, p),
+                                  ops::attend_part_start(lo, span, p + 1) - 1, at + p * part_floats + h0 * hd, hd,
+                                  &row_scratch_[size_t(w) * row_scratch_per_worker_],
+                                  at + parts * part_floats + (p * group + h0) * 2);
+        });
+        for (int item = 0, lo; item < base_items; ++item) {
+          const int r = item / nkv, g = item % nkv;
+          const float* at = &attn_parts_[item * item_floats];
+          float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
+          ops::attend_merge_parts(at, at + parts * part_floats, ops::attend_parts(span_of(r, &lo)), group, hd, out,
+                                  hd);
+          ew_->fwht_blocks(out, group * hd, rot);
+        }
       } else {
         // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
         const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;

@@ -212,6 +212,7 @@ class Model {
   std::vector<float> rope_table_[2];
   int rope_positions_ = 0, rope_filled_[2] = {0, 0};
   std::vector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
+  std::vector<float> attn_parts_;   // decode attention split over positions: each part's outputs and stats
   size_t row_scratch_per_worker_ = 0;
   struct Aligned {
     void* p = nullptr;

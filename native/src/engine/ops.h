@@ -84,9 +84,30 @@ void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, in
             int out_stride, float* scratch);
 // The same on zmm (ops_avx512.cpp): call only when the CPU has AVX-512 VNNI (the VNNI and AMX backends). f16 / f32
 // K/V: equal to attend() up to f32 reassociation (relative ~1e-6); int8 K/V: Q·K in int8 and P·V in int16, within
-// the bound ops_avx512.cpp states. Not bit for bit.
+// the bound ops_avx512.cpp states. Not bit for bit. Scratch: attend_avx512_scratch_floats(nq, hd) floats (a head_dim
+// that is not a multiple of 16 runs attend(), with its scratch).
 void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
                    int out_stride, float* scratch);
+// The zmm kernel attends a span of positions as attend_parts(span) parts of at most kAttendPartPositions, as equal
+// as can be (part p starts at attend_part_start), each normalised within itself, folded in order into the result
+// (attend_fold_part in ops_avx512.cpp: rescaled by l exp(m - m') per head). The parts depend on the span only, so
+// single-stream decode can hand them to different threads (each reads and widens its share of the K/V once for all
+// the group's heads) and give the bits of one attend_avx512 call: attend_avx512_part attends one part [lo, hi] (at
+// most kAttendPartPositions positions, as its scratch holds) and stores head h's largest score and sum of
+// exp(score - largest) in stats[2 h], stats[2 h + 1]; attend_merge_parts folds n_parts of them in order,
+// parts[p * nq * hd ..] the nq heads' outputs of part p (hd floats a head) and stats[p * nq * 2 ..] its stats, into
+// out[h * out_stride ..]. hd % 16 == 0 for both.
+constexpr int kAttendPartPositions = 256;
+inline int attend_parts(int span) { return (span + kAttendPartPositions - 1) / kAttendPartPositions; }
+inline int attend_part_start(int lo, int span, int p) { return lo + int(int64_t(span) * p / attend_parts(span)); }
+// Scratch floats attend_avx512 and attend_avx512_part need for nq heads of hd (whatever the span).
+inline size_t attend_avx512_scratch_floats(int nq, int hd) {
+  return size_t(nq < 8 ? nq : 8) * (kAttendPartPositions + hd + 2);
+}
+void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
+                        float* out, int out_stride, float* scratch, float* stats);
+void attend_merge_parts(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+                        int out_stride);
 
 // Prefill attention of `rows` consecutive query rows of one sequence (positions p0 .. p0 + rows - 1, all of them
 // already in the cache) × nq query heads sharing one KV head, against tiles of cached positions with an online

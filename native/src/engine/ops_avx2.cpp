@@ -206,8 +206,9 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
 
 template <int NH, int E>
 struct YmmBlock {
+  // stats: always null (attend() attends whole spans; only the zmm kernel splits the positions).
   static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s) {
+                  int out_stride, float* s, float*) {
     attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s);
   }
 };

@@ -342,7 +342,7 @@ void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* ru
 
 template <int NH, int E>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s) {
+                  int out_stride, float* s, float* stats) {
   const int span = hi - lo + 1;
   Run runs[2];
   const int n_runs = ring_runs(lo, span, c.cap, runs);
@@ -362,8 +362,10 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
       _mm512_mask_storeu_ps(sh + j, k, e);
       sv = _mm512_mask_add_ps(sv, k, sv, e);
     }
+    const float sum = _mm512_reduce_add_ps(sv);
+    if (stats) stats[2 * h] = m, stats[2 * h + 1] = sum;
     // Fold the normaliser and each position's V scale into the weights.
-    fold_weights<E>(sh, c, runs, n_runs, 1.0f / _mm512_reduce_add_ps(sv));
+    fold_weights<E>(sh, c, runs, n_runs, 1.0f / sum);
   }
   if constexpr (E == 1) {
     if (hd % 32 == 0) return pv_int8<NH>(s, span, hd, c, runs, n_runs, out, out_stride);
@@ -376,11 +378,42 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
 }
 
 
+// Folds a part (its nq heads' outputs, hd floats a head, and stats, ops.h) into the running result of the parts
+// before it: out (normalised so far) and run (per head: the largest score so far and the sum of exponentials
+// relative to it). attend_avx512 and attend_merge_parts both fold through here, so they give the same bits.
+inline void attend_fold_part(float* out, int out_stride, float* run, const float* part, const float* stats, int nq,
+                             int hd) {
+  for (int h = 0; h < nq; ++h) {
+    const float m = std::max(run[2 * h], stats[2 * h]);
+    const float a = run[2 * h + 1] * std::exp(run[2 * h] - m), b = stats[2 * h + 1] * std::exp(stats[2 * h] - m);
+    const float l = a + b;
+    const __m512 fa = _mm512_set1_ps(a / l), fb = _mm512_set1_ps(b / l);
+    float* o = out + int64_t(h) * out_stride;
+    const float* x = part + int64_t(h) * hd;
+    for (int d = 0; d < hd; d += 16)
+      _mm512_storeu_ps(o + d, _mm512_fmadd_ps(fa, _mm512_loadu_ps(o + d), _mm512_mul_ps(fb, _mm512_loadu_ps(x + d))));
+    run[2 * h] = m;
+    run[2 * h + 1] = l;
+  }
+}
+
+// stats null: the whole span [lo, hi] as its attend_parts() parts folded in order (scratch: the part's scores, then
+// a part's outputs and stats); else the one part [lo, hi], its stats to stats.
 template <int NH, int E>
 struct ZmmBlock {
   static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s) {
-    attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s);
+                  int out_stride, float* s, float* stats) {
+    if (stats) return attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s, stats);
+    const int span = hi - lo + 1, n = attend_parts(span);
+    float run[2 * NH];
+    attend_block<NH, E>(q, q_stride, hd, c, lo, attend_part_start(lo, span, 1) - 1, out, out_stride, s, run);
+    float* part = s + NH * kAttendPartPositions;
+    float* part_stats = part + NH * hd;
+    for (int p = 1; p < n; ++p) {
+      attend_block<NH, E>(q, q_stride, hd, c, attend_part_start(lo, span, p), attend_part_start(lo, span, p + 1) - 1,
+                          part, hd, s, part_stats);
+      attend_fold_part(out, out_stride, run, part, part_stats, NH, hd);
+    }
   }
 };
 
@@ -390,6 +423,25 @@ void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache
                    int out_stride, float* scratch) {
   if (hd % 16) return attend(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);  // zmm reads 16 dims
   attend_in_blocks<ZmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);
+}
+
+void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
+                        float* out, int out_stride, float* scratch, float* stats) {
+  attend_in_blocks<ZmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch, stats);
+}
+
+void attend_merge_parts(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+                        int out_stride) {
+  for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
+  float run[2 * 8];
+  // The fold is per head: 8 heads at a time, as run holds.
+  for (int h0 = 0; h0 < nq; h0 += 8) {
+    const int nh = std::min(8, nq - h0);
+    std::memcpy(run, stats + 2 * h0, sizeof(float) * 2 * nh);
+    for (int p = 1; p < n_parts; ++p)
+      attend_fold_part(out + int64_t(h0) * out_stride, out_stride, run, parts + (int64_t(p) * nq + h0) * hd,
+                       stats + (int64_t(p) * nq + h0) * 2, nh, hd);
+  }
 }
 
 }  // namespace sg::ops
