@@ -7,20 +7,106 @@ after a warm-up prefill; prints seconds, tok/s and each phase's ms and calls. Sy
 --threads. It sets FGM_PROFILE=1 itself (the counters cost a clock read per phase, so compare profiles with
 profiles, and speeds with `splitgemma bench`).
 
+With --peak, every decode step is timed alone between two readings of the backend's int8 multiply-add peak probe
+(the vpdpbusd loop of `splitgemma bench`, 0.1 s each on the same threads), and each int8-activation GEMM phase
+(qkv_gemm, o_gemm, ffn_gemm, ple_inject, lm_head) is printed as its int8 TOPS (2 x rows x the multiply-adds of its
+q4g/q8c weights, from the file's shapes) and as a fraction of the mean of the two readings: on a shared host the
+load moves both alike, so the fraction means more than either figure. Medians and ranges over the steps. A phase's
+time holds what it does besides the GEMM (ple_inject its GELU, lm_head its softcap), so its fraction is a lower
+bound.
+
     python bench/profile_phases.py MODEL.fgm --batches 1,8,32 --context 1024 --steps 8
     python bench/profile_phases.py MODEL.fgm --prefill 1024,4096
+    python bench/profile_phases.py MODEL.fgm --batches 8,32 --steps 8 --peak
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import time
+
+# The int8-activation GEMM phases and the weights each multiplies (per-layer names; the head is `lm_head`, or the
+# tied `embed_tokens` when the file has none). q8g weights (f32 activations) are not counted: the int8 peak does not
+# bound them.
+_GEMM_PHASES = {
+    "qkv_gemm": re.compile(r"l\d+\.[qkv]_proj"),
+    "o_gemm": re.compile(r"l\d+\.o_proj"),
+    "ffn_gemm": re.compile(r"l\d+\.(gate|up|down)_proj"),
+    "ple_inject": re.compile(r"l\d+\.(per_layer_input_gate|per_layer_projection)"),
+}
+_INT8_ACTIVATION_DTYPES = ("q4g", "q8c")
+
+
+def gemm_macs_per_row(path: str) -> dict[str, int]:
+    """Multiply-adds per decode row of each int8-activation GEMM phase (a row that goes through every layer and the
+    head, as one whose logits are wanted does), from the file's tensor shapes."""
+    from splitgemma._native import FgmFile
+
+    f = FgmFile(path)
+    names = set(f.tensor_names)
+    macs = dict.fromkeys([*_GEMM_PHASES, "lm_head"], 0)
+
+    def add(phase: str, name: str) -> None:
+        t = f.tensor_info(name)
+        if t["dtype"] in _INT8_ACTIVATION_DTYPES:
+            macs[phase] += t["shape"][0] * t["shape"][1]
+
+    for name in names:
+        for phase, pattern in _GEMM_PHASES.items():
+            if pattern.fullmatch(name):
+                add(phase, name)
+    add("lm_head", "lm_head" if "lm_head" in names else "embed_tokens")
+    return {k: v for k, v in macs.items() if v}
 
 
 def _phases(prof: dict, per: float, unit: str) -> str:
     rows = sorted(((k, v) for k, v in prof.items() if v[0] > 0), key=lambda kv: -kv[1][0])
     return ", ".join(f"{k} {v[0] / per * 1e3:.2f}{unit}/{v[1] // max(1, int(per))}" for k, v in rows)
+
+
+def peak_fractions(m, macs: dict[str, int], threads: int, b: int, steps: int, step) -> None:
+    """Runs step(i) for i < steps, each between two readings of the int8 peak probe; prints per GEMM phase the
+    median TOPS and fraction of the probes' mean, and the step's time and the phases' shares of it."""
+    from splitgemma._native import kernels
+
+    def probe() -> float:
+        return kernels.peak_tops(m.backend, threads, 0.1)
+
+    rows: dict[str, list[float]] = {k: [] for k in macs}
+    frac: dict[str, list[float]] = {k: [] for k in [*macs, "all GEMMs"]}
+    step_s, peaks, shares = [], [], {k: [] for k in ("GEMMs", "attention")}
+    for i in range(steps):
+        p0 = probe()
+        m.reset_profile()
+        t0 = time.perf_counter()
+        step(i)
+        dt = time.perf_counter() - t0
+        pk = (p0 + probe()) / 2
+        prof = m.profile()
+        step_s.append(dt)
+        peaks.append(pk)
+        t_all = ops_all = 0.0
+        for k, n in macs.items():
+            t, ops = max(prof[k][0], 1e-9), 2.0 * b * n
+            rows[k].append(ops / t / 1e12)
+            frac[k].append(ops / t / 1e12 / pk)
+            t_all += t
+            ops_all += ops
+        frac["all GEMMs"].append(ops_all / max(t_all, 1e-9) / 1e12 / pk)
+        shares["GEMMs"].append(t_all / dt)
+        shares["attention"].append(prof["attention"][0] / dt)
+
+    def med(v: list[float], fmt: str) -> str:
+        return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+    print(f"decode B={b}: {med([s * 1e3 for s in step_s], '.1f')} ms/step; int8 peak {med(peaks, '.3f')} TOPS; "
+          f"time shares: GEMMs {med(shares['GEMMs'], '.2f')}, attention {med(shares['attention'], '.2f')}")
+    for k, v in frac.items():
+        tops = f"{med(rows[k], '.3f')} TOPS, " if k in rows else ""
+        print(f"   {k}: {tops}{med(v, '.2f')} of the peak")
 
 
 def main() -> None:
@@ -35,6 +121,8 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="amx, vnni or avx2 (default: the best this CPU runs)")
     ap.add_argument("--kv-dtype", default=None, help="int8, f16 or f32 (default: the file's)")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--peak", action="store_true",
+                    help="decode: each GEMM phase's int8 TOPS against the peak probe read around every step")
     a = ap.parse_args()
     os.environ["FGM_PROFILE"] = "1"  # read by the Model's constructor
     import numpy as np
@@ -46,6 +134,9 @@ def main() -> None:
     lens = [int(x) for x in a.prefill.split(",") if x]
     m = open_model(a, max_context=max([a.context + a.steps + 8, *lens]), max_batch=max(batches or [1]),
                    chunk=a.chunk)
+    macs = gemm_macs_per_row(a.model) if a.peak else {}
+    if a.peak and not macs:
+        raise SystemExit(f"{a.model}: no q4g/q8c weights (int8 activations), so no GEMM the int8 peak bounds")
     rng = np.random.default_rng(0)
 
     def ids(n: int):
@@ -73,6 +164,11 @@ def main() -> None:
             m.decode(ar, slots, [5] * b, [a.context] * b)  # warm-up step, rewound by the copies below
             for s in slots:
                 ar.copy_slot(s, ar, pristine)
+            if a.peak:
+                peak_fractions(m, macs, a.threads, b, a.steps,
+                               lambda i: m.decode(ar, slots, [int(x) for x in rng.integers(10, 1000, b)],
+                                                  [a.context + i] * b))
+                continue
             m.reset_profile()
             t0 = time.perf_counter()
             for i in range(a.steps):
