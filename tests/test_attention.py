@@ -115,3 +115,21 @@ def test_bad_arguments_are_refused():
                          np.zeros((64, 1, 256), np.float16))
     with pytest.raises(ValueError, match="kernel must be"):
         N.attention_rows(q, k, k, kernel="amx")
+
+
+@pytest.mark.skipif(not N.kernels.cpu_supports("amx") or not N.kernels.amx_tiles_usable(),
+                    reason="needs AMX tiles whose state holds (the amx backend's attention)")
+@pytest.mark.parametrize("hd,nq,rows,p0,window,cap", CASES + [(256, 8, 32, 70, 0, 128), (512, 8, 25, 40, 48, 80)])
+def test_amx_tiles_equal_zmm_tiles(hd, nq, rows, p0, window, cap):
+    """The int8 path's dot products on AMX tiles give the vpdpbusd loops' exact int32 sums: the same output bits,
+    including blocks of more vectors than the zmm kernel takes (kAttendRowsVectorsAmx; a vector's result does not
+    depend on the block it shares, so the zmm side runs the rows in slices) and vector counts that are not a multiple
+    of the tiles' 16."""
+    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
+    cache, _, q_scale = make_cache(rng, cap, 1, hd, "int8")
+    q = (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
+    amx = N.attention_rows(q, **cache, kv_head=0, p0=p0, window=window, kernel="tiles_amx")
+    per = max(1, 64 // nq)
+    zmm = np.concatenate([N.attention_rows(q[r:r + per], **cache, kv_head=0, p0=p0 + r, window=window, kernel="tiles")
+                          for r in range(0, rows, per)])
+    np.testing.assert_array_equal(amx, zmm)

@@ -728,6 +728,23 @@ def test_rewinding_respects_the_rings():
     assert a.n_tokens(0) == 10
 
 
+def test_amx_backend_equals_vnni_backend():
+    """The amx backend (AMX GEMMs, the prefill attention's int8 dot products on AMX tiles) and the vnni backend give
+    the same bits: prefill logits of every row of a prompt long enough for several K/V tiles and attention blocks,
+    sliding and full layers, and decode steps after it."""
+    if not N.kernels.cpu_supports("amx"):
+        pytest.skip("the amx backend cannot run on this CPU")
+    prompt = rand_prompt(300, seed=5)
+    runs = {}
+    for backend in ("amx", "vnni"):
+        m = model(backend=backend, kv_dtype="int8")
+        a = arena(m)
+        logits = m.prefill(a, 0, prompt, all_logits=True)
+        steps = [m.decode(a, [0], [int(prompt[i])], [len(prompt) + i])[0] for i in range(3)]
+        runs[backend] = np.concatenate([logits, np.stack(steps)])
+    np.testing.assert_array_equal(runs["amx"], runs["vnni"])
+
+
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_avx512_attention_matches_avx2(kv_dtype):
     """The VNNI (and AMX) backends attend with the zmm kernels of ops_avx512.cpp, the AVX2 backend with the ymm ones;

@@ -11,7 +11,8 @@
 //   * f16/f32 K/V (f32 FMA): the tile converted to f32 once (kt[d][position], vt[position][d]); only the order of the
 //     f32 additions differs from attend(), as in attend_avx512.
 // docs/engine-api.md states the tolerance (tests/test_attention.py). Compiled with -mavx512f/bw/vl/vnni; the Model
-// calls it only on the vnni and amx backends (whose CPUs have AVX-512 VNNI).
+// calls it only on the vnni and amx backends (whose CPUs have AVX-512 VNNI). With amx_tiles the int8 path's two dot
+// products run on AMX tiles (attend_rows_amx.cpp), 16 vectors at a time: the same exact int32 sums, so the same bits.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "attend_rows_amx.h"
 #include "exp_avx512.h"
 #include "ops.h"
 
@@ -29,7 +31,8 @@ namespace {
 constexpr int kTile = 64;  // cached positions per K/V tile
 constexpr int kNB = kTile / 16;  // zmm of scores per query vector and tile
 
-// The scratch areas, each 64-byte aligned, carved from the caller's floats in this order.
+// The scratch areas, each 64-byte aligned, carved from the caller's floats in this order. qc and wt have rows for nv
+// rounded up to 16 (the AMX tiles' 16 vectors; the padding rows stay zero).
 struct Scratch {
   uint32_t* qc;    // nv × hd dwords: the query codes (int8: hd/4 dwords used) or f32 values
   float* qscale;   // nv
@@ -47,6 +50,7 @@ struct Scratch {
 };
 
 inline size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
+inline int round16(int n) { return (n + 15) & ~15; }
 
 template <class T>
 T* carve(float*& p, size_t floats) {
@@ -58,7 +62,7 @@ T* carve(float*& p, size_t floats) {
 Scratch carve_scratch(float* base, int nv, int hd) {
   float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t(63));
   Scratch s;
-  s.qc = carve<uint32_t>(p, size_t(nv) * hd);
+  s.qc = carve<uint32_t>(p, size_t(round16(nv)) * hd);
   s.qscale = carve<float>(p, nv);
   s.qcorr = carve<int32_t>(p, nv);
   s.m = carve<float>(p, nv);
@@ -71,7 +75,7 @@ Scratch carve_scratch(float* base, int nv, int hd) {
   s.ks = carve<float>(p, kTile);
   s.vs = carve<float>(p, kTile);
   s.st = carve<float>(p, size_t(nv) * kTile);
-  s.wt = carve<uint32_t>(p, size_t(nv) * kTile);
+  s.wt = carve<uint32_t>(p, size_t(round16(nv)) * kTile);
   s.o = carve<float>(p, size_t(nv) * hd);
   return s;
 }
@@ -279,12 +283,51 @@ void all_pv(int nv, int hd, int ns, Scratch& s) {
   }
 }
 
+// The int8 path's scores and P·V on AMX tiles (attend_rows_amx.h), per block of 16 vectors, then the same
+// epilogues as tile_scores and tile_pv: the int32 sums are the vpdpbusd loops' exactly.
+void amx_scores(int nv, int hd, Scratch& s) {
+  alignas(64) int32_t acc[16 * kTile];
+  for (int v0 = 0; v0 < nv; v0 += 16) {
+    amx_attend::scores(reinterpret_cast<const int8_t*>(s.qc + size_t(v0) * hd), long(hd) * 4, s.kt, hd, acc);
+    for (int v = v0; v < std::min(nv, v0 + 16); ++v) {
+      float* st = s.st + size_t(v) * kTile;
+      for (int b = 0; b < kNB; ++b) {
+        const __m512i dot = _mm512_sub_epi32(_mm512_load_si512(acc + (v - v0) * kTile + 16 * b),
+                                             _mm512_set1_epi32(s.qcorr[v]));
+        _mm512_store_ps(st + 16 * b, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s.qscale[v])),
+                                                   _mm512_load_ps(s.ks + 16 * b)));
+      }
+    }
+  }
+}
+
+void amx_pv(int nv, int hd, Scratch& s, int32_t* acc) {
+  for (int v0 = 0; v0 < nv; v0 += 16) {
+    amx_attend::pv(reinterpret_cast<const uint8_t*>(s.wt + size_t(v0) * kTile), kTile * 4, s.vt, hd, acc);
+    for (int v = v0; v < std::min(nv, v0 + 16); ++v)
+      for (int d = 0; d < hd; d += 16) {
+        float* o = s.o + size_t(v) * hd + d;
+        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + (v - v0) * hd + d)),
+                                           _mm512_set1_ps(s.wscale[v]),
+                                           _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(s.alpha[v]))));
+      }
+  }
+}
+
 template <int E>
 void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0, int window,
-                 float* out, int out_row_stride, float* scratch) {
+                 float* out, int out_row_stride, float* scratch, bool amx_tiles) {
   constexpr bool I8 = E == 1;
   const int nv = rows * nq;
   Scratch s = carve_scratch(scratch, nv, hd);
+  constexpr int kAmxMaxHd = 512;
+  const bool amx = I8 && amx_tiles && hd % 64 == 0 && hd <= kAmxMaxHd;
+  alignas(64) int32_t pv_acc[16 * kAmxMaxHd];  // the AMX P·V sums of 16 vectors
+  if (amx) {
+    std::memset(s.qc + size_t(nv) * hd, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * hd);
+    std::memset(s.wt + size_t(nv) * kTile, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * kTile);
+    amx_attend::begin();
+  }
   // The query vectors (v = row · nq + head) in the dot-product format.
   for (int v = 0; v < nv; ++v) {
     const float* qv = q + size_t(v / nq) * q_row_stride + size_t(v % nq) * hd;
@@ -311,7 +354,8 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
   for (int t0 = first / kTile * kTile; t0 <= hi; t0 += kTile) {
     const int tn = std::min(kTile, hi - t0 + 1);
     pack_tile<E>(c, hd, t0, tn, first, s);
-    all_scores<I8>(nv, hd, s);
+    if (amx) amx_scores(nv, hd, s);
+    else all_scores<I8>(nv, hd, s);
     // Online softmax: each vector's valid positions in this tile are [a, b] (its window and causality).
     for (int v = 0; v < nv; ++v) {
       const int p = p0 + v / nq;
@@ -357,9 +401,11 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
       }
     }
     const int ns = I8 ? (tn + 3) / 4 : tn;
-    if (hd % 64 == 0) all_pv<4, I8>(nv, hd, ns, s);
+    if (amx) amx_pv(nv, hd, s, pv_acc);  // all 16 quads: past ns the weights are zero
+    else if (hd % 64 == 0) all_pv<4, I8>(nv, hd, ns, s);
     else all_pv<2, I8>(nv, hd, ns, s);
   }
+  if (amx) amx_attend::end();
   for (int v = 0; v < nv; ++v) {
     const __m512 inv = _mm512_set1_ps(1.0f / s.l[v]);
     float* ov = out + size_t(v / nq) * out_row_stride + size_t(v % nq) * hd;
@@ -371,19 +417,19 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
 }  // namespace
 
 size_t attend_rows_scratch_floats(int nv, int hd) {
-  const size_t per[] = {size_t(nv) * hd, size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv),
+  const size_t per[] = {size_t(round16(nv)) * hd, size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv),
                         size_t(kTile) * hd, size_t(kTile) * hd, size_t(kTile) * hd, kTile, kTile,
-                        size_t(nv) * kTile, size_t(nv) * kTile, size_t(nv) * hd};
+                        size_t(nv) * kTile, size_t(round16(nv)) * kTile, size_t(nv) * hd};
   size_t n = 16;  // the 64-byte alignment of the base
   for (size_t x : per) n += align16(x);
   return n;
 }
 
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
-                        int window, float* out, int out_row_stride, float* scratch) {
-  if (c.ks) attend_rows<1>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch);
-  else if (c.f32) attend_rows<4>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch);
-  else attend_rows<2>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch);
+                        int window, float* out, int out_row_stride, float* scratch, bool amx_tiles) {
+  if (c.ks) attend_rows<1>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, amx_tiles);
+  else if (c.f32) attend_rows<4>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, false);
+  else attend_rows<2>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, false);
 }
 
 }  // namespace sg::ops

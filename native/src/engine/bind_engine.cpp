@@ -559,12 +559,15 @@ void bind_engine(py::module_& m) {
           if (!ksa || !vsa || ksa.size() != cap || vsa.size() != cap)
             throw py::value_error("attention_rows: ks and vs must hold one scale per cache row");
         }
-        const bool tiles = kernel == "tiles";
+        const bool amx = kernel == "tiles_amx", tiles = kernel == "tiles" || amx;
         if (!tiles && kernel != "ymm" && kernel != "zmm")
-          throw py::value_error("attention_rows: kernel must be 'tiles', 'zmm' or 'ymm'");
-        if (tiles && (!sg::cpu_supports(sg::Backend::Vnni) || hd % 32 || rows * nq > sg::ops::kAttendRowsVectors))
+          throw py::value_error("attention_rows: kernel must be 'tiles', 'tiles_amx', 'zmm' or 'ymm'");
+        if (amx && !sg::amx_tiles_usable())
+          throw py::value_error("attention_rows: 'tiles_amx' needs AMX tiles (an AMX CPU whose tile state holds)");
+        const int max_vectors = amx ? sg::ops::kAttendRowsVectorsAmx : sg::ops::kAttendRowsVectors;
+        if (tiles && (!sg::cpu_supports(sg::Backend::Vnni) || hd % 32 || rows * nq > max_vectors))
           throw py::value_error("attention_rows: the tile kernel needs AVX-512 VNNI, head_dim % 32 == 0 and "
-                                "rows * nq <= " + std::to_string(sg::ops::kAttendRowsVectors));
+                                "rows * nq <= " + std::to_string(max_vectors));
         if (kernel == "zmm" && !sg::cpu_supports(sg::Backend::Vnni))
           throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
         if (split && kernel != "zmm") throw py::value_error("attention_rows: split is for the zmm kernel");
@@ -579,7 +582,7 @@ void bind_engine(py::module_& m) {
           py::gil_scoped_release nogil;
           if (tiles) {
             std::vector<float> scratch(sg::ops::attend_rows_scratch_floats(rows * nq, hd));
-            sg::ops::attend_rows_avx512(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data());
+            sg::ops::attend_rows_avx512(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data(), amx);
           } else if (split) {
             // As single-stream decode runs it: each part of the positions on its own, merged after.
             std::vector<float> scratch(sg::ops::attend_avx512_scratch_floats(nq, hd));
@@ -613,7 +616,7 @@ void bind_engine(py::module_& m) {
       "Attention of rows consecutive query rows at positions p0.. (q [rows, nq, head_dim]) against a ring cache "
       "k, v [cap, kv_heads, head_dim] (int8 codes with per-row scales ks, vs; or float16/float32), position p in row "
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
-      "tile kernel, 'zmm' / 'ymm' attend() per row; 'zmm' with split=True attends each part of a row's positions on "
+      "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits), 'zmm' / 'ymm' attend() per row; 'zmm' with split=True attends each part of a row's positions on "
       "its own and merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
 
   m.def(

@@ -117,6 +117,9 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
     if (!cpu_supports(backend_))
       throw std::runtime_error(std::string("the ") + backend_name(backend_) + " GEMM backend cannot run on this CPU");
   }
+  // Prefill attention's int8 dot products on AMX tiles with the AMX backend (same bits as on zmm), unless the host
+  // loses tile state (the guard then keeps AMX to the GEMMs).
+  amx_attention_ = backend_ == Backend::Amx && amx_tiles_usable();
   // zmm element-wise kernels and quantiser where the backend's CPU has AVX-512 (FGM_BACKEND=avx2 keeps ymm).
   const bool zmm = backend_ != Backend::Avx2;
   ew_ = zmm ? &ops::elementwise_avx512() : &ops::elementwise_avx2();
@@ -168,8 +171,9 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   // one part of the positions, plus a part's outputs (zmm).
   const size_t scores = std::max(size_t(nh / nkv) * size_t(opt.max_context),
                                  ops::attend_avx512_scratch_floats(nh / nkv, hd_max));
-  // The prefill tile kernel (ops::attend_rows_avx512): blocks of kAttendRowsVectors / group rows.
-  const int group = nh / nkv, block_rows = std::max(1, ops::kAttendRowsVectors / group);
+  // The prefill tile kernel (ops::attend_rows_avx512): blocks of attend_vectors_ / group rows.
+  attend_vectors_ = amx_attention_ ? ops::kAttendRowsVectorsAmx : ops::kAttendRowsVectors;
+  const int group = nh / nkv, block_rows = std::max(1, attend_vectors_ / group);
   const size_t tiles = ops::attend_rows_scratch_floats(std::min(block_rows, chunk_) * group, hd_max);
   row_scratch_per_worker_ = (std::max({scores, size_t(L) * P, tiles}) + 15) & ~size_t(15);
   row_scratch_.assign(row_scratch_per_worker_ * pool_->size(), 0.0f);
@@ -519,14 +523,14 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (attend_rows_ok(m, rows, group, hd, src)) {
         // Prefill: blocks of R consecutive rows x one KV head's query heads, each K/V tile read once per block
         // (ops::attend_rows_avx512). The last blocks attend the most positions: they are handed out first.
-        const int R = std::max(1, ops::kAttendRowsVectors / group), nb = (m + R - 1) / R;
+        const int R = std::max(1, attend_vectors_ / group), nb = (m + R - 1) / R;
         pool_->parallel_for(nb * nkv, [&](int it, int w) {
           it = nb * nkv - 1 - it;
           const int r0 = (it / nkv) * R, g = it % nkv, nr = std::min(R, m - r0);
           const size_t at = size_t(r0) * qw + size_t(g) * group * hd;
           ops::attend_rows_avx512(q + at, qw, nr, group, hd, cache_of(rows[r0].slot, g), rows[r0].pos,
                                   ls.sliding ? window : 0, attn + at, qw,
-                                  &row_scratch_[size_t(w) * row_scratch_per_worker_]);
+                                  &row_scratch_[size_t(w) * row_scratch_per_worker_], amx_attention_);
           for (int r = 0; r < nr; ++r) ew_->fwht_blocks(attn + at + size_t(r) * qw, group * hd, rot);
         });
       } else if (parts > 1) {

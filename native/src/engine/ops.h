@@ -114,12 +114,17 @@ void attend_merge_parts(const float* parts, const float* stats, int n_parts, int
 // softmax (attend_rows_avx512.cpp; docs/engine-api.md gives the design and the tolerance against attend()). Row r,
 // head h reads q[r * q_row_stride + h * hd .. + hd) and writes out[r * out_row_stride + h * hd ..); row r attends
 // [lo, p0 + r] with lo = max(0, p0 + r - window + 1) for window > 0, else 0. Requires hd % 32 == 0,
-// rows * nq <= kAttendRowsVectors, cap * row_bytes < 2^31, and a CPU with AVX-512 VNNI (the vnni and amx
-// backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
+// rows * nq <= kAttendRowsVectors (kAttendRowsVectorsAmx with amx_tiles), cap * row_bytes < 2^31, and a CPU with
+// AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
+// amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0, hd <= 512; the same bits), where
+// sg::amx_tiles_usable() said yes.
 constexpr int kAttendRowsVectors = 64;
+// With amx_tiles the dot products cost little beside each K/V tile's packing, which a larger block shares among more
+// vectors (xeon-amx-2c, E2B prefill 8192: attention 2.03 s at 64 vectors, 1.72 s at 256, 1.72 s at 512).
+constexpr int kAttendRowsVectorsAmx = 256;
 size_t attend_rows_scratch_floats(int nv, int hd);
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
-                        int window, float* out, int out_row_stride, float* scratch);
+                        int window, float* out, int out_row_stride, float* scratch, bool amx_tiles = false);
 
 // Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
 // e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; with stop_at >= 0 it stops at the

@@ -157,6 +157,8 @@ TileGuardStatus amx_tile_guard_status() {
   return TileGuardStatus{detail::g_amx_guard.load(), detail::g_amx_recoveries.load()};
 }
 
+bool amx_tiles_usable() { return cpu_supports(Backend::Amx) && detail::amx_guard_off(); }
+
 void backend_thread_init() {
   if (amx_usable()) detail::amx_request_permission();
 }

@@ -139,6 +139,9 @@ void bind_kernels(py::module_& parent) {
   m.def(
       "cpu_supports", [](const std::string& name) { return sg::cpu_supports(sg::backend_from_name(name.c_str())); },
       py::arg("name"), "Whether this CPU can run the backend 'amx', 'vnni' or 'avx2'.");
+  m.def("amx_tiles_usable", &sg::amx_tiles_usable,
+        "Whether AMX tiles may be used beside the GEMMs (the amx backend's prefill attention): AMX here and the "
+        "tile-state guard off.");
   m.def(
       "active_backend", [] { return std::string(sg::backend_name(sg::active_backend())); },
       "The backend gemm() uses by default (FGM_BACKEND or the best the CPU has).");

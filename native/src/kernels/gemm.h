@@ -46,6 +46,11 @@ bool cpu_supports(Backend b);
 // use in a thread, so forgetting it costs nothing but a syscall.
 void backend_thread_init();
 
+// Whether code beside the GEMMs (the prefill attention) may use AMX tiles on the calling thread: the CPU runs the
+// AMX backend, the thread holds the tile permission, and the tile-state guard (below) is off. A host that loses tile
+// state keeps AMX to the guarded GEMMs.
+bool amx_tiles_usable();
+
 // The AMX tile-state guard (see gemm_amx.cpp): enabled is -1 until the first AMX GEMM decided
 // it (FGM_TILE_GUARD=on|off, else a probe), then 0/1; recoveries counts blocks recomputed
 // because the tile state was lost.

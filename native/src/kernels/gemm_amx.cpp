@@ -14,19 +14,14 @@
 // per column block). q8c accumulates over the whole K; q4g over one scale group at a time,
 // then drains the tiles into f32 sums.
 //
-// Compiler traps handled here (see the design notes):
-// * GCC's _tile_loadconfig tells the compiler it reads 8 bytes, and its _tile_loadd reads "no
-//   memory", so stores to the 64-byte config or to a scratch tile may be elided or sunk past
-//   the load. The config is a fully initialised 64-byte-aligned struct passed to our own
-//   ldtilecfg as a whole-object memory operand after a compiler barrier, and our tileloadd
-//   carries a "memory" clobber (plus an explicit barrier after the scratch-tile stores).
+// Compiler traps: the tile primitives (amx_tiles.h) carry memory clobbers, and an explicit
+// barrier follows the scratch-tile stores.
 // * KVM hosts can lose the tile state on preemption (tiles come back zeroed). With the guard
 //   on, accumulators start from a sentinel 2^30 instead of 0; a stored tile whose column 0 is
 //   below 2^29 was reset and the block is recomputed (then, after kMaxRetry losses, computed
 //   exactly without tiles). Guard: FGM_TILE_GUARD=on|off, else decided once by a probe.
-// The tile primitives below are the only inline assembly; the emulated test build
-// (-DSG_KERNEL_EMULATION, emulation/) swaps them for scalar tiles to run this file's logic on
-// CPUs without AMX.
+// The emulated test build (-DSG_KERNEL_EMULATION, emulation/) swaps the tile primitives for
+// scalar tiles to run this file's logic on CPUs without AMX.
 #include <immintrin.h>
 
 #include <atomic>
@@ -41,22 +36,20 @@
 #include <vector>
 
 #include "kernels_impl.h"
+#ifdef SG_KERNEL_EMULATION
+#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
+#else
+#include "amx_tiles.h"
+#endif
 
 namespace sg::detail {
 namespace {
 
+using namespace sg::amx;
+
 constexpr int32_t kSentinel = 1 << 30;
 constexpr int32_t kSentinelMin = 1 << 29;
 constexpr int kMaxRetry = 16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads exactly 64 bytes");
 
 struct SentinelTile {
   alignas(64) int32_t v[256];
@@ -66,41 +59,6 @@ struct SentinelTile {
 };
 constexpr SentinelTile kSentinelTile{};
 
-#ifdef SG_KERNEL_EMULATION
-#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
-#else
-// Every tile 16 rows × 64 bytes (palette 1).
-void load_tile_config() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  asm volatile("" ::: "memory");
-  asm volatile("ldtilecfg %0" ::"m"(cfg));
-}
-
-template <int T>
-inline void tile_load(const void* p) {
-  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(64L), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_store(void* p) {
-  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(64L), "i"(T) : "memory");
-}
-template <int T>
-inline void tile_zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
-// tmm[C] += tmm[A] · tmm[B] (s8 × s8 → int32)
-template <int C, int A, int B>
-inline void tile_dp() {
-  asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
-}
-inline void tile_release() { _tile_release(); }
-#endif
 
 template <class F, int... I>
 inline void unroll_impl(F&& f, std::integer_sequence<int, I...>) {
@@ -323,6 +281,11 @@ void amx_prepare() {
   else if (v.empty()) guard = tile_state_is_lost() ? 1 : 0;
   else throw std::runtime_error("FGM_TILE_GUARD='" + v + "' must be 'on' or 'off' (unset: decided by a probe)");
   g_amx_guard.store(guard);
+}
+
+bool amx_guard_off() {
+  amx_prepare();
+  return g_amx_guard.load() == 0;
 }
 
 void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {

@@ -39,6 +39,8 @@ bool amx_request_permission();
 // AMX: before a GEMM, on the calling thread: tile permission, and the tile guard decided once
 // (FGM_TILE_GUARD or the probe; throws std::runtime_error on a bad FGM_TILE_GUARD value).
 void amx_prepare();
+// amx_prepare(), then whether the guard is off (gemm_amx.cpp).
+bool amx_guard_off();
 // The guard state and recovery count, kept in backend.cpp (plain x86-64 code).
 extern std::atomic<int> g_amx_guard;  // -1 undecided, 0 off, 1 on
 extern std::atomic<uint64_t> g_amx_recoveries;

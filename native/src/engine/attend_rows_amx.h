@@ -1,0 +1,25 @@
+// The AMX halves of the prefill tile kernel's int8 path (attend_rows_avx512.cpp): its two integer dot products on
+// tiles. They give the exact int32 sums the vpdpbusd loops give, so the attention's bits do not depend on which ran.
+// Compiled with the AMX flags (attend_rows_amx.cpp); call only where sg::amx_tiles_usable() said yes, between
+// begin() and end() on the same thread.
+#pragma once
+
+#include <cstdint>
+
+namespace sg::ops::amx_attend {
+
+// Configures the tiles on the calling thread (all 16 rows × 64 bytes) / releases them.
+void begin();
+void end();
+
+// acc[v][j] (int32, 64 per row) = Σ_d q[v][d] · (K[j][d] + 128) for 16 query vectors × the tile's 64 positions:
+// q holds 16 rows of int8 codes `q_stride` bytes apart (hd used); kt is the packed K tile (kt[d/4][j]: hd/4 rows of
+// 64 dwords, the 4 bytes of dims 4(d/4) .. + 3 of position j, each + 128). hd % 64 == 0.
+void scores(const int8_t* q, long q_stride, const uint32_t* kt, int hd, int32_t* acc);
+
+// acc[v][d] (int32, hd per row) = Σ_j w[v][j] · V[j][d] for 16 vectors × hd dims over the tile's 64 positions: w
+// holds 16 rows of 64 u8 weight codes `w_stride` bytes apart; vt is the packed V tile (vt[j/4][d]: 16 rows of hd
+// dwords, the codes of positions 4(j/4) .. + 3 at dim d). hd % 64 == 0.
+void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int32_t* acc);
+
+}  // namespace sg::ops::amx_attend
