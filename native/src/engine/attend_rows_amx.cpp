@@ -7,6 +7,10 @@
 //     tile: tdpbusd (A unsigned, B signed), four accumulators a round of 64 dims.
 #include "attend_rows_amx.h"
 
+#include <immintrin.h>
+
+#include <cstddef>
+
 #include "amx_tiles.h"
 
 namespace sg::ops::amx_attend {
@@ -40,8 +44,10 @@ void scores(const int8_t* q, long q_stride, const uint32_t* kt, int hd, int32_t*
   tile_store<3>(acc + 48, kRow);
 }
 
-void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int32_t* acc) {
-  const long row = long(hd) * 4;  // a packed V row (one position quad) and an output row
+void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int nv, const float* wscale, const float* alpha,
+        float* o, int o_stride) {
+  const long row = long(hd) * 4;  // a packed V row: one position quad
+  alignas(64) int32_t acc[16 * 64];
   tile_load<4>(w, w_stride);
   for (int d0 = 0; d0 < hd; d0 += 64) {
     tile_zero<0>();
@@ -56,10 +62,17 @@ void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int32_t* ac
     tile_dp_us<2, 4, 6>();
     tile_load<7>(vt + d0 + 48, row);
     tile_dp_us<3, 4, 7>();
-    tile_store<0>(acc + d0, row);
-    tile_store<1>(acc + d0 + 16, row);
-    tile_store<2>(acc + d0 + 32, row);
-    tile_store<3>(acc + d0 + 48, row);
+    tile_store<0>(acc, 256);
+    tile_store<1>(acc + 16, 256);
+    tile_store<2>(acc + 32, 256);
+    tile_store<3>(acc + 48, 256);
+    for (int v = 0; v < nv; ++v) {
+      const __m512 ws = _mm512_set1_ps(wscale[v]), al = _mm512_set1_ps(alpha[v]);
+      float* ov = o + size_t(v) * o_stride + d0;
+      for (int b = 0; b < 4; ++b)
+        _mm512_store_ps(ov + 16 * b, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + v * 64 + 16 * b)), ws,
+                                                     _mm512_mul_ps(_mm512_load_ps(ov + 16 * b), al)));
+    }
   }
 }
 

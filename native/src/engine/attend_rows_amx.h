@@ -17,9 +17,12 @@ void end();
 // 64 dwords, the 4 bytes of dims 4(d/4) .. + 3 of position j, each + 128). hd % 64 == 0.
 void scores(const int8_t* q, long q_stride, const uint32_t* kt, int hd, int32_t* acc);
 
-// acc[v][d] (int32, hd per row) = Σ_j w[v][j] · V[j][d] for 16 vectors × hd dims over the tile's 64 positions: w
-// holds 16 rows of 64 u8 weight codes `w_stride` bytes apart; vt is the packed V tile (vt[j/4][d]: 16 rows of hd
-// dwords, the codes of positions 4(j/4) .. + 3 at dim d). hd % 64 == 0.
-void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int32_t* acc);
+// o[v][d] = fmaf(Σ_j w[v][j] · V[j][d], wscale[v], o[v][d] · alpha[v]) for the first nv (≤ 16) of 16 vectors × hd
+// dims, the sum over the tile's 64 positions exact in int32 (tile_pv's epilogue, operation for operation): w holds
+// 16 rows of 64 u8 weight codes `w_stride` bytes apart; vt is the packed V tile (vt[j/4][d]: 16 rows of hd dwords,
+// the codes of positions 4(j/4) .. + 3 at dim d); o rows are `o_stride` floats apart. hd % 64 == 0. Each round of
+// 64 dims is folded into o while its sums are in L1.
+void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int nv, const float* wscale, const float* alpha,
+        float* o, int o_stride);
 
 }  // namespace sg::ops::amx_attend

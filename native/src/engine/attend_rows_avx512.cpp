@@ -283,8 +283,8 @@ void all_pv(int nv, int hd, int ns, Scratch& s) {
   }
 }
 
-// The int8 path's scores and P·V on AMX tiles (attend_rows_amx.h), per block of 16 vectors, then the same
-// epilogues as tile_scores and tile_pv: the int32 sums are the vpdpbusd loops' exactly.
+// The int8 path's scores and P·V on AMX tiles (attend_rows_amx.h), per block of 16 vectors, with the epilogues of
+// tile_scores and tile_pv (P·V's inside amx_attend::pv): the int32 sums are the vpdpbusd loops' exactly.
 void amx_scores(int nv, int hd, Scratch& s) {
   alignas(64) int32_t acc[16 * kTile];
   for (int v0 = 0; v0 < nv; v0 += 16) {
@@ -301,17 +301,10 @@ void amx_scores(int nv, int hd, Scratch& s) {
   }
 }
 
-void amx_pv(int nv, int hd, Scratch& s, int32_t* acc) {
-  for (int v0 = 0; v0 < nv; v0 += 16) {
-    amx_attend::pv(reinterpret_cast<const uint8_t*>(s.wt + size_t(v0) * kTile), kTile * 4, s.vt, hd, acc);
-    for (int v = v0; v < std::min(nv, v0 + 16); ++v)
-      for (int d = 0; d < hd; d += 16) {
-        float* o = s.o + size_t(v) * hd + d;
-        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + (v - v0) * hd + d)),
-                                           _mm512_set1_ps(s.wscale[v]),
-                                           _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(s.alpha[v]))));
-      }
-  }
+void amx_pv(int nv, int hd, Scratch& s) {
+  for (int v0 = 0; v0 < nv; v0 += 16)
+    amx_attend::pv(reinterpret_cast<const uint8_t*>(s.wt + size_t(v0) * kTile), kTile * 4, s.vt, hd,
+                   std::min(16, nv - v0), s.wscale + v0, s.alpha + v0, s.o + size_t(v0) * hd, hd);
 }
 
 template <int E>
@@ -320,9 +313,7 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
   constexpr bool I8 = E == 1;
   const int nv = rows * nq;
   Scratch s = carve_scratch(scratch, nv, hd);
-  constexpr int kAmxMaxHd = 512;
-  const bool amx = I8 && amx_tiles && hd % 64 == 0 && hd <= kAmxMaxHd;
-  alignas(64) int32_t pv_acc[16 * kAmxMaxHd];  // the AMX P·V sums of 16 vectors
+  const bool amx = I8 && amx_tiles && hd % 64 == 0;
   if (amx) {
     std::memset(s.qc + size_t(nv) * hd, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * hd);
     std::memset(s.wt + size_t(nv) * kTile, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * kTile);
@@ -401,7 +392,7 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
       }
     }
     const int ns = I8 ? (tn + 3) / 4 : tn;
-    if (amx) amx_pv(nv, hd, s, pv_acc);  // all 16 quads: past ns the weights are zero
+    if (amx) amx_pv(nv, hd, s);  // all 16 quads: past ns the weights are zero
     else if (hd % 64 == 0) all_pv<4, I8>(nv, hd, ns, s);
     else all_pv<2, I8>(nv, hd, ns, s);
   }

@@ -116,7 +116,7 @@ void attend_merge_parts(const float* parts, const float* stats, int n_parts, int
 // [lo, p0 + r] with lo = max(0, p0 + r - window + 1) for window > 0, else 0. Requires hd % 32 == 0,
 // rows * nq <= kAttendRowsVectors (kAttendRowsVectorsAmx with amx_tiles), cap * row_bytes < 2^31, and a CPU with
 // AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
-// amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0, hd <= 512; the same bits), where
+// amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0; the same bits), where
 // sg::amx_tiles_usable() said yes.
 constexpr int kAttendRowsVectors = 64;
 // With amx_tiles the dot products cost little beside each K/V tile's packing, which a larger block shares among more
