@@ -13,7 +13,8 @@
 
 #include "amx_tiles.h"
 
-namespace sg::ops::amx_attend {
+namespace sg::ops {
+namespace amx_attend {
 
 using namespace sg::amx;
 
@@ -70,10 +71,11 @@ void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int nv, con
       const __m512 ws = _mm512_set1_ps(wscale[v]), al = _mm512_set1_ps(alpha[v]);
       float* ov = o + size_t(v) * o_stride + d0;
       for (int b = 0; b < 4; ++b)
-        _mm512_store_ps(ov + 16 * b, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + v * 64 + 16 * b)), ws,
-                                                     _mm512_mul_ps(_mm512_load_ps(ov + 16 * b), al)));
+        _mm512_store_ps(ov + 16 * b,
+                        fold_pv_sum(_mm512_load_si512(acc + v * 64 + 16 * b), ws, _mm512_load_ps(ov + 16 * b), al));
     }
   }
 }
 
-}  // namespace sg::ops::amx_attend
+}  // namespace amx_attend
+}  // namespace sg::ops

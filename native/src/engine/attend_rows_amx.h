@@ -4,9 +4,19 @@
 // begin() and end() on the same thread.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 
-namespace sg::ops::amx_attend {
+namespace sg::ops {
+
+// The int8 P·V epilogue, one definition for the vpdpbusd loops (tile_pv) and the tiles (amx_attend::pv), so the two
+// stay the same operations: o · alpha + (float)sum · wscale, one fused multiply-add.
+inline __m512 fold_pv_sum(__m512i sum, __m512 wscale, __m512 o, __m512 alpha) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), wscale, _mm512_mul_ps(o, alpha));
+}
+
+namespace amx_attend {
 
 // Configures the tiles on the calling thread (all 16 rows × 64 bytes) / releases them.
 void begin();
@@ -18,11 +28,12 @@ void end();
 void scores(const int8_t* q, long q_stride, const uint32_t* kt, int hd, int32_t* acc);
 
 // o[v][d] = fmaf(Σ_j w[v][j] · V[j][d], wscale[v], o[v][d] · alpha[v]) for the first nv (≤ 16) of 16 vectors × hd
-// dims, the sum over the tile's 64 positions exact in int32 (tile_pv's epilogue, operation for operation): w holds
+// dims, the sum over the tile's 64 positions exact in int32 (fold_pv_sum, as tile_pv): w holds
 // 16 rows of 64 u8 weight codes `w_stride` bytes apart; vt is the packed V tile (vt[j/4][d]: 16 rows of hd dwords,
 // the codes of positions 4(j/4) .. + 3 at dim d); o rows are `o_stride` floats apart. hd % 64 == 0. Each round of
 // 64 dims is folded into o while its sums are in L1.
 void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int nv, const float* wscale, const float* alpha,
         float* o, int o_stride);
 
-}  // namespace sg::ops::amx_attend
+}  // namespace amx_attend
+}  // namespace sg::ops

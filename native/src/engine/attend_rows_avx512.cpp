@@ -184,6 +184,13 @@ void pack_tile(const AttnCache& c, int hd, int t0, int tn, int first, Scratch& s
 // tied: GCC 12's builtin has the score loop copy every accumulator once per use.
 inline void dpbusd(__m512i& acc, __m512i a, __m512i b) { asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); }
 
+// Vector v's int8 scores of 16 positions from b·16: the vpdpbusd / tdpbsud sums of q · (K + 128), minus 128·Σq,
+// times the query's and the positions' scales.
+inline __m512 scale_i8_scores(__m512i sum, int v, int b, const Scratch& s) {
+  const __m512i dot = _mm512_sub_epi32(sum, _mm512_set1_epi32(s.qcorr[v]));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s.qscale[v])), _mm512_load_ps(s.ks + 16 * b));
+}
+
 // Scores of MV query vectors (from v0) against the packed tile: s.st[v][j], scaled (int8: by qscale · kscale).
 template <int MV, bool I8>
 void tile_scores(int v0, int hd, Scratch& s) {
@@ -209,13 +216,8 @@ void tile_scores(int v0, int hd, Scratch& s) {
     float* st = s.st + size_t(v0 + v) * kTile;
     for (int b = 0; b < kNB; ++b) {
       __m512 x;
-      if constexpr (I8) {
-        const __m512i dot = _mm512_sub_epi32(acc[v][b], _mm512_set1_epi32(s.qcorr[v0 + v]));
-        x = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s.qscale[v0 + v])),
-                          _mm512_load_ps(s.ks + 16 * b));
-      } else {
-        x = acc[v][b];
-      }
+      if constexpr (I8) x = scale_i8_scores(acc[v][b], v0 + v, b, s);
+      else x = acc[v][b];
       _mm512_store_ps(st + 16 * b, x);
     }
   }
@@ -263,8 +265,8 @@ void tile_pv(int v0, int d0, int hd, int ns, Scratch& s) {
     for (int b = 0; b < DB; ++b) {
       float* o = s.o + size_t(v0 + v) * hd + d0 + 16 * b;
       if constexpr (I8)
-        _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][b]), _mm512_set1_ps(s.wscale[v0 + v]),
-                                           _mm512_mul_ps(_mm512_load_ps(o), _mm512_set1_ps(s.alpha[v0 + v]))));
+        _mm512_store_ps(o, fold_pv_sum(acc[v][b], _mm512_set1_ps(s.wscale[v0 + v]), _mm512_load_ps(o),
+                                       _mm512_set1_ps(s.alpha[v0 + v])));
       else _mm512_store_ps(o, acc[v][b]);
     }
 }
@@ -289,15 +291,10 @@ void amx_scores(int nv, int hd, Scratch& s) {
   alignas(64) int32_t acc[16 * kTile];
   for (int v0 = 0; v0 < nv; v0 += 16) {
     amx_attend::scores(reinterpret_cast<const int8_t*>(s.qc + size_t(v0) * hd), long(hd) * 4, s.kt, hd, acc);
-    for (int v = v0; v < std::min(nv, v0 + 16); ++v) {
-      float* st = s.st + size_t(v) * kTile;
-      for (int b = 0; b < kNB; ++b) {
-        const __m512i dot = _mm512_sub_epi32(_mm512_load_si512(acc + (v - v0) * kTile + 16 * b),
-                                             _mm512_set1_epi32(s.qcorr[v]));
-        _mm512_store_ps(st + 16 * b, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s.qscale[v])),
-                                                   _mm512_load_ps(s.ks + 16 * b)));
-      }
-    }
+    for (int v = v0; v < std::min(nv, v0 + 16); ++v)
+      for (int b = 0; b < kNB; ++b)
+        _mm512_store_ps(s.st + size_t(v) * kTile + 16 * b,
+                        scale_i8_scores(_mm512_load_si512(acc + (v - v0) * kTile + 16 * b), v, b, s));
   }
 }
 

@@ -171,9 +171,8 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   // one part of the positions, plus a part's outputs (zmm).
   const size_t scores = std::max(size_t(nh / nkv) * size_t(opt.max_context),
                                  ops::attend_avx512_scratch_floats(nh / nkv, hd_max));
-  // The prefill tile kernel (ops::attend_rows_avx512): blocks of attend_vectors_ / group rows.
-  attend_vectors_ = amx_attention_ ? ops::kAttendRowsVectorsAmx : ops::kAttendRowsVectors;
-  const int group = nh / nkv, block_rows = std::max(1, attend_vectors_ / group);
+  // The prefill tile kernel (ops::attend_rows_avx512): blocks of attend_vectors() / group rows.
+  const int group = nh / nkv, block_rows = std::max(1, attend_vectors() / group);
   const size_t tiles = ops::attend_rows_scratch_floats(std::min(block_rows, chunk_) * group, hd_max);
   row_scratch_per_worker_ = (std::max({scores, size_t(L) * P, tiles}) + 15) & ~size_t(15);
   row_scratch_.assign(row_scratch_per_worker_ * pool_->size(), 0.0f);
@@ -198,6 +197,8 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
 }
 
 Model::~Model() = default;
+
+int Model::attend_vectors() const { return amx_attention_ ? ops::kAttendRowsVectorsAmx : ops::kAttendRowsVectors; }
 
 DualLinear Model::dual(const std::string& name) const {
   DualLinear d;
@@ -523,7 +524,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (attend_rows_ok(m, rows, group, hd, src)) {
         // Prefill: blocks of R consecutive rows x one KV head's query heads, each K/V tile read once per block
         // (ops::attend_rows_avx512). The last blocks attend the most positions: they are handed out first.
-        const int R = std::max(1, attend_vectors_ / group), nb = (m + R - 1) / R;
+        const int R = std::max(1, attend_vectors() / group), nb = (m + R - 1) / R;
         pool_->parallel_for(nb * nkv, [&](int it, int w) {
           it = nb * nkv - 1 - it;
           const int r0 = (it / nkv) * R, g = it % nkv, nr = std::min(R, m - r0);

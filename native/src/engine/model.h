@@ -184,7 +184,8 @@ class Model {
   WeightPolicy policy_;
   Backend backend_;
   bool amx_attention_ = false;  // the prefill tile kernel's int8 dot products on AMX tiles (ops.h attend_rows_avx512)
-  int attend_vectors_ = 0;      // query vectors per block of that kernel (ops.h kAttendRowsVectors, ...Amx)
+  // Query vectors per block of that kernel.
+  int attend_vectors() const;
   // The element-wise kernels and the activation quantiser of backend_'s instruction set: zmm on the VNNI and AMX
   // backends, ymm on AVX2 (ops.h, gemm.h; both give the same bits).
   const ops::Elementwise* ew_ = nullptr;

@@ -1,7 +1,8 @@
 // The AMX tile primitives: the only inline assembly of the AMX code (gemm_amx.cpp, the engine's prefill attention
 // in attend_rows_amx.cpp). Include only from translation units built with the AMX flags, and run only after
 // cpu_supports(Backend::Amx) (and, per thread, the tile permission: amx_request_permission). The emulated test
-// build (-DSG_KERNEL_EMULATION) includes emulation/amx_tiles.h instead: the same names on scalar tiles.
+// build (-DSG_KERNEL_EMULATION) compiles gemm_amx.cpp with emulation/amx_tiles.h instead: the names that file uses,
+// on scalar tiles.
 //
 // Compiler traps handled here (see the design notes): GCC's _tile_loadconfig tells the compiler it reads 8 bytes,
 // and its _tile_loadd reads "no memory", so stores to the 64-byte config or to a scratch tile may be elided or sunk

@@ -28,44 +28,36 @@ inline void load_tile_config() { g_emu_configured = true; }
 inline void tile_release() { g_emu_configured = false; }
 
 template <int T>
-inline void tile_load(const void* p, long stride = 64) {
+inline void tile_load(const void* p) {
   if (!g_emu_configured) __builtin_trap();
-  for (int r = 0; r < 16; ++r) std::memcpy(g_emu_tiles[T] + r * 64, static_cast<const int8_t*>(p) + r * stride, 64);
+  std::memcpy(g_emu_tiles[T], p, 1024);
 }
 template <int T>
-inline void tile_store(void* p, long stride = 64) {
+inline void tile_store(void* p) {
   if (!g_emu_configured) __builtin_trap();
-  for (int r = 0; r < 16; ++r) std::memcpy(static_cast<int8_t*>(p) + r * stride, g_emu_tiles[T] + r * 64, 64);
+  std::memcpy(p, g_emu_tiles[T], 1024);
 }
 template <int T>
 inline void tile_zero() {
   if (!g_emu_configured) __builtin_trap();
   std::memset(g_emu_tiles[T], 0, 1024);
 }
-// tmm[C] += tmm[A] · tmm[B]; SA / SB: whether A's / B's bytes are signed (tdpbssd: both, tdpbsud: A, tdpbusd: B).
-template <int C, int A, int B, bool SA, bool SB>
-inline void tile_dp_any() {
+template <int C, int A, int B>
+inline void tile_dp() {
   if (!g_emu_configured) __builtin_trap();
   int32_t c[256];
   std::memcpy(c, g_emu_tiles[C], sizeof c);
   const int8_t* a = g_emu_tiles[A];  // 16 rows × 64 k
   const int8_t* b = g_emu_tiles[B];  // 16 rows of (4 k × 16 columns)
-  const auto val = [](int8_t x, bool is_signed) { return is_signed ? int32_t(x) : int32_t(uint8_t(x)); };
   for (int r = 0; r < 16; ++r)
     for (int n = 0; n < 16; ++n) {
       int32_t s = 0;
-      for (int kk = 0; kk < 64; ++kk) s += val(a[r * 64 + kk], SA) * val(b[(kk / 4) * 64 + n * 4 + kk % 4], SB);
+      for (int kk = 0; kk < 64; ++kk) s += int32_t(a[r * 64 + kk]) * int32_t(b[(kk / 4) * 64 + n * 4 + kk % 4]);
       c[r * 16 + n] = int32_t(uint32_t(c[r * 16 + n]) + uint32_t(s));
     }
   std::memcpy(g_emu_tiles[C], c, sizeof c);
   const long every = emulated_loss_every();
   if (every && ++g_emu_dp_count % every == 0) std::memset(g_emu_tiles, 0, sizeof g_emu_tiles);
 }
-template <int C, int A, int B>
-inline void tile_dp() { tile_dp_any<C, A, B, true, true>(); }
-template <int C, int A, int B>
-inline void tile_dp_su() { tile_dp_any<C, A, B, true, false>(); }
-template <int C, int A, int B>
-inline void tile_dp_us() { tile_dp_any<C, A, B, false, true>(); }
 
 }  // namespace sg::amx
