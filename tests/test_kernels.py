@@ -357,6 +357,19 @@ def test_linear_synthetic_bit_exact(backend, dtype, n, k, group, hadamard):
         assert not y[m // 2].any()
 
 
+@pytest.mark.parametrize("dtype,group", [("q8c", 0), ("q4g", 64)])
+def test_outputs_past_the_streaming_threshold_are_exact(backend, dtype, group):
+    """An output of ≥ 4 MB is written with streaming stores (gemm_amx.cpp: kStreamOutputBytes): the same bits, the
+    odd last row block and the column tail included."""
+    rng = np.random.default_rng(4112)
+    m, n, k = 257, 4112, 128  # 257 × 4112 × 4 bytes = 4.2 MB
+    q, scale = synthetic(rng, dtype, n, k, group)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = K.linear_packed(x, encode_codes(q, dtype), scale, dtype, n, k, group=group, backend=backend, threads=2)
+    codes, a_scale = K.quantize_rows(x, 0)
+    check_exact(y, gemm_ref(codes, a_scale, q, dtype, scale, group))
+
+
 def test_worst_case_accumulation(backend):
     """All codes at ±127 (int8) / −8 (int4) with a long K: the largest sums the kernels can meet."""
     k, n, m = 4096, 32, 3

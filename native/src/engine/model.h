@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,24 @@ namespace sg {
 namespace ops {
 struct Elementwise;  // ops.h
 }
+
+// A vector whose data starts on a cache line: the engine's scratch rows are read and written 64 bytes at a time
+// (zmm), and a plain vector's large blocks start 16 bytes into a page, so every such access would straddle two
+// lines; the GEMMs' streaming stores (kernels_impl.h) need aligned rows outright. (Gemma rows are multiples of 16
+// floats, so each row starts on a line too.)
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+  bool operator!=(const CacheLineAllocator&) const { return false; }
+};
+template <class T>
+using LineVector = std::vector<T, CacheLineAllocator<T>>;
 
 // Which of a weight's two encodings a GEMM uses when the file has an int8 twin (`<name>.i8`).
 // FGM_WEIGHTS=int4 | int8 | auto:M (default auto:16: the int8 twin when the GEMM has >= M rows, i.e. prefill
@@ -207,15 +226,15 @@ class Model {
   std::vector<std::vector<float>> q_norm_scaled_;  // per layer: q_norm x attention_scale (when that is not 1)
 
   // Scratch, [max_rows_] rows each.
-  std::vector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
-  std::vector<float> rope_cs_[2];  // per type: [row][cos(half) | sin(half)]
+  LineVector<float> h_, x_, q_, k_, v_, attn_, tmp_, gate_, up_, ple_, pg_;
+  LineVector<float> rope_cs_[2];  // per type: [row][cos(half) | sin(half)]
   // Per type: [position][cos(half) | sin(half)] for positions [0, rope_filled_), filled as positions are first met;
   // the first min(max_context, kRopeTablePositions) positions have a row (E2B: 3 KB each, 24 MB in all at 8192).
   static constexpr int kRopeTablePositions = 8192;
-  std::vector<float> rope_table_[2];
+  LineVector<float> rope_table_[2];
   int rope_positions_ = 0, rope_filled_[2] = {0, 0};
-  std::vector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
-  std::vector<float> attn_parts_;   // decode attention split over positions: each part's outputs and stats
+  LineVector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
+  LineVector<float> attn_parts_;   // decode attention split over positions: each part's outputs and stats
   size_t row_scratch_per_worker_ = 0;
   struct Aligned {
     void* p = nullptr;

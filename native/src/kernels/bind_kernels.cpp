@@ -78,9 +78,10 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
   check_rows(x, w.k, "linear");
   if (threads < 1) throw std::invalid_argument("linear: threads must be >= 1");
   const int m = int(x.shape(0));
-  py::array_t<float> y({py::ssize_t(m), py::ssize_t(w.n)});
+  // On cache lines, as the engine's buffers are (the AMX kernel streams large outputs to aligned rows only).
+  float* yp = aligned_array<float>(size_t(m) * w.n).release();
+  py::array_t<float> y({py::ssize_t(m), py::ssize_t(w.n)}, yp, py::capsule(yp, [](void* p) { std::free(p); }));
   const float* xp = x.data();
-  float* yp = y.mutable_data();
   {
     py::gil_scoped_release nogil;
     QActStore qa(m, w.k);

@@ -167,7 +167,7 @@ void accumulate(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, i
 
 // MT 16-row blocks starting at row block mb × NT column blocks starting at nb.
 template <int MT, int NT>
-void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, bool guard) {
+void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, bool guard, bool stream) {
   const int KB = a.k / 64;
   alignas(64) int8_t scratch[NT][1024];
   alignas(64) int32_t out[MT * NT][256];
@@ -189,7 +189,7 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
         for (int j = 0; j < NT; ++j) {
           const __m512i acc = _mm512_sub_epi32(_mm512_load_si512(out[i * NT + j] + r * 16), bias);
           const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), as), _mm512_loadu_ps(ws + (nb + j) * 16));
-          _mm512_storeu_ps(y + (size_t)m * ldy + (nb + j) * 16, f);
+          store_out(y + (size_t)m * ldy + (nb + j) * 16, f, stream);
         }
       }
     return;
@@ -217,17 +217,17 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
       const int m = (mb + i) * 16 + r;
       const __m512 as = _mm512_set1_ps(a.scale[m]);
       for (int j = 0; j < NT; ++j)
-        _mm512_storeu_ps(y + (size_t)m * ldy + (nb + j) * 16, _mm512_mul_ps(_mm512_load_ps(&sums[i * 16 + r][j * 16]), as));
+        store_out(y + (size_t)m * ldy + (nb + j) * 16, _mm512_mul_ps(_mm512_load_ps(&sums[i * 16 + r][j * 16]), as), stream);
     }
 }
 
 // The decode-shaped block: one 16-row block against up to four column blocks.
-void block_1xn(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb0, int nb1, bool guard) {
+void block_1xn(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb0, int nb1, bool guard, bool stream) {
   switch (nb1 - nb0) {
-    case 4: block<1, 4>(a, w, y, ldy, mb, nb0, guard); break;
-    case 3: block<1, 3>(a, w, y, ldy, mb, nb0, guard); break;
-    case 2: block<1, 2>(a, w, y, ldy, mb, nb0, guard); break;
-    default: block<1, 1>(a, w, y, ldy, mb, nb0, guard); break;
+    case 4: block<1, 4>(a, w, y, ldy, mb, nb0, guard, stream); break;
+    case 3: block<1, 3>(a, w, y, ldy, mb, nb0, guard, stream); break;
+    case 2: block<1, 2>(a, w, y, ldy, mb, nb0, guard, stream); break;
+    default: block<1, 1>(a, w, y, ldy, mb, nb0, guard, stream); break;
   }
 }
 
@@ -294,15 +294,18 @@ void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int n
   // The sentinel needs |sum| < 2^29: true for every group of int4 and for int8 up to K ≈ 33k.
   const int64_t max_sum = w.dtype == DType::Q8C ? int64_t(w.k) * 127 * 127 : int64_t(w.group) * 127 * 8;
   const bool guard = g_amx_guard.load(std::memory_order_relaxed) != 0 && max_sum < kSentinelMin;
+  const bool stream = stream_output(a, w, y, ldy);
   const int MB = (a.m + 15) / 16;
   int mb = 0;
   for (; mb + 2 <= MB; mb += 2) {
     int nb = nb0;
-    for (; nb + 2 <= nb1; nb += 2) block<2, 2>(a, w, y, ldy, mb, nb, guard);
-    if (nb < nb1) block<2, 1>(a, w, y, ldy, mb, nb, guard);
+    for (; nb + 2 <= nb1; nb += 2) block<2, 2>(a, w, y, ldy, mb, nb, guard, stream);
+    if (nb < nb1) block<2, 1>(a, w, y, ldy, mb, nb, guard, stream);
   }
   if (mb < MB)
-    for (int nb = nb0; nb < nb1; nb += 4) block_1xn(a, w, y, ldy, mb, nb, nb + 4 < nb1 ? nb + 4 : nb1, guard);
+    for (int nb = nb0; nb < nb1; nb += 4)
+      block_1xn(a, w, y, ldy, mb, nb, nb + 4 < nb1 ? nb + 4 : nb1, guard, stream);
+  if (stream) _mm_sfence();
   tile_release();
 }
 

@@ -61,6 +61,7 @@ struct Ctx {
   float* y;
   int ldy;
   int KB;
+  bool stream;  // stream_output(): a large output, written with streaming stores
 };
 
 // The q8c epilogue of rows m .. m + valid − 1 once the whole K is summed: y = ((acc − 128·Σa) · a_scale) · w_scale.
@@ -76,7 +77,7 @@ inline void store_q8(const Ctx& c, int m, int valid, int nb, const __m512i (&acc
     float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
     for (int j = 0; j < NB; ++j) {
       const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i][j], corr));
-      _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)));
+      store_out(yr + j * 16, _mm512_mul_ps(_mm512_mul_ps(f, as), _mm512_loadu_ps(ws + j * 16)), c.stream);
     }
   }
 }
@@ -158,7 +159,7 @@ void block_q4(const Ctx& c, int m, int valid, int nb) {
   for (int i = 0; i < MR && i < valid; ++i) {
     const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
     float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
-    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(s[i][j], as));
+    for (int j = 0; j < NB; ++j) store_out(yr + j * 16, _mm512_mul_ps(s[i][j], as), c.stream);
   }
 }
 
@@ -292,7 +293,8 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
           for (int i = 0; i < valid; ++i) {
             const __m512 as = _mm512_set1_ps(c.a->scale[m + i]);
             float* yr = c.y + (size_t)(m + i) * c.ldy + nb * 16;
-            for (int j = 0; j < NB; ++j) _mm512_storeu_ps(yr + j * 16, _mm512_mul_ps(_mm512_load_ps(fbuf[rb][i][j]), as));
+            for (int j = 0; j < NB; ++j)
+              store_out(yr + j * 16, _mm512_mul_ps(_mm512_load_ps(fbuf[rb][i][j]), as), c.stream);
           }
       }
       pf.finish();
@@ -303,7 +305,7 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
 }  // namespace
 
 void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {
-  const Ctx c{&a, &w, y, ldy, a.k / 64};
+  const Ctx c{&a, &w, y, ldy, a.k / 64, stream_output(a, w, y, ldy)};
   if (a.m > 8 && a.m <= kPanelMaxRows) {
     for (int m = 0; m < a.m; m += kPanelRows) {
       const int rows = a.m - m < kPanelRows ? a.m - m : kPanelRows;
@@ -312,17 +314,18 @@ void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int 
       for (; nb + 2 <= nb1; nb += 2) panel<8, 2>(c, m, rows, nb);
       if (nb < nb1) panel<8, 1>(c, m, rows, nb);
     }
-    return;
+  } else {
+    // 8-row blocks start at rows 0 and 8 of each 16-row block, so the power-of-two round-up
+    // below never leaves the (zero-padded) block.
+    for (int m = 0; m < a.m; m += 8) {
+      const int valid = a.m - m < 8 ? a.m - m : 8;
+      if (valid > 4) rows<8>(c, m, valid, nb0, nb1);
+      else if (valid > 2) rows<4>(c, m, valid, nb0, nb1);
+      else if (valid == 2) rows<2>(c, m, valid, nb0, nb1);
+      else rows<1>(c, m, valid, nb0, nb1);
+    }
   }
-  // 8-row blocks start at rows 0 and 8 of each 16-row block, so the power-of-two round-up
-  // below never leaves the (zero-padded) block.
-  for (int m = 0; m < a.m; m += 8) {
-    const int valid = a.m - m < 8 ? a.m - m : 8;
-    if (valid > 4) rows<8>(c, m, valid, nb0, nb1);
-    else if (valid > 2) rows<4>(c, m, valid, nb0, nb1);
-    else if (valid == 2) rows<2>(c, m, valid, nb0, nb1);
-    else rows<1>(c, m, valid, nb0, nb1);
-  }
+  if (c.stream) _mm_sfence();
 }
 
 #ifndef SG_KERNEL_EMULATION  // the emulated test build has no zmm registers to pin

@@ -4,9 +4,13 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "gemm.h"
+#if defined(__AVX512F__) || defined(SG_KERNEL_EMULATION)  // the emulated build's immintrin.h has scalar zmm
+#include <immintrin.h>
+#endif
 
 namespace sg::detail {
 
@@ -65,5 +69,25 @@ void quantize_rows(const float* x, int ldx, const RowSource* src, int m, int k, 
 
 // Block-sizing shared by the backends: a task is this many 16-column blocks.
 constexpr int kTaskBlocks = 4;
+
+// Prefill-sized GEMM outputs (more than kStreamMinRows rows and at least kStreamOutputBytes: a 256-row chunk's gate
+// and up are 6 MB each) are written with streaming stores by the zmm kernels (AMX, VNNI): they outgrow both cores'
+// L2, so a normal store would first read each line from L3 or DRAM (read-for-ownership) only to overwrite all 64
+// bytes of it. Decode batches keep normal stores: their one large output is the LM head's logits, which the sampler
+// reads at once. Rows must start on cache lines (the engine's buffers do). Measured: docs/benchmarks.md, session 10.
+constexpr size_t kStreamOutputBytes = size_t(4) << 20;
+constexpr int kStreamMinRows = 64;
+inline bool stream_output(const QAct& a, const QLinear& w, const float* y, int ldy) {
+  return a.m > kStreamMinRows && size_t(a.m) * size_t(w.n) * sizeof(float) >= kStreamOutputBytes &&
+         reinterpret_cast<uintptr_t>(y) % 64 == 0 && ldy % 16 == 0;
+}
+#if defined(__AVX512F__) || defined(SG_KERNEL_EMULATION)
+// 16 output floats at a 64-byte-aligned dst when streaming; a kernel that streamed ends with _mm_sfence() (streaming
+// stores are weakly ordered; the fence makes them visible before the pool's barrier reports the task done).
+inline void store_out(float* dst, __m512 v, bool stream) {
+  if (stream) _mm512_stream_ps(dst, v);
+  else _mm512_storeu_ps(dst, v);
+}
+#endif
 
 }  // namespace sg::detail

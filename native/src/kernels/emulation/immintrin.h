@@ -88,5 +88,6 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_load_ps emu::load_ps
 #define _mm512_storeu_ps emu::storeu_ps
 #define _mm512_store_ps emu::store_ps
+#define _mm512_stream_ps emu::store_ps  // a streaming store: aligned, same bytes
 #define _mm512_cvtph_ps emu::cvtph_ps
 #define _mm512_cvtepi8_epi32 emu::cvtepi8_epi32
