@@ -379,6 +379,38 @@ def test_batched_decode_equals_each_alone(max_batch, kv_dtype):
         assert toks == solo_toks
 
 
+def test_decode_into_a_reused_buffer():
+    """decode(out=buf) writes the logits into the caller's buffer (its first W rows, returned as a view) and they are
+    the logits a fresh result holds; a buffer of the wrong type, width, dtype, layout or too few rows is refused."""
+    m = model()
+    prompts = [rand_prompt(n, seed=30 + n) for n in (9, 17)]
+    fresh, buf = arena_and_buffer(m, 2)
+    into = N.KvArena(m, bytearray(buf), 2)
+    for s, p in enumerate(prompts):
+        m.prefill(fresh, s, p)
+        m.prefill(into, s, p)
+    out = np.full((5, m.vocab_size), np.nan, np.float32)
+    toks, pos = [3, 4], [9, 17]
+    for _ in range(3):
+        want = m.decode(fresh, [0, 1], toks, pos)
+        got = m.decode(into, [0, 1], toks, pos, out=out)
+        assert np.shares_memory(got, out) and got.shape == (2, m.vocab_size)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(out[:2], want)
+        assert np.isnan(out[2:]).all()  # rows past W untouched
+        toks, pos = [int(t) for t in want.argmax(-1)], [p + 1 for p in pos]
+    V = m.vocab_size
+    for bad, err in ((np.empty((1, V), np.float32), ValueError), (np.empty((2, V + 1), np.float32), ValueError),
+                     (np.empty((2, V), np.float64), TypeError), (np.empty((V, 2), np.float32).T, ValueError),
+                     (np.empty(2 * V, np.float32), ValueError), ([[0.0] * V] * 2, TypeError)):
+        with pytest.raises(err, match="out must be"):
+            m.decode(into, [0, 1], toks, pos, out=bad)
+    ro = np.empty((2, V), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be"):
+        m.decode(into, [0, 1], toks, pos, out=ro)
+
+
 def test_thread_count_does_not_change_results():
     prompt = rand_prompt(40, seed=6)
     outs = []

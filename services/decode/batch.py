@@ -164,6 +164,10 @@ class BatchLoop:
         self._running: list[Sequence] = []
         self._stopping = False
         self._engine_seconds: float | None = None  # Model.decode's time in the current iteration, if it stepped
+        # Model.decode writes each step's logits here, grown as needed: a fresh [32, V] array each step is past
+        # glibc's mmap threshold, so it would be mapped, zero-faulted and unmapped anew every step. Read only until
+        # the step's tokens are sampled.
+        self._logits: np.ndarray | None = None
         self._thread = threading.Thread(target=self._run, name="decode-batch", daemon=True)
         self._masks = ThreadPoolExecutor(1, thread_name_prefix="decode-masks")
 
@@ -316,7 +320,10 @@ class BatchLoop:
             toks += run
             pos += range(seq.position, seq.position + len(run))
             want += [False] * (len(seq.pending) - 1) + [True] * (1 + len(draft))
-        return self.model.decode(self.arena, slots, toks, pos, logits=want)
+        rows = sum(want)
+        if self._logits is None or len(self._logits) < rows:
+            self._logits = np.empty((rows, self.model.vocab_size), np.float32)
+        return self.model.decode(self.arena, slots, toks, pos, logits=want, out=self._logits)
 
     def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
         """Each sequence's prompt-lookup draft for this step ([] for none)."""

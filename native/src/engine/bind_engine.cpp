@@ -207,7 +207,7 @@ void bind_engine(py::module_& m) {
       .def(
           "decode",
           [](sg::Model& md, PyKvArena& a, py::object slots, py::object tokens, py::object positions,
-             py::object logits) {
+             py::object logits, py::object out_buffer) {
             const std::vector<int32_t> s = int_vector(slots, "slots"), t = int_vector(tokens, "tokens"),
                                        p = int_vector(positions, "positions");
             if (s.size() != t.size() || s.size() != p.size())
@@ -226,7 +226,22 @@ void bind_engine(py::module_& m) {
             }
             // Validate before allocating the [W, V] result.
             const int wanted = md.check_decode(*a.arena, rows.data(), int(rows.size()));
-            py::array_t<float> out({py::ssize_t(wanted), py::ssize_t(md.config().vocab_size)});
+            const py::ssize_t V = md.config().vocab_size;
+            py::array_t<float> out;
+            if (out_buffer.is_none()) {
+              out = py::array_t<float>({py::ssize_t(wanted), V});
+            } else {
+              // The caller's buffer, reused step after step: a fresh [32, 262144] result is 33.5 MB, past glibc's
+              // largest mmap threshold, so every such step would map, zero-fault and unmap it anew.
+              if (!py::isinstance<py::array_t<float>>(out_buffer))
+                throw py::type_error("out must be a float32 numpy array");
+              auto buf = out_buffer.cast<py::array_t<float>>();
+              if (buf.ndim() != 2 || buf.shape(1) != V || buf.shape(0) < wanted || !buf.writeable() ||
+                  !(buf.flags() & py::array::c_style))
+                throw py::value_error("out must be a writable C-contiguous float32 array of shape [>= " +
+                                      std::to_string(wanted) + ", " + std::to_string(V) + "]");
+              out = buf[py::slice(0, wanted, 1)].cast<py::array_t<float>>();
+            }
             float* o = out.mutable_data();
             {
               py::gil_scoped_release nogil;
@@ -235,11 +250,13 @@ void bind_engine(py::module_& m) {
             return out;
           },
           py::arg("arena"), py::arg("slots"), py::arg("tokens"), py::arg("positions"), py::arg("logits") = py::none(),
+          py::arg("out") = py::none(),
           "One decode step: token i at positions[i] of slots[i]. Consecutive entries with the same slot are one "
           "sequence's run at consecutive positions (causal within the run, at most `chunk` tokens); a slot may appear "
           "in one run only. logits: a flag per token (None: all), false where nobody reads that token's logits (it "
           "skips the LM head and the KV-shared layers). Returns float32 logits [W, V] of the W flagged tokens, in "
-          "entry order; every number equals a plain one-token-per-slot decode of the same slots.")
+          "entry order; every number equals a plain one-token-per-slot decode of the same slots. out: a float32 "
+          "C-contiguous [>= W, V] array to write them into, reused from step to step (its first W rows are returned).")
       .def_property_readonly("profiling", &sg::Model::profiling)
       .def(
           "profile",

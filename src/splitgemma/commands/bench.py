@@ -326,13 +326,14 @@ def run(args) -> int:
                 arena.copy_slot(s, arena, pristine)
 
         start()
-        model.decode(arena, slots, steps[0], [args.context] * b)  # warm-up step (rewound by the next copy)
+        logits = np.empty((b, model.vocab_size), np.float32)  # reused, as the decode worker reuses its buffer
+        model.decode(arena, slots, steps[0], [args.context] * b, out=logits)  # warm-up step (rewound by the next copy)
         seconds = []
         for _ in range(args.repeats):
             start()
             t0 = time.perf_counter()
             for i, toks in enumerate(steps):
-                model.decode(arena, slots, toks, [args.context + i] * b)
+                model.decode(arena, slots, toks, [args.context + i] * b, out=logits)
             seconds.append(time.perf_counter() - t0)
         r = {"batch": b, "context": args.context, "steps": args.steps, **_spread(args.steps * b, seconds)}
         step_bytes = decode_step_bytes(linears, model.weights, b, model.max_rows)
