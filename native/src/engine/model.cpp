@@ -87,8 +87,6 @@ void GatherTable::row(int r, float mult, float* out) const {
                     cols, mult, out);
 }
 
-Model::Aligned::~Aligned() { std::free(p); }
-
 class Model::Timer {
  public:
   Timer(Model* m, int phase) : m_(m->profiling_ ? m : nullptr), phase_(phase) {
@@ -182,11 +180,10 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
     packed = std::max(packed, qact_packed_bytes(max_rows_, k));
     rowsum = std::max(rowsum, qact_rowsum_count(max_rows_, k));
   }
-  qa_packed_.p = std::aligned_alloc(64, (packed + 63) & ~size_t(63));
-  if (!qa_packed_.p) throw std::bad_alloc();
+  qa_packed_.assign(packed, 0);
   qa_scale_.assign(qact_padded_rows(max_rows_), 0.0f);
   qa_rowsum_.assign(rowsum, 0);
-  qact_.packed = static_cast<int8_t*>(qa_packed_.p);
+  qact_.packed = qa_packed_.data();
   qact_.scale = qa_scale_.data();
   qact_.rowsum = qa_rowsum_.data();
   rows_scratch_.resize(max_rows_);

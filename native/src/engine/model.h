@@ -34,7 +34,8 @@ struct Elementwise;  // ops.h
 
 // A vector whose data starts on a cache line: the engine's scratch rows are read and written 64 bytes at a time
 // (zmm), and a plain vector's large blocks start 16 bytes into a page, so every such access would straddle two
-// lines; the GEMMs' streaming stores (kernels_impl.h) need aligned rows outright. (Gemma rows are multiples of 16
+// lines; the GEMMs' streaming stores (kernels_impl.h) need aligned rows outright, and the packed activations
+// aligned tile loads. (Gemma rows are multiples of 16
 // floats, so each row starts on a line too.)
 template <class T>
 struct CacheLineAllocator {
@@ -236,10 +237,7 @@ class Model {
   LineVector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
   LineVector<float> attn_parts_;   // decode attention split over positions: each part's outputs and stats
   size_t row_scratch_per_worker_ = 0;
-  struct Aligned {
-    void* p = nullptr;
-    ~Aligned();
-  } qa_packed_;
+  LineVector<int8_t> qa_packed_;
   std::vector<float> qa_scale_;
   std::vector<int32_t> qa_rowsum_;
   QAct qact_{};

@@ -64,6 +64,17 @@ struct Ctx {
   bool stream;  // stream_output(): a large output, written with streaming stores
 };
 
+// The q4g scales of the NB column blocks after nb (NB·16 f16 per group, one row of n per group): a pattern the
+// hardware prefetchers do not follow, so without this each group's epilogue waited on DRAM. bench/ab_gemm_vnni (Zen 5,
+// in one process, alternated call by call): 0.81-0.96x the time at 4 and 8 rows (the LM head at 8 rows 0.82-0.83x),
+// 0.89-0.97x at 16-32 rows, 0.96-0.99x at one row.
+template <int NB>
+inline void prefetch_next_scales(const Ctx& c, int nb, int groups) {
+  const uint16_t* next = static_cast<const uint16_t*>(c.w->scales) + (size_t)(nb + NB) * 16;
+  for (int g = 0; g < groups; ++g)
+    for (int e = 0; e < NB * 16; e += 32) prefetch(next + (size_t)g * c.w->n + e);  // 32 f16 a line
+}
+
 // The q8c epilogue of rows m .. m + valid − 1 once the whole K is summed: y = ((acc − 128·Σa) · a_scale) · w_scale.
 template <int MR, int NB>
 inline void store_q8(const Ctx& c, int m, int valid, int nb, const __m512i (&acc)[MR][NB]) {
@@ -118,10 +129,7 @@ void block_q4(const Ctx& c, int m, int valid, int nb) {
   const uint8_t* B = c.w->codes + (size_t)nb * KB * 512;
   const size_t bstride = (size_t)KB * 512;
   const uint16_t* scales = static_cast<const uint16_t*>(c.w->scales) + nb * 16;
-  // The next block's scales: one line per group, a row of n scales apart, a pattern the hardware prefetchers do not
-  // follow, so each group's epilogue waited for DRAM. bench/ab_gemm_vnni (Zen 5, in one process, alternated call by
-  // call): 0.81-0.96x the time at 4 and 8 rows (the LM head at 8 rows 0.82-0.83x), 0.96-0.99x at one row.
-  for (int g = 0; g < KB / TG; ++g) prefetch(scales + (size_t)g * c.w->n + NB * 16);
+  prefetch_next_scales<NB>(c, nb, KB / TG);
   __m512 s[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) s[i][j] = _mm512_setzero_ps();
@@ -250,10 +258,7 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
   alignas(64) int32_t ibuf[kPanelRows / MR][MR][NB][16];
   alignas(64) float fbuf[kPanelRows / MR][MR][NB][16];
   alignas(64) uint8_t scratch[NB][kChunkTiles * 16][64];
-  if (!q8)  // the next panel's scales (NB·16 f16 per group), as block_q4 does
-    for (int g = 0; g < KB / TG; ++g)
-      for (int l = 0; l < NB * 32; l += 64)
-        prefetch(reinterpret_cast<const uint8_t*>(c.w->scales) + ((size_t)g * c.w->n + (size_t)(nb + NB) * 16) * 2 + l);
+  if (!q8) prefetch_next_scales<NB>(c, nb, KB / TG);
   for (int g = 0; g < KB / TG; ++g) {
     for (int k0 = g * TG; k0 < (g + 1) * TG; k0 += kChunkTiles) {
       const int k1 = k0 + kChunkTiles < (g + 1) * TG ? k0 + kChunkTiles : (g + 1) * TG;
