@@ -48,7 +48,7 @@ class Recorder:
         self.steps, self.hosts = [], []
         self.failed = 0  # streams that ended with an error
 
-    def step(self, seconds: float, batch: int) -> None:
+    def step(self, seconds: float, batch: int, tokens: int) -> None:
         self.steps.append(seconds)
 
     def host(self, seconds: float) -> None:

@@ -177,3 +177,63 @@ def test_one_id_left_is_forced_without_a_draw():
         (s,) = sample_rows(row[None, :].copy(), [RowSampler(V, temperature=1.0, n_logprobs=3, rng_state=11, **kw)])
         want = int(np.argmax(row)) if "min_p" in kw else 40
         assert (s.token, s.rng_state, s.logprob, s.top_logprobs) == (want, 11, 0.0, [(want, 0.0)])
+
+
+def test_rows_on_a_models_threads_equal_the_rows_in_order():
+    # model=: the rows shared out over the model's pool (each under IEEE denormals, as on the caller) give the
+    # tokens, logprobs and random states of the call without it; a sampler named twice runs its rows in order.
+    from splitgemma.engine import Model
+    from test_workers import FGM
+
+    model = Model(str(FGM), threads=2, max_context=64, chunk=16, max_batch=1)
+
+    def fresh():
+        return [sampler_for(c, rng_state=300 + i, n_logprobs=3) for i, c in enumerate(CASES)]
+
+    alone = sample_rows(FIXTURE["rows"].copy(), fresh())
+    shared = sample_rows(FIXTURE["rows"].copy(), fresh(), model=model)
+    assert shared == alone
+    rows = np.repeat(FIXTURE["rows"][:1], 3, axis=0)
+    one = RowSampler(V, temperature=1.0, rng_state=11)
+    got = sample_rows(rows.copy(), [one, one, one], model=model)
+    ref = RowSampler(V, temperature=1.0, rng_state=11)
+    in_order = [sample_rows(rows[i:i + 1].copy(), [ref])[0] for i in range(3)]
+    assert [(g.token, g.logprob) for g in got] == [(r.token, r.logprob) for r in in_order]
+    assert one.rng_state == ref.rng_state
+
+
+def test_best_ids_are_a_full_sorts_first():
+    # The top-n ids (ops::best_k_ids: a vector pass against the n-th best so far, and a heap) against numpy's sort:
+    # by value, ties to the lower id, on rows full of ties, of +0 and -0 (equal), with the lowest float, and in
+    # ascending order (every value enters the heap); n around the share where a partial sort takes over.
+    rng = np.random.default_rng(5)
+    n = 4096
+    zeros = np.where(rng.random(n) < 0.5, -0.0, 0.0).astype(np.float32)
+    zeros[rng.integers(0, n, 40)] = 0.25
+    lowest = rng.standard_normal(n).astype(np.float32)
+    lowest[rng.integers(0, n, 300)] = np.finfo(np.float32).min
+    rows = [rng.integers(-3, 4, n).astype(np.float32), zeros, lowest,
+            np.sort(rng.standard_normal(n)).astype(np.float32)]
+    for row in rows:
+        order = np.lexsort((np.arange(n), -row.astype(np.float64)))
+        for k in (1, 5, 40, 511, n // 8, n // 8 + 1, n):
+            g = sample(row, temperature=0, n_logprobs=k)
+            assert [t for t, _ in g.top_logprobs] == order[:k].tolist(), k
+
+
+def test_a_draw_takes_the_first_id_whose_running_total_exceeds_it():
+    # Whole-vocabulary sampling: u is the documented SplitMix64 draw, and the token the first id whose running sum of
+    # exp((x - max) / T), in id order, exceeds u times the total (here in float64 with numpy's exp).
+    rng = np.random.default_rng(8)
+    row = (rng.standard_normal(3000) * 4).astype(np.float32)
+    e = np.exp((row.astype(np.float64) - row.max()) / 0.8)
+    running = np.cumsum(e)
+    state = 77
+    for _ in range(50):
+        s = sample(row, temperature=0.8, rng_state=state)
+        state = (state + 0x9E3779B97F4A7C15) % 2**64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+        u = ((z ^ (z >> 31)) >> 11) * 2.0**-53
+        assert s.rng_state == state
+        assert s.token == min(int(np.searchsorted(running, u * running[-1], side="right")), len(row) - 1)

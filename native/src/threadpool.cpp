@@ -19,6 +19,8 @@ constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 flush-to-zero, bit 6 denor
 
 ScopedFlushDenormals::ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
 ScopedFlushDenormals::~ScopedFlushDenormals() { _mm_setcsr(saved_); }
+ScopedIeeeDenormals::ScopedIeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFtzDaz); }
+ScopedIeeeDenormals::~ScopedIeeeDenormals() { _mm_setcsr(saved_); }
 
 int ThreadPool::default_spin_us() {
   const char* v = std::getenv("FGM_POOL_SPIN_US");

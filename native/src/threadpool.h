@@ -60,6 +60,19 @@ class ScopedFlushDenormals {
   unsigned saved_;
 };
 
+// Clears FTZ + DAZ (IEEE denormals) in this thread's MXCSR for the guard's lifetime: for a pool task that must give
+// the bits it gives outside the pool (sampling, whose reference is the caller's IEEE arithmetic).
+class ScopedIeeeDenormals {
+ public:
+  ScopedIeeeDenormals();
+  ~ScopedIeeeDenormals();
+  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
+  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
 class ThreadPool {
  public:
   using TaskFn = void (*)(void* ctx, int task, int worker);

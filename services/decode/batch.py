@@ -7,7 +7,8 @@ through one call_soon_threadsafe per step.
 
 Everything this thread does besides Model.decode (admitting, sampling, stop checks, detokenizing, building events,
 handing them over) delays the next step, so it is timed per step (DecodeMetrics.host) and kept small: the rows of a
-step are sampled in one native call without the GIL (splitgemma.engine.sample_rows, each row with its own
+step are sampled in one native call without the GIL, shared out over the model's threads, which sit idle between
+steps (splitgemma.engine.sample_rows, each row with its own
 RowSampler: parameters, logits processing, history, random state; docs/sampling.md), and a greedy row that reports
 no logprobs is one argmax over its logits row there.
 
@@ -303,12 +304,11 @@ class BatchLoop:
         self.metrics.step(dt, n, generated)
         self._running = [s for s in batch if not s.done]
 
-    @staticmethod
-    def _sample(batch: list[Sequence], logits) -> list:
-        """The rows' tokens (a Sample, or the error message of a row that failed), in one native call; logits: the
-        [len(batch), V] array (Model.decode's, or _rows_alone's stack)."""
+    def _sample(self, batch: list[Sequence], logits) -> list:
+        """The rows' tokens (a Sample, or the error message of a row that failed), in one native call on the model's
+        threads; logits: the [len(batch), V] array (Model.decode's, or _rows_alone's stack)."""
         return sample_rows(logits, [s.sampler for s in batch],
-                           [s.matcher.bits if s.matcher is not None else None for s in batch])
+                           [s.matcher.bits if s.matcher is not None else None for s in batch], model=self.model)
 
     def _decode(self, batch: list[Sequence], drafts: list[list[int]]):
         """One Model.decode over every sequence's run: its pending tokens (logits for the last one only), then its

@@ -465,7 +465,7 @@ void bind_engine(py::module_& m) {
 
   m.def(
       "sample_rows",
-      [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks) {
+      [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks, py::object model) {
         if (logits.ndim() != 2) throw py::value_error("sample_rows: logits must be a 2-D [rows, vocab] float32 array");
         if (!logits.writeable())
           throw py::value_error("sample_rows: logits must be writable (rows are processed in place)");
@@ -498,9 +498,11 @@ void bind_engine(py::module_& m) {
           }
         }
         std::vector<sg::RowOutcome> out(B);
+        sg::Model* on = model.is_none() ? nullptr : model.cast<sg::Model*>();
         {
           py::gil_scoped_release nogil;
-          sg::sample_rows(rows.data(), int(B), out.data());
+          if (on) on->sample_rows(rows.data(), int(B), out.data());
+          else sg::sample_rows(rows.data(), int(B), out.data());
         }
         py::list res;
         for (py::ssize_t b = 0; b < B; ++b) {
@@ -510,11 +512,12 @@ void bind_engine(py::module_& m) {
         }
         return res;
       },
-      py::arg("logits"), py::arg("samplers"), py::arg("masks") = py::none(),
+      py::arg("logits"), py::arg("samplers"), py::arg("masks") = py::none(), py::arg("model") = py::none(),
       "The next token of each row of logits [B, V] (float32, rewritten in place by the bias and penalties) with "
       "samplers[b]; masks[b]: None or the row's llguidance bitmask (bit i of 32-bit word i/32 allows id i). One "
       "entry per row: (token, rng_state, logprob, [(id, logprob), ...]), or the error message (str) of a row that "
-      "failed (its random state unchanged). Does not observe() the tokens drawn.");
+      "failed (its random state unchanged). Does not observe() the tokens drawn. model: a Model whose thread pool "
+      "shares the rows out (same tokens as without; one call at a time with its forward passes).");
 
   m.def(
       "prompt_logprobs",

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "ops.h"
+#include "row_sampler.h"
 
 namespace sg {
 
@@ -622,6 +623,11 @@ void Model::lm_head(int m, float* out) {
     const float cap = float(c.final_softcap);
     for_rows(m, V, [&](int r, int) { ew_->softcap(out + size_t(r) * V, V, cap); });
   }
+}
+
+void Model::sample_rows(const SampleRow* rows, int n, RowOutcome* out) {
+  std::lock_guard<std::mutex> lk(run_mu_);
+  sg::sample_rows(rows, n, out, pool_.get());
 }
 
 void Model::check_arena(const KvArena& arena) const {

@@ -28,6 +28,9 @@
 
 namespace sg {
 
+struct SampleRow;   // row_sampler.h
+struct RowOutcome;  // row_sampler.h
+
 namespace ops {
 struct Elementwise;  // ops.h
 }
@@ -130,6 +133,8 @@ class Model {
   const ModelConfig& config() const { return file_->config(); }
   const KvLayout& kv_layout() const { return layout_; }
   int threads() const { return pool_->size(); }
+  // sample_rows (row_sampler.h) on this model's pool, serialised with the forward passes as they are.
+  void sample_rows(const SampleRow* rows, int n, RowOutcome* out);
   int chunk() const { return chunk_; }
   int max_rows() const { return max_rows_; }
   const WeightPolicy& weight_policy() const { return policy_; }

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "attend_common.h"
 #include "ops.h"
@@ -424,7 +425,39 @@ float max_finite(const float* x, int n, bool* all_finite) {
   return m;
 }
 
-double exp_scan(const float* x, int n, float max, float inv_t, double stop_at, int* index) {
+void best_k_ids(const float* x, int n, int k, int* out) {
+  if (k <= 0) return;
+  const auto better = [x](int a, int b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  if (k > n / 8) {  // a large share of the row: the heap would take most values anyway
+    std::vector<int> all(n);
+    for (int i = 0; i < n; ++i) all[i] = i;
+    std::partial_sort(all.begin(), all.begin() + k, all.end(), better);
+    std::copy(all.begin(), all.begin() + k, out);
+    return;
+  }
+  // out[0..k) as a heap whose front is the worst id kept (the sort order's last); a later id enters only with a
+  // value above the front's (equal values keep the lower, earlier id), so the vector pass lets through >= only.
+  for (int i = 0; i < k; ++i) out[i] = i;
+  std::make_heap(out, out + k, better);
+  auto offer = [&](int i) {
+    if (!better(i, out[0])) return;
+    std::pop_heap(out, out + k, better);
+    out[k - 1] = i;
+    std::push_heap(out, out + k, better);
+  };
+  int i = k;
+  __m256 thr = _mm256_set1_ps(x[out[0]]);
+  for (; i + 8 <= n; i += 8) {
+    unsigned bits = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), thr, _CMP_GE_OQ)));
+    if (!bits) continue;
+    for (; bits; bits &= bits - 1) offer(i + __builtin_ctz(bits));
+    thr = _mm256_set1_ps(x[out[0]]);
+  }
+  for (; i < n; ++i) offer(i);
+  std::sort_heap(out, out + k, better);  // ascending in the sort order: best first
+}
+
+double exp_scan(const float* x, int n, float max, float inv_t, double* running) {
   const __m256 m8 = _mm256_set1_ps(max), t8 = _mm256_set1_ps(inv_t);
   alignas(32) float e[8];
   double total = 0;
@@ -437,13 +470,9 @@ double exp_scan(const float* x, int n, float max, float inv_t, double stop_at, i
     }
     for (int j = 0; j < cnt; ++j) {
       total += e[j];
-      if (stop_at >= 0 && total > stop_at) {
-        *index = i + j;
-        return total;
-      }
+      if (running) running[i + j] = total;
     }
   }
-  if (stop_at >= 0) *index = n - 1;
   return total;
 }
 

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "ops.h"
+#include "threadpool.h"
 
 namespace sg {
 
@@ -178,8 +179,8 @@ SampleResult RowSampler::from_ids(const float* x, bool cut, bool argmax_only) {
   return r;
 }
 
-void sample_rows(const SampleRow* rows, int n, RowOutcome* out) {
-  for (int b = 0; b < n; ++b) {
+void sample_rows(const SampleRow* rows, int n, RowOutcome* out, ThreadPool* pool) {
+  auto one = [&](int b) {
     try {
       const SampleRow& r = rows[b];
       out[b].result = r.sampler->next(r.logits, r.mask, r.mask_words);
@@ -187,7 +188,19 @@ void sample_rows(const SampleRow* rows, int n, RowOutcome* out) {
     } catch (const std::exception& e) {
       out[b].error = e.what();
     }
+  };
+  std::vector<const RowSampler*> samplers(n);
+  for (int b = 0; b < n; ++b) samplers[b] = rows[b].sampler;
+  std::sort(samplers.begin(), samplers.end());
+  const bool distinct = std::adjacent_find(samplers.begin(), samplers.end()) == samplers.end();
+  if (!pool || pool->size() == 1 || n < 2 || !distinct) {
+    for (int b = 0; b < n; ++b) one(b);
+    return;
   }
+  pool->parallel_for(n, [&](int b, int) {
+    ScopedIeeeDenormals ieee;  // the pool runs tasks with FTZ + DAZ
+    one(b);
+  });
 }
 
 }  // namespace sg

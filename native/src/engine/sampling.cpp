@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <stdexcept>
 #include <string>
 
@@ -21,16 +20,10 @@ namespace {
 
 double uniform01(uint64_t* state) { return double(splitmix64_next(state) >> 11) * 0x1.0p-53; }
 
-struct ByLogitDesc {
-  const float* x;
-  bool operator()(int a, int b) const { return x[a] > x[b] || (x[a] == x[b] && a < b); }
-};
-
 // The k best ids by logit, best first, in idx[0..k).
 void best_k(const float* x, int n, int k, std::vector<int>& idx) {
-  idx.resize(n);
-  std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), ByLogitDesc{x});
+  idx.resize(k);
+  ops::best_k_ids(x, n, k, idx.data());
 }
 
 }  // namespace
@@ -61,7 +54,7 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   // with an infinite scale would multiply 0 by infinity.
   if (p.temperature == 0 || !std::isfinite(float(1.0 / p.temperature))) {
     res.token = int(std::find(x, x + n, mx) - x);
-    const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, -1, nullptr));
+    const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, nullptr));
     res.logprob = float(double(x[res.token]) - mx - log_z);
     if (p.n_logprobs > 0) {
       best_k(x, n, p.n_logprobs, idx);
@@ -75,10 +68,13 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   const bool by_k = p.top_k > 0 && p.top_k < n, by_p = p.top_p < 1;
 
   if (!by_k && !by_p) {
-    // The whole vocabulary: one pass for the normaliser, one (early-exiting) walk in id order.
-    const double z = ops::exp_scan(x, n, mx, float(inv_t), -1, nullptr);
-    int tok = 0;
-    ops::exp_scan(x, n, mx, float(inv_t), uniform01(rng_state) * z, &tok);
+    // The whole vocabulary: the running totals in id order, then the first id whose total exceeds the draw (the
+    // last id when none does, as round-off can leave u * z above every total).
+    thread_local std::vector<double> running;
+    running.resize(n);
+    const double z = ops::exp_scan(x, n, mx, float(inv_t), running.data());
+    const double u = uniform01(rng_state) * z;
+    const int tok = std::min(n - 1, int(std::upper_bound(running.begin(), running.end(), u) - running.begin()));
     res.token = tok;
     const double log_z = std::log(z);
     res.logprob = float((double(x[tok]) - mx) * inv_t - log_z);
@@ -106,7 +102,7 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
     }
   } else {
     // top_p alone: sort progressively more of the vocabulary until the prefix reaches top_p of the total mass.
-    const double z = ops::exp_scan(x, n, mx, float(inv_t), -1, nullptr);
+    const double z = ops::exp_scan(x, n, mx, float(inv_t), nullptr);
     int sorted = std::min(n, 64);
     for (;;) {
       best_k(x, n, sorted, idx);
@@ -149,7 +145,7 @@ SampleResult token_logprob(const float* x, int n, int token, int k, int* rank) {
   bool finite = true;
   const float mx = ops::max_finite(x, n, &finite);
   if (!finite) throw std::invalid_argument("token_logprob: logits contain NaN or infinity");
-  const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, -1, nullptr));
+  const double log_z = std::log(ops::exp_scan(x, n, mx, 1.0f, nullptr));
   SampleResult res;
   res.token = token;
   res.logprob = float(double(x[token]) - mx - log_z);
