@@ -5,7 +5,8 @@
 // copy of a ~200 MB weight set shared by the arms of that dtype, so each call streams from DRAM, as decode does.
 // Before timing, base and new must give the same bits (or it exits 1). Prints per arm the median and 10th percentile
 // of the call times (the 10th percentile: the least disturbed calls). Dispatch as gemm_multi does: 2 pool threads,
-// tasks of kTaskBlocks 16-column blocks (TB=n overrides).
+// tasks of kTaskBlocks 16-column blocks (TB=n overrides). COPIES=n sets the number of weight copies (1: the same
+// weights every call, cached when they fit: the kernel's rate without the DRAM stream).
 //   bench/ab_gemm_vnni/run.sh /work/main  M N K CALLS_PER_ARM ARM...
 #include <algorithm>
 #include <chrono>
@@ -60,7 +61,8 @@ int main(int argc, char** argv) {
     w.q4 = q;
     w.code_bytes = q ? (size_t)N * Kd / 2 : (size_t)N * Kd;
     w.scale_bytes = q ? (size_t)(Kd / 256) * N * 2 : (size_t)N * 4;
-    w.copies = (int)std::max<size_t>(1, (200u << 20) / (w.code_bytes + w.scale_bytes));
+    w.copies = std::getenv("COPIES") ? std::atoi(std::getenv("COPIES"))
+                                     : (int)std::max<size_t>(1, (200u << 20) / (w.code_bytes + w.scale_bytes));
     w.codes.resize(w.code_bytes * w.copies + 8192);  // + the prefetch's reach past the last copy
     w.scales.resize(w.scale_bytes * w.copies + 64);
     for (auto& c : w.codes) c = uint8_t(rng());
