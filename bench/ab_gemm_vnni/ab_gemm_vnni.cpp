@@ -5,7 +5,7 @@
 // copy of a ~200 MB weight set shared by the arms of that dtype, so each call streams from DRAM, as decode does.
 // Before timing, base and new must give the same bits (or it exits 1). Prints per arm the median and 10th percentile
 // of the call times (the 10th percentile: the least disturbed calls). Dispatch as gemm_multi does: 2 pool threads,
-// tasks of kTaskBlocks 16-column blocks (TB=n overrides). COPIES=n sets the number of weight copies (1: the same
+// tasks of detail::task_blocks() 16-column blocks (TB=n overrides; an arm "new:q4g:16" takes tasks of 16 blocks). COPIES=n sets the number of weight copies (1: the same
 // weights every call, cached when they fit: the kernel's rate without the DRAM stream).
 //   bench/ab_gemm_vnni/run.sh /work/main  M N K CALLS_PER_ARM ARM...
 #include <algorithm>
@@ -46,14 +46,19 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int M = std::atoi(argv[1]), N = std::atoi(argv[2]), Kd = std::atoi(argv[3]), calls = std::atoi(argv[4]);
-  struct Arm { int kernel; bool q4; };  // kernel 0 base, 1 new, 2 peak
+  struct Arm { int kernel; bool q4; int tb; };  // kernel 0 base, 1 new, 2 peak; tb: column blocks a task
   std::vector<Arm> arms;
+  const int tb = std::getenv("TB") ? std::atoi(std::getenv("TB")) : detail::task_blocks(M, N / 16, 2);
   for (int i = 5; i < argc; ++i) {
     const std::string s = argv[i];
-    if (s == "peak") arms.push_back({2, false});
-    else arms.push_back({s.rfind("new:", 0) == 0 ? 1 : 0, s.size() > 4 && s.substr(s.size() - 3) == "q4g"});
+    if (s == "peak") {
+      arms.push_back({2, false, tb});
+      continue;
+    }
+    const size_t c2 = s.find(':', 4);  // KERNEL:DTYPE[:TB]
+    arms.push_back({s.rfind("new:", 0) == 0 ? 1 : 0, s.compare(s.find(':') + 1, 3, "q4g") == 0,
+                    c2 == std::string::npos ? tb : std::atoi(s.c_str() + c2 + 1)});
   }
-  const int tb = std::getenv("TB") ? std::atoi(std::getenv("TB")) : detail::kTaskBlocks;
   std::mt19937 rng(1);
   Weights ws[2];
   for (int q = 0; q < 2; ++q) {
@@ -89,7 +94,7 @@ int main(int argc, char** argv) {
   std::vector<float> y0((size_t)M * N), y1((size_t)M * N);
   ThreadPool pool(2);
   const Kernel kernels[2] = {detail::gemm_vnni_base, detail::gemm_vnni};
-  auto run = [&](int kernel, Weights& wt, int copy, float* y) {
+  auto run = [&](int kernel, Weights& wt, int copy, float* y, int tb) {
     QLinear w;
     w.dtype = wt.q4 ? DType::Q4G : DType::Q8C, w.n = N, w.k = Kd, w.group = wt.q4 ? 256 : 0, w.hadamard = 128;
     w.codes = wt.codes.data() + wt.code_bytes * copy;
@@ -99,8 +104,8 @@ int main(int argc, char** argv) {
     pool.parallel_for(tasks, [&](int t, int) { f(a, w, y, N, t * tb, std::min(NB, t * tb + tb)); });
   };
   for (int q = 0; q < 2; ++q) {
-    run(0, ws[q], 0, y0.data());
-    run(1, ws[q], 0, y1.data());
+    run(0, ws[q], 0, y0.data(), tb);
+    run(1, ws[q], 0, y1.data(), tb);
     if (std::memcmp(y0.data(), y1.data(), y0.size() * sizeof(float))) {
       std::printf("MISMATCH between base and new (%s)\n", q ? "q4g" : "q8c");
       return 1;
@@ -115,7 +120,7 @@ int main(int argc, char** argv) {
       if (arms[i].kernel == 2) pool.parallel_for(2, [&](int, int) { detail::peak_loop_vnni(kPeakIters); });
       else {
         Weights& w = ws[arms[i].q4];
-        run(arms[i].kernel, w, next_copy[arms[i].q4]++ % w.copies, y0.data());
+        run(arms[i].kernel, w, next_copy[arms[i].q4]++ % w.copies, y0.data(), arms[i].tb);
       }
       t[i].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -132,8 +137,8 @@ int main(int argc, char** argv) {
     if (first == 0) first = med;
     const Weights& w = ws[arms[i].q4];
     const double ops = 2.0 * M * N * Kd, bytes = double(w.code_bytes + w.scale_bytes);
-    std::printf("  %s:%s  %9.1f us  %6.1f GB/s  %.3f TOPS  (%.2f of the first arm)  p10 %9.1f us %.3f TOPS\n",
-                arms[i].kernel ? "new " : "base", w.q4 ? "q4g" : "q8c", med * 1e6, bytes / med / 1e9,
+    std::printf("  %s:%s:%-3d  %9.1f us  %6.1f GB/s  %.3f TOPS  (%.2f of the first arm)  p10 %9.1f us %.3f TOPS\n",
+                arms[i].kernel ? "new " : "base", w.q4 ? "q4g" : "q8c", arms[i].tb, med * 1e6, bytes / med / 1e9,
                 ops / med / 1e12, med / first, p10 * 1e6, ops / p10 / 1e12);
   }
 }

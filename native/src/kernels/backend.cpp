@@ -233,21 +233,24 @@ void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* poo
   for (int i = 0; i < n; ++i) check_gemm_args(a, *targets[i].w, targets[i].y, targets[i].ldy);
   if (!cpu_supports(b)) throw std::runtime_error(std::string("gemm: this CPU cannot run the ") + backend_name(b) + " backend");
   if (a.m == 0) return;
-  // Task t belongs to the target whose range [first[i], first[i + 1]) holds it; a task is kTaskBlocks column blocks.
+  // Task t belongs to the target whose range [first[i], first[i + 1]) holds it; a task of target i is tb[i] column
+  // blocks (detail::task_blocks).
   Kernel kernel[kMaxTargets];
-  int first[kMaxTargets + 1] = {0};
+  int first[kMaxTargets + 1] = {0}, tb[kMaxTargets];
+  const int threads = pool ? pool->size() : 1;
   for (int i = 0; i < n; ++i) {
     kernel[i] = pick_kernel(a, *targets[i].w, b);
     const int NB = targets[i].w->n / 16;
-    first[i + 1] = first[i] + (NB + detail::kTaskBlocks - 1) / detail::kTaskBlocks;
+    tb[i] = detail::task_blocks(a.m, NB, threads);
+    first[i + 1] = first[i] + (NB + tb[i] - 1) / tb[i];
   }
   auto task = [&](int t, int) {
     int i = 0;
     while (t >= first[i + 1]) ++i;
     const GemmTarget& g = targets[i];
     const int NB = g.w->n / 16;
-    const int nb0 = (t - first[i]) * detail::kTaskBlocks;
-    const int nb1 = nb0 + detail::kTaskBlocks < NB ? nb0 + detail::kTaskBlocks : NB;
+    const int nb0 = (t - first[i]) * tb[i];
+    const int nb1 = nb0 + tb[i] < NB ? nb0 + tb[i] : NB;
     kernel[i](a, *g.w, g.y, g.ldy, nb0, nb1);
   };
   detail::run_tasks(pool, first[n], task);

@@ -67,8 +67,21 @@ using QuantizeRowFn = void (*)(const float* x, int k, int hadamard, int row, QAc
 void quantize_rows(const float* x, int ldx, const RowSource* src, int m, int k, int hadamard, QAct* out,
                    ThreadPool* pool, QuantizeRowFn quantize_one);
 
-// Block-sizing shared by the backends: a task is this many 16-column blocks.
+// Block-sizing shared by the backends: a prefill task is kTaskBlocks 16-column blocks. A decode task (at most
+// kDecodeTaskMaxRows rows) is as many blocks as leave two tasks a thread, between kTaskBlocks and
+// kDecodeTaskMaxBlocks: a decode GEMM streams its weights once, every task start begins its strips cold, and a task's
+// last prefetches run into columns another thread takes, so 4-block tasks (48 KB of int4 at K=1536) kept each
+// thread's stream short. Measured (bench/ab_gemm_vnni, Zen 5, tasks of 4 against 32-64 blocks, alternated call by
+// call, docs/benchmarks.md session 11): q4g 8 rows 0.71-0.79x the time, 4 rows 0.86x, 1 row 0.80-0.96x, 32 rows
+// 0.94-0.97x; prefill (256 rows) was no faster with 16 and slower with 48, so it keeps kTaskBlocks.
 constexpr int kTaskBlocks = 4;
+constexpr int kDecodeTaskMaxRows = 64;
+constexpr int kDecodeTaskMaxBlocks = 64;
+inline int task_blocks(int m, int nb, int threads) {
+  if (m > kDecodeTaskMaxRows) return kTaskBlocks;
+  const int even = nb / (2 * (threads > 1 ? threads : 1));
+  return even < kTaskBlocks ? kTaskBlocks : even > kDecodeTaskMaxBlocks ? kDecodeTaskMaxBlocks : even;
+}
 
 // Prefill-sized GEMM outputs (more than kStreamMinRows rows and at least kStreamOutputBytes: a 256-row chunk's gate
 // and up are 6 MB each) are written with streaming stores by the zmm kernels (AMX, VNNI): they outgrow both cores'
