@@ -306,23 +306,30 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
   for (int i = 0; i < n; ++i)
     if (targets[i].w->offsets) detail::q8g_group_sums(x, ldx, m, K, targets[i].w->group, sums + xsum_at[i]);
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
-  // Decode (m <= 32): 12 panels a task, a whole number of the kernel's panel blocks for every row count, and few task
-  // boundaries for the kernels' prefetch (one block ahead) to run past into panels another thread may take. Prefill:
+  // Decode (m <= 32): a multiple of 12 panels a task (a whole number of the kernel's panel blocks for every row
+  // count), as many as leave two tasks a thread and at least 12: few task boundaries for the kernels' prefetch (one
+  // block ahead) to run past into panels another thread takes, as in gemm_multi (detail::task_blocks). Gemma 3 270M,
+  // 12 panels against this, alternated step by step in one process on Zen 5: B=1 0.97-0.98x the step time, B=8
+  // 0.91-0.92x, B=32 0.88-1.01x (median of 12-24 pairs, three runs). Prefill:
   // 4 panels, a whole number of the prefill register blocks (4 panels on zmm, 1 on ymm): a 640-column output (o,
   // down) is 40 panels; as 12 + 12 + 12 + 4 the busier of two threads does 24 of them, as ten 4s each does 20. The
   // codes a task walks stay cached while all its row blocks pass, so the smaller task only re-reads x more often
   // (from L2/L3, ~3 GB/s beside the FMAs; measured no slower on one thread at M=256). The targets'
   // tasks form one list, as in gemm_multi: q, k and v (or gate and up) pay one wake-up and one barrier, not one each.
-  const int task_panels = m > 32 ? 4 : 12;
-  int first[kMaxTargets + 1] = {0};
-  for (int i = 0; i < n; ++i) first[i + 1] = first[i] + (targets[i].w->n / 16 + task_panels - 1) / task_panels;
+  int first[kMaxTargets + 1] = {0}, tp[kMaxTargets];
+  const int threads = pool ? pool->size() : 1;
+  for (int i = 0; i < n; ++i) {
+    const int panels = targets[i].w->n / 16;
+    tp[i] = m > 32 ? 4 : std::max(12, panels / (2 * threads) / 12 * 12);
+    first[i + 1] = first[i] + (panels + tp[i] - 1) / tp[i];
+  }
   auto task = [&](int t, int) {
     int i = 0;
     while (t >= first[i + 1]) ++i;
     const GemmTarget& g = targets[i];
-    const int panels = g.w->n / 16, p0 = (t - first[i]) * task_panels;
+    const int panels = g.w->n / 16, p0 = (t - first[i]) * tp[i];
     const float* xs = g.w->offsets ? sums + xsum_at[i] : nullptr;
-    panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + task_panels, panels));
+    panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));
   };
   detail::run_tasks(pool, first[n], task);
 }
