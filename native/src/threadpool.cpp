@@ -17,10 +17,10 @@ namespace {
 constexpr unsigned kFtzDaz = 0x8040;  // MXCSR bit 15 flush-to-zero, bit 6 denormals-are-zero
 }
 
-ScopedFlushDenormals::ScopedFlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtzDaz); }
-ScopedFlushDenormals::~ScopedFlushDenormals() { _mm_setcsr(saved_); }
-ScopedIeeeDenormals::ScopedIeeeDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFtzDaz); }
-ScopedIeeeDenormals::~ScopedIeeeDenormals() { _mm_setcsr(saved_); }
+ScopedDenormals::ScopedDenormals(bool flush) : saved_(_mm_getcsr()) {
+  _mm_setcsr(flush ? saved_ | kFtzDaz : saved_ & ~kFtzDaz);
+}
+ScopedDenormals::~ScopedDenormals() { _mm_setcsr(saved_); }
 
 int ThreadPool::default_spin_us() {
   const char* v = std::getenv("FGM_POOL_SPIN_US");
@@ -116,7 +116,7 @@ void ThreadPool::drain(uint32_t gen, TaskFn fn, void* ctx, int n_tasks, int work
 
 void ThreadPool::run(int n_tasks, TaskFn fn, void* ctx) {
   if (n_tasks <= 0) return;
-  ScopedFlushDenormals flush;
+  ScopedDenormals flush(true);
   if (n_threads_ == 1 || n_tasks == 1) {
     for (int t = 0; t < n_tasks; ++t) fn(ctx, t, 0);
     return;

@@ -48,26 +48,15 @@
 
 namespace sg {
 
-// Sets FTZ + DAZ in this thread's MXCSR for the guard's lifetime.
-class ScopedFlushDenormals {
+// Sets (flush) or clears (IEEE denormals) FTZ + DAZ in this thread's MXCSR for the guard's lifetime. The pool's tasks
+// flush; a task that must give the bits it gives outside the pool (sampling, whose reference is the caller's IEEE
+// arithmetic) clears them for itself.
+class ScopedDenormals {
  public:
-  ScopedFlushDenormals();
-  ~ScopedFlushDenormals();
-  ScopedFlushDenormals(const ScopedFlushDenormals&) = delete;
-  ScopedFlushDenormals& operator=(const ScopedFlushDenormals&) = delete;
-
- private:
-  unsigned saved_;
-};
-
-// Clears FTZ + DAZ (IEEE denormals) in this thread's MXCSR for the guard's lifetime: for a pool task that must give
-// the bits it gives outside the pool (sampling, whose reference is the caller's IEEE arithmetic).
-class ScopedIeeeDenormals {
- public:
-  ScopedIeeeDenormals();
-  ~ScopedIeeeDenormals();
-  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
-  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
+  explicit ScopedDenormals(bool flush);
+  ~ScopedDenormals();
+  ScopedDenormals(const ScopedDenormals&) = delete;
+  ScopedDenormals& operator=(const ScopedDenormals&) = delete;
 
  private:
   unsigned saved_;

@@ -198,7 +198,7 @@ void sample_rows(const SampleRow* rows, int n, RowOutcome* out, ThreadPool* pool
     return;
   }
   pool->parallel_for(n, [&](int b, int) {
-    ScopedIeeeDenormals ieee;  // the pool runs tasks with FTZ + DAZ
+    ScopedDenormals ieee(false);  // the pool runs tasks with FTZ + DAZ
     one(b);
   });
 }
