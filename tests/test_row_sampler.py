@@ -224,6 +224,7 @@ def test_best_ids_are_a_full_sorts_first():
 def test_a_draw_takes_the_first_id_whose_running_total_exceeds_it():
     # Whole-vocabulary sampling: u is the documented SplitMix64 draw, and the token the first id whose running sum of
     # exp((x - max) / T), in id order, exceeds u times the total (here in float64 with numpy's exp).
+    from test_engine import splitmix64
     rng = np.random.default_rng(8)
     row = (rng.standard_normal(3000) * 4).astype(np.float32)
     e = np.exp((row.astype(np.float64) - row.max()) / 0.8)
@@ -231,9 +232,7 @@ def test_a_draw_takes_the_first_id_whose_running_total_exceeds_it():
     state = 77
     for _ in range(50):
         s = sample(row, temperature=0.8, rng_state=state)
-        state = (state + 0x9E3779B97F4A7C15) % 2**64
-        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-        u = ((z ^ (z >> 31)) >> 11) * 2.0**-53
+        state, out = splitmix64(state)
+        u = (out >> 11) * 2.0**-53
         assert s.rng_state == state
         assert s.token == min(int(np.searchsorted(running, u * running[-1], side="right")), len(row) - 1)

@@ -5,8 +5,9 @@
 // copy of a ~200 MB weight set shared by the arms of that dtype, so each call streams from DRAM, as decode does.
 // Before timing, base and new must give the same bits (or it exits 1). Prints per arm the median and 10th percentile
 // of the call times (the 10th percentile: the least disturbed calls). Dispatch as gemm_multi does: 2 pool threads,
-// tasks of detail::task_blocks() 16-column blocks (TB=n overrides; an arm "new:q4g:16" takes tasks of 16 blocks). COPIES=n sets the number of weight copies (1: the same
-// weights every call, cached when they fit: the kernel's rate without the DRAM stream).
+// tasks of detail::task_blocks() 16-column blocks (TB=n overrides; an arm "new:q4g:16" takes tasks of 16 blocks).
+// COPIES=n sets the number of weight copies (1: the same weights every call, cached when they fit: the kernel's rate
+// without the DRAM stream).
 //   bench/ab_gemm_vnni/run.sh /work/main  M N K CALLS_PER_ARM ARM...
 #include <algorithm>
 #include <chrono>
@@ -55,8 +56,8 @@ int main(int argc, char** argv) {
       arms.push_back({2, false, tb});
       continue;
     }
-    const size_t c2 = s.find(':', 4);  // KERNEL:DTYPE[:TB]
-    arms.push_back({s.rfind("new:", 0) == 0 ? 1 : 0, s.compare(s.find(':') + 1, 3, "q4g") == 0,
+    const size_t c1 = s.find(':'), c2 = s.find(':', c1 + 1);  // KERNEL:DTYPE[:TB]
+    arms.push_back({s.rfind("new:", 0) == 0 ? 1 : 0, s.compare(c1 + 1, 3, "q4g") == 0,
                     c2 == std::string::npos ? tb : std::atoi(s.c_str() + c2 + 1)});
   }
   std::mt19937 rng(1);

@@ -429,7 +429,8 @@ void best_k_ids(const float* x, int n, int k, int* out) {
   if (k <= 0) return;
   const auto better = [x](int a, int b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
   if (k > n / 8) {  // a large share of the row: the heap would take most values anyway
-    std::vector<int> all(n);
+    thread_local std::vector<int> all;
+    all.resize(n);
     for (int i = 0; i < n; ++i) all[i] = i;
     std::partial_sort(all.begin(), all.begin() + k, all.end(), better);
     std::copy(all.begin(), all.begin() + k, out);

@@ -189,11 +189,13 @@ void sample_rows(const SampleRow* rows, int n, RowOutcome* out, ThreadPool* pool
       out[b].error = e.what();
     }
   };
-  std::vector<const RowSampler*> samplers(n);
-  for (int b = 0; b < n; ++b) samplers[b] = rows[b].sampler;
-  std::sort(samplers.begin(), samplers.end());
-  const bool distinct = std::adjacent_find(samplers.begin(), samplers.end()) == samplers.end();
-  if (!pool || pool->size() == 1 || n < 2 || !distinct) {
+  const auto distinct = [&] {
+    std::vector<const RowSampler*> s(n);
+    for (int b = 0; b < n; ++b) s[b] = rows[b].sampler;
+    std::sort(s.begin(), s.end());
+    return std::adjacent_find(s.begin(), s.end()) == s.end();
+  };
+  if (!pool || pool->size() == 1 || n < 2 || !distinct()) {
     for (int b = 0; b < n; ++b) one(b);
     return;
   }
