@@ -243,6 +243,7 @@ def test_bench_json_shape(capsys):
     r = json.loads(out)
     backend = r["backend"]
     assert backend in ("amx", "vnni", "avx2") and r["threads"] == 2
+    assert r["weights"]["decode"] == "int4"  # what the decode worker serves
     assert set(r["limits"]) == {f"{backend}_int8_tops", "dram_read_gbs"}
     assert all(v > 0 for v in r["limits"].values())
     # the peak is the best of the readings taken before and after the figures; the bandwidth the median of the
@@ -293,6 +294,12 @@ def test_bench_refuses_a_loaded_machine(capsys, monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (float(os.cpu_count()), 1.0, 1.0))
     rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "8", "--batches", "1", "--json")
     assert rc == 1 and out == "" and "load average" in err and "--ignore-load" in err
+
+
+def test_bench_rejects_a_bad_decode_weight_policy(capsys):
+    rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "8", "--batches", "1", "--ignore-load",
+                       "--decode-weights", "int5")
+    assert rc != 0 and out == "" and "--decode-weights" in err and "int4, int8 or auto:M" in err
 
 
 def test_bench_work_model():

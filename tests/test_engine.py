@@ -429,6 +429,14 @@ def test_weight_policy_selects_twins():
     for w, same in (("auto:16", "int8"), ("auto:32", "int4")):
         m = model(weights=w)
         np.testing.assert_array_equal(m.prefill(arena(m), 0, prompt, all_logits=True), run[same])
+    # the policy switched on an open model (splitgemma bench: prefill as the prefill worker, decode as the decoder)
+    m = model(weights="int8")
+    m.weights = "int4"
+    assert m.weights == "int4"
+    np.testing.assert_array_equal(m.prefill(arena(m), 0, prompt, all_logits=True), run["int4"])
+    with pytest.raises(ValueError, match="auto:M"):
+        m.weights = "auto:0"
+    assert m.weights == "int4"
 
 
 # ---------------------------------------------------------------------------------------------- slots and handoff

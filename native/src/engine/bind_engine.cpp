@@ -179,7 +179,13 @@ void bind_engine(py::module_& m) {
       .def_property_readonly("chunk", &sg::Model::chunk)
       .def_property_readonly("max_rows", &sg::Model::max_rows)
       .def_property_readonly("threads", &sg::Model::threads)
-      .def_property_readonly("weights", [](const sg::Model& md) { return md.weight_policy().str(); })
+      .def_property(
+          "weights", [](const sg::Model& md) { return md.weight_policy().str(); },
+          [](sg::Model& md, const std::string& spec) {
+            py::gil_scoped_release nogil;  // waits for a pass running on another thread
+            md.set_weight_policy(spec);
+          },
+          "the FFN weight policy (int4 | int8 | auto:M); settable between passes")
       .def_property_readonly("backend", [](const sg::Model& md) { return sg::backend_name(md.backend()); })
       .def_property_readonly("layout_signature", [](const sg::Model& md) { return md.file().layout_signature(); })
       .def_property_readonly("kv_slot_bytes", [](const sg::Model& md) { return md.kv_layout().slot_bytes(); })

@@ -205,6 +205,12 @@ DualLinear Model::dual(const std::string& name) const {
   return d;
 }
 
+void Model::set_weight_policy(const std::string& spec) {
+  const WeightPolicy p = WeightPolicy::parse(spec);
+  std::lock_guard<std::mutex> lock(run_mu_);  // not while a pass reads it
+  policy_ = p;
+}
+
 void Model::resolve_weights() {
   const ModelConfig& c = config();
   auto f32 = [&](const std::string& name) {

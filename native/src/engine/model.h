@@ -138,6 +138,9 @@ class Model {
   int chunk() const { return chunk_; }
   int max_rows() const { return max_rows_; }
   const WeightPolicy& weight_policy() const { return policy_; }
+  // Switches the policy between passes (a bench measures prefill as the prefill worker runs it and decode as the
+  // decode worker does, on one model). Throws std::invalid_argument for a bad spec, leaving the policy unchanged.
+  void set_weight_policy(const std::string& spec);
   Backend backend() const { return backend_; }
 
   // Runs tokens[0..T) at positions pos0.. into `slot`; writes the last row's logits (out[V]) or, with

@@ -4,7 +4,9 @@ limits measured in the same run.
 * Prefill: tok/s per prompt length, synthetic ids, one Model.prefill per prompt (chunked as the engine does, the
   KV-shared shortcut on: the layers that write no K/V run on the last row only).
 * Decode: aggregate tok/s per batch size at a context: the context is prefilled once and copied into every
-  sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included.
+  sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included. Decode
+  uses --decode-weights (default int4, what the decode worker serves: its bits do not depend on the batch size),
+  prefill --weights (default auto:16, the prefill worker's).
 * Limits: int8 peak TOPS of the backend's multiply-accumulate instruction and streaming DRAM read bandwidth, on the
   model's threads (splitgemma._native.kernels probes), measured before and after the figures. The peak: the best
   reading counts, since other work can only lower it. The bandwidth: a buffer at least the weight bytes of the
@@ -74,6 +76,9 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported "
                                                                    "(default: 3)")
     p.add_argument("--chunk", type=context_length, default=256, help="prefill rows per pass (default: 256)")
+    p.add_argument("--decode-weights", default="int4", metavar="POLICY",
+                   help="the FFN weight policy of the decode steps (default: int4, the decode worker's default; "
+                        "--weights applies to prefill)")
     p.add_argument("--ignore-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {LOAD_FACTOR} × CPUs (figures are "
                         f"then lower bounds)")
@@ -249,6 +254,7 @@ def run(args) -> int:
 
     from splitgemma._native import FgmFile
     from splitgemma._native import kernels as K
+    from splitgemma.commands import CommandError
     from splitgemma.commands.generate import open_model, use_default_model
     from splitgemma.engine import open_arena
 
@@ -275,7 +281,13 @@ def run(args) -> int:
     probes = {"peak_tops": [], "dram_gbs": [], **({"peak_f32_gflops": []} if weight_only else {})}
     # The bandwidth probe reads at least what the largest decode step streams, so that no cache holds a useful
     # part of it and the reading is for the same kind of pass as the figure it is compared with.
-    dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, model.weights, b, model.max_rows)
+    prefill_weights = model.weights
+    try:
+        model.weights = args.decode_weights  # checked before any measuring; set back for the prefill figures
+        model.weights = prefill_weights
+    except ValueError as e:
+        raise CommandError(f"--decode-weights: {e}") from None
+    dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
                                          for b in args.batches])
 
     def probe() -> None:
@@ -316,6 +328,7 @@ def run(args) -> int:
     decode = []
     say(f"prefill of the decode context ({args.context} tokens) …")
     model.prefill(arena, pristine, _synthetic(rng, args.context, model.vocab_size))
+    model.weights = args.decode_weights
     for b in args.batches:
         slots = list(range(b))
         steps = [[int(t) for t in _synthetic(rng, b, model.vocab_size)] for _ in range(args.steps)]
@@ -336,7 +349,7 @@ def run(args) -> int:
                 model.decode(arena, slots, toks, [args.context + i] * b, out=logits)
             seconds.append(time.perf_counter() - t0)
         r = {"batch": b, "context": args.context, "steps": args.steps, **_spread(args.steps * b, seconds)}
-        step_bytes = decode_step_bytes(linears, model.weights, b, model.max_rows)
+        step_bytes = decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
         r["weight_bytes_per_step"] = step_bytes
         r["weight_read_gbs"] = step_bytes * args.steps / statistics.median(seconds) / 1e9
         r["load_1min"] = watch.check(f"decode batch {b}")
@@ -357,7 +370,8 @@ def run(args) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                     "backends": {b: K.cpu_supports(b) for b in ("amx", "vnni", "avx2")}},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "backend": backend, "threads": threads, "weights": model.weights, "chunk": model.chunk,
+        "backend": backend, "threads": threads, "weights": {"prefill": prefill_weights, "decode": args.decode_weights},
+        "chunk": model.chunk,
         "repeats": args.repeats, "page_cache_read_s": warm_s,
         "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram,
                    **({f"{backend}_f32_gflops": f32_peak} if weight_only else {})},
@@ -407,7 +421,8 @@ def render(r: dict) -> str:
     out = [f"splitgemma bench  {r['model']}  ({r['file_bytes'] / 1e9:.2f} GB, {r['layers']} layers)  {r['date']}",
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
            f"(amx {'yes' if m['backends']['amx'] else 'no'}, vnni {'yes' if m['backends']['vnni'] else 'no'}); "
-           f"{r['threads']} threads; weights {r['weights']}; chunk {r['chunk']}",
+           f"{r['threads']} threads; weights: prefill {r['weights']['prefill']}, decode {r['weights']['decode']}; "
+           f"chunk {r['chunk']}",
            f"limits, measured in this run: {', '.join(limits)}"
            f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
            f"load average: {load['start']:.2f} at start (limit {load['limit']:.2f}), {load['max']:.2f} max (limit "
