@@ -6,7 +6,8 @@
 //  * on the int8 cache (head_dim a multiple of 32, at most 512) Q·K and P·V run in int16 (vpdpwssd): each query
 //    head is quantised to int16 with one scale (qk_int8_group), and the weights of a tile of positions likewise
 //    (pv_int8);
-//  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM).
+//  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM);
+//    on the int8 cache one line per step of the arithmetic (line_prefetch.h) rather than in bursts.
 // So the result is not bit-identical to the ymm path. f16 and f32 K/V: f32 reassociation only (relative ~1e-6).
 // int8 K/V: the queries' int16 rounding moves a score by at most max|q| / 32766 * sum_d |k_d| (k = code * scale),
 // typically by max|q| / (16383 sqrt(12)) * |k| (independent roundings); the weights' int16 rounding moves each
@@ -21,6 +22,7 @@
 
 #include "attend_common.h"
 #include "exp_avx512.h"
+#include "line_prefetch.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -139,19 +141,26 @@ void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, c
 // int16 products stays inside int32); longer heads convert.
 constexpr int kQ8MaxDim = 512;
 
+// Positions per tile of pv_int8 (even): the tile's V rows stay in L1 over the dims.
+inline int pv_tile(int hd) { return std::min(256, hd >= 1024 ? 16 : 16384 / hd); }
+
 // Q·K on the int8 cache in int16 (vpdpwssd, 32 products an instruction, twice an f32 FMA's): each query head is
 // quantised to int16 codes with one scale s = max|q| / 16383 (14 bits and the sign, so a dot of 512 codes stays
 // inside int32), so its error is at most s / 2 = max|q| / 32766 per element; the K codes are widened to int16 once
 // for every head of the pass. The integer dot is exact; the score is it times s and the row's K scale. (An int8
 // query, as llama.cpp's q8_0 one for a quantised K cache, runs as fast per product but moves the scores by about as
 // much as the keys' own rounding: enough to flip near-tied greedy tokens on the test fixtures.)
+// pf: one line a 32-dim step (two with fewer than 4 heads, the only block); returned for the next head block (a copy,
+// not a reference: __m512i is may_alias, so writes through a reference would keep the accumulators in memory).
 template <int HB, int P>
-inline void qk_int8_group(const int16_t* q16, int hd, const uint8_t* k, int row_bytes, const float* qscale,
-                          const float* ks, float* out, int span) {
+inline LinePrefetch qk_int8_group(const int16_t* q16, int hd, const uint8_t* k, int row_bytes, const float* qscale,
+                                  const float* ks, float* out, int span, LinePrefetch pf = {}) {
   __m512i acc[HB][P];
   for (int h = 0; h < HB; ++h)
     for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_si512();
   for (int d = 0; d < hd; d += 32) {
+    pf.step();
+    if (HB < 4) pf.step();
     __m512i kx[P];
     for (int p = 0; p < P; ++p)
       kx[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + int64_t(p) * row_bytes + d)));
@@ -169,6 +178,7 @@ inline void qk_int8_group(const int16_t* q16, int hd, const uint8_t* k, int row_
       out[h * span] = float(_mm512_reduce_add_epi32(acc[h][0])) * qscale[h] * ks[0];
     }
   }
+  return pf;
 }
 
 template <int NH>
@@ -189,18 +199,33 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     }
   }
   constexpr int HB = NH < 4 ? NH : 4;  // HB heads x 4 rows of accumulators
+  // What the block reads next as one stream of rows: the K rows of every run, then the V rows of P·V's first tile.
+  // next_rows(r): up to 4 rows from row r of that stream (not across a run's end).
+  const int lines = (hd + 63) / 64, v_rows = std::min(pv_tile(hd), runs[0].len);
+  auto next_rows = [&](int r) {
+    for (int ri = 0; ri < n_runs; r -= runs[ri].len, ++ri)
+      if (r < runs[ri].len)
+        return LinePrefetch{c.k + int64_t(runs[ri].row + r) * c.row_bytes + c.head_off, size_t(c.row_bytes), lines,
+                            std::min(4, runs[ri].len - r)};
+    return LinePrefetch{c.v + int64_t(runs[0].row + r) * c.row_bytes + c.head_off, size_t(c.row_bytes), lines,
+                        std::min(4, v_rows - r)};
+  };
+  const int ahead = prefetch_ahead(hd);
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     const float* ks = c.ks + runs[ri].row;
     float* out = s + runs[ri].off;
     const int len = runs[ri].len;
-    const int ahead = prefetch_ahead(hd);
     int j = 0;
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
-      prefetch_rows(k, std::min(len, j + ahead), std::min(len, j + ahead + 4), c.row_bytes, hd);
+      // The 4 rows `ahead` on: hd / 16 lines over the hd / 16 steps of two head blocks (8 heads; one block takes two
+      // a step). With these rows as a burst here, P·V's next tile as a burst in its first pass and neither the first
+      // V tile nor the next part's first K rows prefetched, attention over 128 cold slots took 1.9x (512-dim heads,
+      // 1024 positions) and 1.1x (256, 512) as long (Zen 5, alternated in one process; docs/benchmarks.md).
+      LinePrefetch pf = next_rows(runs[ri].off + j + ahead);
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
-        qk_int8_group<decltype(hb)::value, 4>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
-                                              qscale + h0, ks + j, out + h0 * span + j, span);
+        pf = qk_int8_group<decltype(hb)::value, 4>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                                   qscale + h0, ks + j, out + h0 * span + j, span, pf);
       });
     }
     for (; j < len; ++j)
@@ -266,13 +291,14 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
 // or the weights' sum / 2^23 when that is larger (diffuse attention: it keeps the sum of codes * 127 inside int32),
 // so the integer sums over the span are exact, whatever the tiles and ring runs: the result of a position does not
 // depend on the ring's capacity (the chunk a slot was laid out with). The only error is the weights' rounding: at
-// most 2^-16 of the largest weight per weight (or 2^-24 of their sum).
+// most 2^-16 of the largest weight per weight (or 2^-24 of their sum). With `more` (the caller attends the positions
+// after the span next) the last tile prefetches their first K rows.
 template <int NH>
 void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
-             int out_stride) {
+             int out_stride, bool more) {
   // The integer sums go where the output will be (as int32), converted once at the end.
   for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
-  const int tile = std::min(256, hd >= 1024 ? 16 : 16384 / hd);  // even; the tile's V rows stay in L1 over the dims
+  const int tile = pv_tile(hd);
   alignas(64) int16_t wq[NH][256 + 16];
   float wscale[NH];
   __m512 winv[NH];
@@ -301,14 +327,21 @@ void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* ru
           _mm256_store_si256(reinterpret_cast<__m256i*>(&wq[h][j]), _mm512_cvtsepi32_epi16(qi));
         }
       }
+      // The next tile's tile * hd / 64 lines, one a pair step over the hd / 32 passes of tile / 2 steps, while this
+      // one is worked through (all in the first pass, they stalled the loads behind them).
+      LinePrefetch pf{v0 + int64_t(tile) * c.row_bytes, size_t(c.row_bytes), (hd + 63) / 64,
+                      std::min(tile, runs[ri].len - t0 - tile)};
+      if (more && ri + 1 == n_runs && t0 + tile >= runs[ri].len) {
+        const int after = (runs[ri].row + runs[ri].len) % c.cap;
+        pf = LinePrefetch{c.k + int64_t(after) * c.row_bytes + c.head_off, size_t(c.row_bytes), (hd + 63) / 64,
+                          std::min(prefetch_ahead(hd), c.cap - after)};
+      }
       for (int d = 0; d < hd; d += 32) {
         __m512i acc[NH][2];
         for (int h = 0; h < NH; ++h) acc[h][0] = acc[h][1] = _mm512_setzero_si512();
         const uint8_t* v = v0 + d;
         for (int j = 0; j < tp; j += 2, v += 2 * c.row_bytes) {
-          if (d == 0)  // the next tile's rows, while this one is worked through hd / 32 times
-            prefetch_rows(v0, std::min(runs[ri].len - t0, tile + j), std::min(runs[ri].len - t0, tile + j + 2),
-                          c.row_bytes, hd);
+          pf.step();
           const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v));
           const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(j + 1 < tn ? v + c.row_bytes : v));
           // int16 pairs (v_j, v_j+1) of dims [0..7 | 16..23] and [8..15 | 24..31] of the 32.
@@ -342,7 +375,7 @@ void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* ru
 
 template <int NH, int E>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s, float* stats) {
+                  int out_stride, float* s, float* stats, bool more = false) {
   const int span = hi - lo + 1;
   Run runs[2];
   const int n_runs = ring_runs(lo, span, c.cap, runs);
@@ -368,7 +401,7 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     fold_weights<E>(sh, c, runs, n_runs, 1.0f / sum);
   }
   if constexpr (E == 1) {
-    if (hd % 32 == 0) return pv_int8<NH>(s, span, hd, c, runs, n_runs, out, out_stride);
+    if (hd % 32 == 0) return pv_int8<NH>(s, span, hd, c, runs, n_runs, out, out_stride, more);
   }
   if constexpr (NH <= 4) {
     if (hd % 64 == 0) return pv_accumulate<NH, 4, E>(s, span, hd, c, runs, n_runs, out, out_stride);
@@ -406,12 +439,12 @@ struct ZmmBlock {
     if (stats) return attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s, stats);
     const int span = hi - lo + 1, n = attend_parts(span);
     float run[2 * NH];
-    attend_block<NH, E>(q, q_stride, hd, c, lo, attend_part_start(lo, span, 1) - 1, out, out_stride, s, run);
+    attend_block<NH, E>(q, q_stride, hd, c, lo, attend_part_start(lo, span, 1) - 1, out, out_stride, s, run, n > 1);
     float* part = s + NH * kAttendPartPositions;
     float* part_stats = part + NH * hd;
     for (int p = 1; p < n; ++p) {
       attend_block<NH, E>(q, q_stride, hd, c, attend_part_start(lo, span, p), attend_part_start(lo, span, p + 1) - 1,
-                          part, hd, s, part_stats);
+                          part, hd, s, part_stats, p + 1 < n);
       attend_fold_part(out, out_stride, run, part, part_stats, NH, hd);
     }
   }

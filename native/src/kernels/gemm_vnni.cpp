@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "kernels_impl.h"
+#include "line_prefetch.h"
 
 namespace sg::detail {
 namespace {
@@ -211,33 +212,17 @@ constexpr int kPanelRows = 32;
 // call by call, 2 threads, load 9).
 constexpr int kPanelMaxRows = 64;
 
-// Prefetches the lines of one chunk of NB strips, one line per step().
-struct ChunkPrefetch {
-  const uint8_t* base = nullptr;  // the chunk's first byte in strip 0
-  size_t bstride = 0;             // bytes from one strip to the next
-  int lines = 0;                  // lines per strip
-  int nb = 0, j = 0, l = 0;
-  void step() {
-    if (j >= nb) return;
-    prefetch(base + j * bstride + (size_t)l * 64);
-    if (++l == lines) l = 0, ++j;
-  }
-  void finish() {
-    while (j < nb) step();
-  }
-};
-
 // acc[i][j] += rows i of A · strip j over k-blocks [k0, k1); load_b(j, kb, t) gives the unsigned weight tile row.
 // The accumulators and the prefetch cursor are copied into locals first: __m512i is a may_alias type, so while the
 // loop wrote the caller's cursor through a reference GCC had to keep the caller's accumulators in memory, and it
 // reloaded and stored them around every 16 tile rows. bench/ab_gemm_vnni (Zen 5, M = 32, N=1536 and 6144, K=1536,
 // q8c and q4g, alternated call by call): 0.93-0.95x the time, weights cached or streamed.
 template <int MR, int NB, class LoadB>
-inline void dot(const int8_t* A, int k0, int k1, __m512i (&acc_io)[MR][NB], ChunkPrefetch& pf_io, LoadB&& load_b) {
+inline void dot(const int8_t* A, int k0, int k1, __m512i (&acc_io)[MR][NB], LinePrefetch& pf_io, LoadB&& load_b) {
   __m512i acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = acc_io[i][j];
-  ChunkPrefetch pf = pf_io;
+  LinePrefetch pf = pf_io;
   for (int kb = k0; kb < k1; ++kb) {
     const int8_t* at = A + (size_t)kb * 1024;
 #pragma GCC unroll 16
@@ -274,12 +259,11 @@ void panel(const Ctx& c, int m0, int rows, int nb) {
     for (int k0 = g * TG; k0 < (g + 1) * TG; k0 += kChunkTiles) {
       const int k1 = k0 + kChunkTiles < (g + 1) * TG ? k0 + kChunkTiles : (g + 1) * TG;
       const bool first = k0 == g * TG, last = k1 == (g + 1) * TG;
-      // The chunk after this one: the same strips further on, or after the last chunk the next column blocks'.
-      ChunkPrefetch pf;
-      pf.base = k1 < KB ? B + k1 * kb_bytes : B + NB * bstride;
-      pf.bstride = bstride;
-      pf.lines = int((k1 < KB ? (KB - k1 < kChunkTiles ? KB - k1 : kChunkTiles) : kChunkTiles) * kb_bytes / 64);
-      pf.nb = NB;
+      // The chunk after this one (NB strips, one line per tile row of the arithmetic): the same strips further on,
+      // or after the last chunk the next column blocks'.
+      LinePrefetch pf{k1 < KB ? B + k1 * kb_bytes : B + NB * bstride, bstride,
+                      int((k1 < KB ? (KB - k1 < kChunkTiles ? KB - k1 : kChunkTiles) : kChunkTiles) * kb_bytes / 64),
+                      NB};
       if (!q8)
         for (int j = 0; j < NB; ++j)
           for (int kb = k0; kb < k1; ++kb)
