@@ -67,8 +67,13 @@ int main(int argc, char** argv) {
     w.q4 = q;
     w.code_bytes = q ? (size_t)N * Kd / 2 : (size_t)N * Kd;
     w.scale_bytes = q ? (size_t)(Kd / 256) * N * 2 : (size_t)N * 4;
-    w.copies = std::getenv("COPIES") ? std::atoi(std::getenv("COPIES"))
-                                     : (int)std::max<size_t>(1, (200u << 20) / (w.code_bytes + w.scale_bytes));
+    const char* copies = std::getenv("COPIES");
+    w.copies = copies && *copies ? std::atoi(copies)
+                                 : (int)std::max<size_t>(1, (200u << 20) / (w.code_bytes + w.scale_bytes));
+    if (w.copies < 1) {
+      std::fprintf(stderr, "COPIES must be a positive count, got '%s'\n", copies);
+      return 2;
+    }
     w.codes.resize(w.code_bytes * w.copies + 8192);  // + the prefetch's reach past the last copy
     w.scales.resize(w.scale_bytes * w.copies + 64);
     for (auto& c : w.codes) c = uint8_t(rng());
