@@ -262,6 +262,12 @@ def test_bench_json_shape(capsys):
         assert row["tok_s_min"] <= row["tok_s"] <= row["tok_s_max"] and len(row["seconds"]) == 2
     assert all(0 < p["ratio_to_peak"] and p["gemm_macs"] > 0 for p in r["prefill"])
     assert all(0 < d["ratio_to_dram"] and d["weight_bytes_per_step"] > 0 for d in r["decode"])
+    for d in r["decode"]:  # each repeat against the probe passes just before and after it
+        br = d["dram_brackets_gbs"]
+        assert len(br) == 3 and all(g > 0 for g in br)
+        per_repeat = [d["weight_bytes_per_step"] * 3 / t / 1e9 / ((lo + hi) / 2)
+                      for t, lo, hi in zip(d["seconds"], br, br[1:])]
+        assert d["ratio_to_dram"] == pytest.approx(statistics.median(per_repeat))
     assert {"start", "max", "limit"} <= set(r["load"])
     assert all(row["load_1min"] >= 0 for row in r["prefill"] + r["decode"])
 

@@ -13,6 +13,9 @@ limits measured in the same run.
   largest decode step read DRAM_PASSES times each time; the median of the passes counts and their range is printed
   (a best-of over a buffer smaller than a step, as before, overstated it by up to 2x). Prefill is compared with the
   peak (the model's GEMM multiply-adds per prompt), decode with the bandwidth (the weight bytes one step streams).
+  Because the bandwidth a shared host gives moves by 1.4x from one minute to the next, every decode repeat is also
+  bracketed by a pass of the probe just before and just after it, and a decode row's fraction of DRAM is the median
+  over its repeats of the repeat's GB/s over the mean of its two brackets.
 
 Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
 multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
@@ -341,17 +344,21 @@ def run(args) -> int:
         start()
         logits = np.empty((b, model.vocab_size), np.float32)  # reused, as the decode worker reuses its buffer
         model.decode(arena, slots, steps[0], [args.context] * b, out=logits)  # warm-up step (rewound by the next copy)
-        seconds = []
+        step_bytes = decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
+        seconds, brackets = [], [K.read_bandwidth(dram_bytes, threads, 1)[0]]
         for _ in range(args.repeats):
             start()
             t0 = time.perf_counter()
             for i, toks in enumerate(steps):
                 model.decode(arena, slots, toks, [args.context + i] * b, out=logits)
             seconds.append(time.perf_counter() - t0)
+            brackets += K.read_bandwidth(dram_bytes, threads, 1)
         r = {"batch": b, "context": args.context, "steps": args.steps, **_spread(args.steps * b, seconds)}
-        step_bytes = decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
         r["weight_bytes_per_step"] = step_bytes
         r["weight_read_gbs"] = step_bytes * args.steps / statistics.median(seconds) / 1e9
+        r["dram_brackets_gbs"] = brackets  # the probe pass before the first repeat and after each
+        r["ratio_to_dram"] = statistics.median(step_bytes * args.steps / t / 1e9 / ((lo + hi) / 2)
+                                               for t, lo, hi in zip(seconds, brackets, brackets[1:]))
         r["load_1min"] = watch.check(f"decode batch {b}")
         decode.append(r)
 
@@ -362,8 +369,6 @@ def run(args) -> int:
         r["ratio_to_peak"] = r["int8_tops"] / peak
         if "f32_gflops" in r:
             r["ratio_to_f32_peak"] = r["f32_gflops"] / f32_peak
-    for r in decode:
-        r["ratio_to_dram"] = r["weight_read_gbs"] / dram
 
     result = {
         "model": args.model, "file_bytes": file_bytes, "layers": config["num_hidden_layers"],
@@ -438,7 +443,8 @@ def render(r: dict) -> str:
         rows.append([f"decode B={d['batch']} @{d['context']}", f"{d['tok_s']:.2f}",
                      f"{d['tok_s_min']:.2f}–{d['tok_s_max']:.2f}", f"{d['load_1min']:.2f}",
                      f"{_size(d['weight_bytes_per_step'])}/step → {d['weight_read_gbs']:.1f} GB/s = "
-                     f"{d['ratio_to_dram']:.0%} of DRAM", _anchor_text("decode", d["batch"])])
+                     f"{d['ratio_to_dram']:.0%} of DRAM read beside it "
+                     f"({statistics.median(d['dram_brackets_gbs']):.1f})", _anchor_text("decode", d["batch"])])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         out.append("  ".join(c.rjust(w) if j in (1, 2, 3) else c.ljust(w)
@@ -447,7 +453,9 @@ def render(r: dict) -> str:
             out.append("  ".join("-" * w for w in widths))
     out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
                 f"the batch; load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
-                f"shortcut (q8g weight-only GEMMs run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams.",
+                f"shortcut (q8g weight-only GEMMs run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams, "
+                f"and their fraction of DRAM is the median over the repeats of each one's GB/s over the probe read "
+                f"just before and after it (in brackets: the median of those readings).",
             f"Published: fastgemma on an AMX host ({ANCHORS['fastgemma_amx']['host']}) and an AVX-512 VNNI host; "
             f"the floors are the issue's, set for AMX. Compare like with like: this {r['backend']} host with "
             f"{r['threads']} threads is neither of those machines."]
