@@ -6,8 +6,8 @@
 //  * on the int8 cache (head_dim a multiple of 32, at most 512) Q·K and P·V run in int16 (vpdpwssd): each query
 //    head is quantised to int16 with one scale (qk_int8_group), and the weights of a tile of positions likewise
 //    (pv_int8);
-//  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM);
-//    on the int8 cache one line per step of the arithmetic (line_prefetch.h) rather than in bursts.
+//  * the K and V rows are prefetched in software ~8 KiB ahead (a decode batch streams every row's slot from DRAM),
+//    a few lines per step of the arithmetic (line_prefetch.h) rather than in bursts.
 // So the result is not bit-identical to the ymm path. f16 and f32 K/V: f32 reassociation only (relative ~1e-6).
 // int8 K/V: the queries' int16 rounding moves a score by at most max|q| / 32766 * sum_d |k_d| (k = code * scale),
 // typically by max|q| / (16383 sqrt(12)) * |k| (independent roundings); the weights' int16 rounding moves each
@@ -47,15 +47,9 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
 }
 
-// Software prefetch of cache rows [from, to) of a run (row_bytes apart, `bytes` each) into L1. The hardware
-// prefetchers stop at each 4 KiB page, which a head's K or V crosses every 8-16 rows; ahead of the reads by ~8 KiB,
-// a decode batch's attention (every row streams its own slot from DRAM) waits for memory far less.
-inline void prefetch_rows(const uint8_t* base, int from, int to, int row_bytes, int bytes) {
-  for (int r = from; r < to; ++r)
-    for (int o = 0; o < bytes; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(base + int64_t(r) * row_bytes + o), _MM_HINT_T0);
-}
-// Rows ahead for prefetch_rows: ~8 KiB of the head's elements, a multiple of 4 rows (measured on a batch of cold
+// Q·K's software prefetch reads the K rows this many rows ahead (LinePrefetch, one line a step): ~8 KiB of the head's
+// elements, a multiple of 4 rows. The hardware prefetchers stop at each 4 KiB page, which a head's K or V crosses
+// every 8-16 rows, and a decode batch's attention streams every row's slot from DRAM (measured on a batch of cold
 // slots: 2 KiB is too short for 512-dim int8 heads, 16 KiB gains nothing more).
 inline int prefetch_ahead(int head_bytes) { return std::max(4, (8192 / head_bytes) & ~3); }
 
@@ -91,13 +85,15 @@ inline void for_head_blocks(F&& f) {
 // Scores of HB heads (q rows q_stride apart) against P consecutive cache rows (P = 4, or 1 for a run's last
 // positions) from k on, f16 or f32 elements: each K vector is converted once for the HB heads, and the HB x P dot
 // products are summed four positions at a time (hsum4).
-template <int HB, int P, int E>
-inline void qk_float_group(const float* q, int q_stride, int hd, const uint8_t* k, int row_bytes, float* out,
-                           int span) {
+// pf: PFS lines a 16-dim step (as qk_int8_group's), returned for the next head block.
+template <int HB, int P, int E, int PFS = 0>
+inline LinePrefetch qk_float_group(const float* q, int q_stride, int hd, const uint8_t* k, int row_bytes, float* out,
+                                   int span, LinePrefetch pf = {}) {
   __m512 acc[HB][P];
   for (int h = 0; h < HB; ++h)
     for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_ps();
   for (int d = 0; d < hd; d += 16) {
+    for (int i = 0; i < PFS; ++i) pf.step();
     __m512 kf[P];
     for (int p = 0; p < P; ++p) kf[p] = load_kv16<E>(k + int64_t(p) * row_bytes, d);
     for (int h = 0; h < HB; ++h) {
@@ -110,23 +106,28 @@ inline void qk_float_group(const float* q, int q_stride, int hd, const uint8_t* 
     // hsum4's order, so a position's score does not depend on whether it falls in a group of 4 (the ring's runs)
     else out[h * span] = _mm_cvtss_f32(hsum4(acc[h][0], acc[h][0], acc[h][0], acc[h][0]));
   }
+  return pf;
 }
 
 template <int NH, int E>
 void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs,
                      int span, float* s) {
   constexpr int HB = NH < 4 ? NH : 4;  // heads per pass: HB x 4 accumulators, 4 K vectors, one q vector
+  // The 4 rows `ahead` on, spread over the hd / 16 steps of every head block as in qk_scores_int8: 4 · hd · E / 64
+  // lines over (head blocks) · hd / 16 steps.
+  constexpr int blocks = (NH + HB - 1) / HB, PFS = (E + blocks - 1) / blocks;
+  const int ahead = prefetch_ahead(hd * E), lines = (hd * E + 63) / 64;
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     float* out = s + runs[ri].off;
     const int len = runs[ri].len;
-    const int ahead = prefetch_ahead(hd * E);
     int j = 0;
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
-      prefetch_rows(k, std::min(len, j + ahead), std::min(len, j + ahead + 4), c.row_bytes, hd * E);
+      LinePrefetch pf{k + int64_t(j + ahead) * c.row_bytes, size_t(c.row_bytes), lines, std::min(4, len - j - ahead)};
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
-        qk_float_group<decltype(hb)::value, 4, E>(q + h0 * q_stride, q_stride, hd, k + int64_t(j) * c.row_bytes,
-                                                  c.row_bytes, out + h0 * span + j, span);
+        pf = qk_float_group<decltype(hb)::value, 4, E, PFS>(q + h0 * q_stride, q_stride, hd,
+                                                            k + int64_t(j) * c.row_bytes, c.row_bytes,
+                                                            out + h0 * span + j, span, pf);
       });
     }
     for (; j < len; ++j)
@@ -262,15 +263,18 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
       const int tn = runs[ri].len - t0 < tile ? runs[ri].len - t0 : tile;
       const uint8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
       const float* w0 = w + runs[ri].off + t0;
+      // The next tile's tile · hd · E / 64 lines over the hd / (16 DB) passes of tile steps: E · DB / 4 a step, as
+      // in pv_int8 (not all in the first pass).
+      constexpr int PFS = (E * DB + 3) / 4;
+      LinePrefetch pf{v0 + int64_t(tile) * c.row_bytes, size_t(c.row_bytes), (hd * E + 63) / 64,
+                      std::min(tile, runs[ri].len - t0 - tile)};
       for (int d = 0; d < hd; d += 16 * DB) {
         __m512 acc[NH][DB];
         for (int h = 0; h < NH; ++h)
           for (int b = 0; b < DB; ++b) acc[h][b] = _mm512_loadu_ps(out + h * out_stride + d + 16 * b);
         const uint8_t* v = v0;
         for (int j = 0; j < tn; ++j, v += c.row_bytes) {
-          if (d == 0)  // the next tile's rows, as in pv_int8
-            prefetch_rows(v0, std::min(runs[ri].len - t0, tile + j), std::min(runs[ri].len - t0, tile + j + 1),
-                          c.row_bytes, hd * E);
+          for (int i = 0; i < PFS; ++i) pf.step();
           __m512 vf[DB];
           for (int b = 0; b < DB; ++b) vf[b] = load_kv16<E>(v, d + 16 * b);
           for (int h = 0; h < NH; ++h) {
