@@ -53,6 +53,12 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
 // slots: 2 KiB is too short for 512-dim int8 heads, 16 KiB gains nothing more).
 inline int prefetch_ahead(int head_bytes) { return std::max(4, (8192 / head_bytes) & ~3); }
 
+// A LinePrefetch over `rows` cache rows of this head from ring row `row` of the K or V plane (c.k or c.v), `bytes`
+// each.
+inline LinePrefetch head_rows(const uint8_t* plane, const AttnCache& c, int row, int rows, int bytes) {
+  return LinePrefetch{plane + int64_t(row) * c.row_bytes + c.head_off, size_t(c.row_bytes), (bytes + 63) / 64, rows};
+}
+
 // The sums of the 16 lanes of a0..a3, as the 4 lanes of the result (lane i: a_i). Transposes while it adds: 13
 // shuffles and adds for four dot products, where _mm512_reduce_add_ps takes ~8 dependent steps for each one.
 inline __m128i hsum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
@@ -116,14 +122,14 @@ void qk_scores_float(const float* q, int q_stride, int hd, const AttnCache& c, c
   // The 4 rows `ahead` on, spread over the hd / 16 steps of every head block as in qk_scores_int8: 4 · hd · E / 64
   // lines over (head blocks) · hd / 16 steps.
   constexpr int blocks = (NH + HB - 1) / HB, PFS = (E + blocks - 1) / blocks;
-  const int ahead = prefetch_ahead(hd * E), lines = (hd * E + 63) / 64;
+  const int ahead = prefetch_ahead(hd * E);
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     float* out = s + runs[ri].off;
     const int len = runs[ri].len;
     int j = 0;
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
-      LinePrefetch pf{k + int64_t(j + ahead) * c.row_bytes, size_t(c.row_bytes), lines, std::min(4, len - j - ahead)};
+      LinePrefetch pf = head_rows(c.k, c, runs[ri].row + j + ahead, std::min(4, len - j - ahead), hd * E);
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
         pf = qk_float_group<decltype(hb)::value, 4, E, PFS>(q + h0 * q_stride, q_stride, hd,
                                                             k + int64_t(j) * c.row_bytes, c.row_bytes,
@@ -151,17 +157,16 @@ inline int pv_tile(int hd) { return std::min(256, hd >= 1024 ? 16 : 16384 / hd);
 // for every head of the pass. The integer dot is exact; the score is it times s and the row's K scale. (An int8
 // query, as llama.cpp's q8_0 one for a quantised K cache, runs as fast per product but moves the scores by about as
 // much as the keys' own rounding: enough to flip near-tied greedy tokens on the test fixtures.)
-// pf: one line a 32-dim step (two with fewer than 4 heads, the only block); returned for the next head block (a copy,
-// not a reference: __m512i is may_alias, so writes through a reference would keep the accumulators in memory).
-template <int HB, int P>
+// pf: PFS lines a 32-dim step; returned for the next head block (a copy, not a reference: __m512i is may_alias, so
+// writes through a reference would keep the accumulators in memory).
+template <int HB, int P, int PFS = 0>
 inline LinePrefetch qk_int8_group(const int16_t* q16, int hd, const uint8_t* k, int row_bytes, const float* qscale,
                                   const float* ks, float* out, int span, LinePrefetch pf = {}) {
   __m512i acc[HB][P];
   for (int h = 0; h < HB; ++h)
     for (int p = 0; p < P; ++p) acc[h][p] = _mm512_setzero_si512();
   for (int d = 0; d < hd; d += 32) {
-    pf.step();
-    if (HB < 4) pf.step();
+    for (int i = 0; i < PFS; ++i) pf.step();
     __m512i kx[P];
     for (int p = 0; p < P; ++p)
       kx[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + int64_t(p) * row_bytes + d)));
@@ -200,16 +205,15 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     }
   }
   constexpr int HB = NH < 4 ? NH : 4;  // HB heads x 4 rows of accumulators
+  // 4 rows' hd / 16 lines over the (head blocks) · hd / 32 steps of a 4-row block.
+  constexpr int blocks = (NH + HB - 1) / HB, PFS = (2 + blocks - 1) / blocks;
   // What the block reads next as one stream of rows: the K rows of every run, then the V rows of P·V's first tile.
   // next_rows(r): up to 4 rows from row r of that stream (not across a run's end).
-  const int lines = (hd + 63) / 64, v_rows = std::min(pv_tile(hd), runs[0].len);
+  const int v_rows = std::min(pv_tile(hd), runs[0].len);
   auto next_rows = [&](int r) {
     for (int ri = 0; ri < n_runs; r -= runs[ri].len, ++ri)
-      if (r < runs[ri].len)
-        return LinePrefetch{c.k + int64_t(runs[ri].row + r) * c.row_bytes + c.head_off, size_t(c.row_bytes), lines,
-                            std::min(4, runs[ri].len - r)};
-    return LinePrefetch{c.v + int64_t(runs[0].row + r) * c.row_bytes + c.head_off, size_t(c.row_bytes), lines,
-                        std::min(4, v_rows - r)};
+      if (r < runs[ri].len) return head_rows(c.k, c, runs[ri].row + r, std::min(4, runs[ri].len - r), hd);
+    return head_rows(c.v, c, runs[0].row + r, std::min(4, v_rows - r), hd);
   };
   const int ahead = prefetch_ahead(hd);
   for (int ri = 0; ri < n_runs; ++ri) {
@@ -219,14 +223,14 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     const int len = runs[ri].len;
     int j = 0;
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
-      // The 4 rows `ahead` on: hd / 16 lines over the hd / 16 steps of two head blocks (8 heads; one block takes two
-      // a step). With these rows as a burst here, P·V's next tile as a burst in its first pass and neither the first
+      // The 4 rows `ahead` on, PFS lines a step. With these rows as a burst here, P·V's next tile as a burst in its first pass and neither the first
       // V tile nor the next part's first K rows prefetched, attention over 128 cold slots took 1.9x (512-dim heads,
       // 1024 positions) and 1.1x (256, 512) as long (Zen 5, alternated in one process; docs/benchmarks.md).
       LinePrefetch pf = next_rows(runs[ri].off + j + ahead);
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
-        pf = qk_int8_group<decltype(hb)::value, 4>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes, c.row_bytes,
-                                                   qscale + h0, ks + j, out + h0 * span + j, span, pf);
+        pf = qk_int8_group<decltype(hb)::value, 4, PFS>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes,
+                                                        c.row_bytes, qscale + h0, ks + j, out + h0 * span + j, span,
+                                                        pf);
       });
     }
     for (; j < len; ++j)
@@ -266,8 +270,7 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
       // The next tile's tile · hd · E / 64 lines over the hd / (16 DB) passes of tile steps: E · DB / 4 a step, as
       // in pv_int8 (not all in the first pass).
       constexpr int PFS = (E * DB + 3) / 4;
-      LinePrefetch pf{v0 + int64_t(tile) * c.row_bytes, size_t(c.row_bytes), (hd * E + 63) / 64,
-                      std::min(tile, runs[ri].len - t0 - tile)};
+      LinePrefetch pf = head_rows(c.v, c, runs[ri].row + t0 + tile, std::min(tile, runs[ri].len - t0 - tile), hd * E);
       for (int d = 0; d < hd; d += 16 * DB) {
         __m512 acc[NH][DB];
         for (int h = 0; h < NH; ++h)
@@ -333,12 +336,10 @@ void pv_int8(const float* w, int span, int hd, const AttnCache& c, const Run* ru
       }
       // The next tile's tile * hd / 64 lines, one a pair step over the hd / 32 passes of tile / 2 steps, while this
       // one is worked through (all in the first pass, they stalled the loads behind them).
-      LinePrefetch pf{v0 + int64_t(tile) * c.row_bytes, size_t(c.row_bytes), (hd + 63) / 64,
-                      std::min(tile, runs[ri].len - t0 - tile)};
+      LinePrefetch pf = head_rows(c.v, c, runs[ri].row + t0 + tile, std::min(tile, runs[ri].len - t0 - tile), hd);
       if (more && ri + 1 == n_runs && t0 + tile >= runs[ri].len) {
         const int after = (runs[ri].row + runs[ri].len) % c.cap;
-        pf = LinePrefetch{c.k + int64_t(after) * c.row_bytes + c.head_off, size_t(c.row_bytes), (hd + 63) / 64,
-                          std::min(prefetch_ahead(hd), c.cap - after)};
+        pf = head_rows(c.k, c, after, std::min(prefetch_ahead(hd), c.cap - after), hd);
       }
       for (int d = 0; d < hd; d += 32) {
         __m512i acc[NH][2];
