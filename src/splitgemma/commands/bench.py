@@ -287,10 +287,11 @@ def run(args) -> int:
     prefill_weights = model.weights
     try:
         model.weights = args.decode_weights  # checked before any measuring; set back for the prefill figures
-        model.weights = prefill_weights
     except ValueError as e:
         raise CommandError(f"--decode-weights: {e}") from None
-    dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
+    decode_weights = model.weights  # as the engine spells the policy
+    model.weights = prefill_weights
+    dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, decode_weights, b, model.max_rows)
                                          for b in args.batches])
 
     def probe() -> None:
@@ -331,7 +332,7 @@ def run(args) -> int:
     decode = []
     say(f"prefill of the decode context ({args.context} tokens) …")
     model.prefill(arena, pristine, _synthetic(rng, args.context, model.vocab_size))
-    model.weights = args.decode_weights
+    model.weights = decode_weights
     for b in args.batches:
         slots = list(range(b))
         steps = [[int(t) for t in _synthetic(rng, b, model.vocab_size)] for _ in range(args.steps)]
@@ -344,7 +345,7 @@ def run(args) -> int:
         start()
         logits = np.empty((b, model.vocab_size), np.float32)  # reused, as the decode worker reuses its buffer
         model.decode(arena, slots, steps[0], [args.context] * b, out=logits)  # warm-up step (rewound by the next copy)
-        step_bytes = decode_step_bytes(linears, args.decode_weights, b, model.max_rows)
+        step_bytes = decode_step_bytes(linears, decode_weights, b, model.max_rows)
         seconds, brackets = [], [K.read_bandwidth(dram_bytes, threads, 1)[0]]
         for _ in range(args.repeats):
             start()
@@ -375,7 +376,7 @@ def run(args) -> int:
         "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(),
                     "backends": {b: K.cpu_supports(b) for b in ("amx", "vnni", "avx2")}},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "backend": backend, "threads": threads, "weights": {"prefill": prefill_weights, "decode": args.decode_weights},
+        "backend": backend, "threads": threads, "weights": {"prefill": prefill_weights, "decode": decode_weights},
         "chunk": model.chunk,
         "repeats": args.repeats, "page_cache_read_s": warm_s,
         "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram,
