@@ -46,6 +46,8 @@ struct QActStore {
       : packed(aligned_array<int8_t>(sg::qact_packed_bytes(m, k))),
         scale(aligned_array<float>(sg::qact_padded_rows(m))),
         rowsum(aligned_array<int32_t>(sg::qact_rowsum_count(m, k))) {
+    // Zeroed once: the quantiser leaves padding rows' codes as they are, and the kernels read them along (gemm.h).
+    std::memset(packed.get(), 0, sg::qact_packed_bytes(m, k));
     q.packed = packed.get();
     q.scale = scale.get();
     q.rowsum = rowsum.get();

@@ -77,15 +77,17 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);
 // Activations quantised per row to int8 (after the Hadamard transform when hadamard > 0),
 // packed ONCE in the one layout every backend reads: the AMX A-tile order
 //   packed[((m/16)·(k/64) + k/64-block)·1024 + (m%16)·64 + k%64],
-// rows padded with zeros up to qact_padded_rows(m) (a multiple of 16). VNNI/AVX2 broadcast
-// 4-byte groups from the same bytes. Buffers are caller-owned and sized by the functions
-// below; nothing is allocated per call.
+// rows padded up to qact_padded_rows(m) (a multiple of 16). VNNI/AVX2 broadcast 4-byte groups
+// from the same bytes. The padding rows' codes are whatever the buffer held (a kernel may
+// compute them along, whole tiles or register blocks at a time, but never stores their outputs;
+// their scale and rowsum are 0, so such an output is 0 anyway). Buffers are caller-owned and
+// sized by the functions below; nothing is allocated per call.
 struct QAct {
   int m = 0, k = 0;
   int hadamard = 0;
   int8_t* packed = nullptr;  // [qact_packed_bytes]; 64-byte alignment recommended (AMX loads)
   float* scale = nullptr;    // [m_padded] per-row dequantisation scale (padding rows: 0)
-  int32_t* rowsum = nullptr; // [m_padded][k/64] per-row, per-64-block code sums (bias corrections)
+  int32_t* rowsum = nullptr; // [m_padded][k/64] per-row, per-64-block code sums (padding rows: 0)
 };
 size_t qact_packed_bytes(int m, int k);
 size_t qact_rowsum_count(int m, int k);

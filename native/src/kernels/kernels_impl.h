@@ -60,9 +60,10 @@ void run_tasks(ThreadPool* pool, int n, F& f) {
 }
 
 // quantize_activations() and quantize_activations_from() with the given row quantiser (activations.cpp: ymm,
-// activations_avx512.cpp: zmm): validates the arguments, fills in out->m/k/hadamard and runs quantize_one(row or
-// null for a padding row, k, hadamard, row index, out) for every padded row, over the pool when the input is large
-// enough. The rows are x's (src null) or src's, made one at a time into a buffer of the task's.
+// activations_avx512.cpp: zmm): validates the arguments, fills in out->m/k/hadamard, runs quantize_one(row, k,
+// hadamard, row index, out) for every row and sets the padding rows' scale and rowsum to 0 (gemm.h), over the pool
+// when the input is large enough. The rows are x's (src null) or src's, made one at a time into a buffer of the
+// task's.
 using QuantizeRowFn = void (*)(const float* x, int k, int hadamard, int row, QAct* out);
 void quantize_rows(const float* x, int ldx, const RowSource* src, int m, int k, int hadamard, QAct* out,
                    ThreadPool* pool, QuantizeRowFn quantize_one);

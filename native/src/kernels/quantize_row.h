@@ -6,26 +6,16 @@
 // Isa is a type local to the including file, so the two instantiations never meet at link time.
 #pragma once
 
-#include <cstring>
-
 #include "gemm.h"
 
 namespace sg::detail {
 
-// Row `row` of x (or a zero padding row when x is null) into the packed layout.
+// Row `row` of x into the packed layout.
 template <class Isa>
 inline void quantize_row_with(const float* x, int k, int hadamard, int row, QAct* out) {
   const int KB = k / 64;
   int8_t* dst = out->packed + ((size_t)(row / 16) * KB * 16 + row % 16) * 64;  // k-block kb at + kb·1024
   int32_t* rs = out->rowsum + (size_t)row * KB;
-  if (!x) {
-    for (int kb = 0; kb < KB; ++kb) {
-      std::memset(dst + (size_t)kb * 1024, 0, 64);
-      rs[kb] = 0;
-    }
-    out->scale[row] = 0.f;
-    return;
-  }
   // The rotated row is kept on the stack for pass 2 when it fits; longer rows are rotated
   // again block by block (the transform is deterministic, so both passes see the same values).
   constexpr int kCachedK = 16384;
