@@ -12,7 +12,7 @@
 // Up to 8 rows (decode at small batches: bound by reading the weights): one pass over the task's
 // column blocks with a register block of 1, 2, 4 or 8 rows × 2 column blocks (32 columns); A is
 // broadcast one 4-byte group at a time from the shared packed layout. The packed rows are
-// zero-padded to 16, so rounding a row count up to a power of two only computes padding rows,
+// padded to 16 (gemm.h), so rounding a row count up to a power of two only computes padding rows,
 // which are never stored; prefill chunks (more than kPanelMaxRows rows) run the same blocks 8
 // rows at a time. Decode batches of 9..kPanelMaxRows rows: panels of 32 rows over k-chunks
 // (see panel() below).
@@ -334,7 +334,7 @@ void gemm_vnni(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int 
     }
   } else {
     // 8-row blocks start at rows 0 and 8 of each 16-row block, so the power-of-two round-up
-    // below never leaves the (zero-padded) block.
+    // below never leaves the (padded) block.
     for (int m = 0; m < a.m; m += 8) {
       const int valid = a.m - m < 8 ? a.m - m : 8;
       if (valid > 4) rows<8>(c, m, valid, nb0, nb1);
