@@ -223,9 +223,10 @@ void qk_scores_int8(const float* q, int q_stride, int hd, const AttnCache& c, co
     const int len = runs[ri].len;
     int j = 0;
     for (; j + 4 <= len; j += 4) {  // all heads per 4 rows, so the rows are read from memory once
-      // The 4 rows `ahead` on, PFS lines a step. With these rows as a burst here, P·V's next tile as a burst in its first pass and neither the first
-      // V tile nor the next part's first K rows prefetched, attention over 128 cold slots took 1.9x (512-dim heads,
-      // 1024 positions) and 1.1x (256, 512) as long (Zen 5, alternated in one process; docs/benchmarks.md).
+      // The 4 rows `ahead` on, PFS lines a step. With these rows as a burst here, P·V's next tile as a burst in its
+      // first pass and neither the first V tile nor the next part's first K rows prefetched, attention over 128 cold
+      // slots took 1.9x (512-dim heads, 1024 positions) and 1.1x (256, 512) as long (Zen 5, alternated in one
+      // process; docs/benchmarks.md).
       LinePrefetch pf = next_rows(runs[ri].off + j + ahead);
       for_head_blocks<NH, HB>([&](auto hb, int h0) {
         pf = qk_int8_group<decltype(hb)::value, 4, PFS>(q16 + h0 * hd, hd, k + int64_t(j) * c.row_bytes,
