@@ -316,7 +316,7 @@ def test_bench_work_model():
     from splitgemma.commands.bench import _linears, decode_step_bytes, prefill_macs
     f = FgmFile(FGM)
     cfg = json.loads(f.header_json)["config"]
-    lin = _linears(f)
+    lin = _linears(f, "int8")
     all_nk = sum(f.tensor_info(n)["shape"][0] * f.tensor_info(n)["shape"][1] for n in f.tensor_names
                  if f.tensor_info(n)["dtype"] in ("q8c", "q4g") and not n.endswith(".i8"))
     assert prefill_macs(lin, cfg, 1) == all_nk
@@ -334,24 +334,32 @@ def test_bench_work_model():
     assert int8 - int4 == i8 - q4
 
 
-def test_bench_counts_weight_only_gemms_apart(tmp_path):
-    """A q8g (int8g) file runs its GEMMs as f32 FMAs: none of its multiply-adds count against the int8 peak, all of
-    them in the f32 figure, and its decode bytes are the q8g codes and f32 scales. Its embedding table is the tied LM
-    head (there is no lm_head tensor): counted once, as the head."""
-    from splitgemma._native import FgmFile
+@pytest.mark.parametrize("group", [32, 8])
+def test_bench_counts_weight_only_gemms_apart(tmp_path, group):
+    """With f32 activations a q8g (int8g) file runs its GEMMs as f32 FMAs: none of its multiply-adds count against
+    the int8 peak, all of them in the f32 figure. With int8 activations those whose group and K fit the int8 kernel's
+    units (group 32 here, not 8) count as int8 multiply-adds, the others still as f32. Its decode bytes are the q8g
+    codes and f32 scales either way. Its embedding table is the tied LM head (there is no lm_head tensor): counted
+    once, as the head."""
+    from splitgemma._native import FgmFile, kernels
     from splitgemma.commands.bench import _linears, decode_step_bytes, prefill_macs
     from splitgemma.fgm import convert_checkpoint
     out = tmp_path / "tiny-int8g.fgm"
-    convert_checkpoint(Path(__file__).parent / "fixtures" / "gemma3-tiny", out, weights="int8g", progress=False)
+    convert_checkpoint(Path(__file__).parent / "fixtures" / "gemma3-tiny", out, weights="int8g", group=group,
+                       progress=False)
     f = FgmFile(str(out))
     cfg = json.loads(f.header_json)["config"]
-    lin = _linears(f)
     q8g = [n for n in f.tensor_names if f.tensor_info(n)["dtype"] == "q8g"]
     assert "lm_head" not in f.tensor_names and "embed_tokens" in q8g
+    nk = sum(f.tensor_info(n)["shape"][0] * f.tensor_info(n)["shape"][1] for n in q8g)
+    lin = _linears(f, "f32")
     assert sorted(w["name"] for w in lin) == sorted(["lm_head" if n == "embed_tokens" else n for n in q8g])
     assert all(w["f32"] for w in lin)
     assert prefill_macs(lin, cfg, 7) == 0
-    assert prefill_macs(lin, cfg, 1, f32=True) == sum(f.tensor_info(n)["shape"][0] * f.tensor_info(n)["shape"][1]
-                                                      for n in q8g)
+    assert prefill_macs(lin, cfg, 1, f32=True) == nk
+    lin8 = _linears(f, "int8")
+    assert [w["f32"] for w in lin8] == [not kernels.q8g_runs_int8(w["k"], group) for w in lin8]
+    assert any(not w["f32"] for w in lin8) == (group == 32)
+    assert prefill_macs(lin8, cfg, 1) + prefill_macs(lin8, cfg, 1, f32=True) == nk
     assert decode_step_bytes(lin, "auto:16", 1, 8) == sum(f.tensor_info(n)["nbytes"] +
                                                           f.tensor_info(n + ".scale")["nbytes"] for n in q8g)

@@ -18,6 +18,7 @@ import pytest
 
 from splitgemma import _native as N
 from splitgemma.fgm import convert_checkpoint
+from test_kernels import group_sum
 from test_q8g_convert import GGUF_NAMES, write_tiny_gguf
 from tools.fgm_decode import FgmReader
 
@@ -135,26 +136,13 @@ def test_q8ga_kernel_follows_its_contract(group):
                 p = np.float32(0)
                 for kk in range(g * group, (g + 1) * group):
                     p = _fma(x[mm, kk], codes[j, kk], p)
-                xs = _group_sum(x[mm, g * group:(g + 1) * group])
+                xs = group_sum(x[mm, g * group:(g + 1) * group])
                 acc = _fma(p, scale[g, j], acc)
                 off = _fma(xs, offset[g, j], off)
             want[mm, j] = np.float32(acc + off)
     for b in BACKENDS:
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=b, threads=2, offsets=offset)
         np.testing.assert_array_equal(y, want, err_msg=b)
-
-
-def _group_sum(v: np.ndarray) -> np.float32:
-    """gemm.h's order for a group's sum: eight lanes over the first 8·(G // 8) values, a fixed tree, then the rest."""
-    full = len(v) // 8 * 8
-    t = [np.float32(0)] * 8
-    for i in range(0, full, 8):
-        t = [np.float32(t[j] + v[i + j]) for j in range(8)]
-    s = np.float32(np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
-                   + np.float32(np.float32(t[4] + t[5]) + np.float32(t[6] + t[7])))
-    for x in v[full:]:
-        s = np.float32(s + x)
-    return s
 
 
 def _fma(a, b, c) -> np.float32:

@@ -443,15 +443,95 @@ def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group):
         assert np.abs(y - full).max() <= 1e-5 * np.abs(x).max() * np.abs(scale).max() * 127 * k
 
 
+def q8g_int8_contract(x, q, scale, group, offsets=None):
+    """gemm.h's int8-activation contract, from its text: x quantised per row in blocks of 32 (a = amax / 127 in f32,
+    code = round-half-even(x / a) clamped to ±127), the exact integer sum per unit of U inputs (16 when G = 16, else
+    32), then y = fma(acc, fl(a · s), y) unit by unit; a q8ga weight adds its offsets' chain on the f32 x."""
+    def fma(a, b, c):
+        return (a.astype(np.longdouble) * b.astype(np.longdouble) + c.astype(np.longdouble)).astype(np.float32)
+
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    amax = np.abs(blocks).max(-1)
+    a = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    codes = np.clip(np.rint(blocks / a[..., None]), -127, 127).astype(np.int64).reshape(m, k)
+    unit = 16 if group == 16 else 32
+    y = np.zeros((m, q.shape[0]), np.float32)
+    for u in range(k // unit):
+        cols = slice(u * unit, (u + 1) * unit)
+        acc = (codes[:, cols] @ q[:, cols].T).astype(np.float32)  # exact: |acc| < 2^24
+        y = fma(acc, (a[:, u * unit // 32][:, None] * scale[u * unit // group][None, :]).astype(np.float32), y)
+    if offsets is not None:
+        off = np.zeros_like(y)
+        for g in range(k // group):
+            xs = np.array([group_sum(r[g * group:(g + 1) * group]) for r in x], np.float32)
+            off = fma(xs[:, None], offsets[g][None, :], off)
+        y = (y + off).astype(np.float32)
+    return y
+
+
+def group_sum(v):
+    """gemm.h's order for a group's sum of x: eight lanes over the first 8·(G // 8) values, a fixed tree, the rest."""
+    full = len(v) // 8 * 8
+    t = [np.float32(0)] * 8
+    for i in range(0, full, 8):
+        t = [np.float32(t[j] + v[i + j]) for j in range(8)]
+    s = np.float32(np.float32(np.float32(t[0] + t[1]) + np.float32(t[2] + t[3]))
+                   + np.float32(np.float32(t[4] + t[5]) + np.float32(t[6] + t[7])))
+    for e in v[full:]:
+        s = np.float32(s + e)
+    return s
+
+
+# G = 16 (units of 16), 32, 64 and 128 (units of 32); 208 columns: tasks of 12 panels + 1
+Q8G_INT8_SHAPES = [(16, 64, 32), (48, 640, 32), (32, 64, 16), (272, 640, 16), (64, 1024, 128), (32, 128, 64),
+                   (208, 64, 32)]
+
+
+@pytest.mark.parametrize("n,k,group", Q8G_INT8_SHAPES)
+@pytest.mark.parametrize("with_offsets", [False, True], ids=["q8g", "q8ga"])
+def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, with_offsets):
+    """With int8 activations every row count (the register blocks of 1-12 rows, the 6-row prefill blocks past 32
+    rows, and the activations laid out in those blocks) and every backend gives exactly gemm.h's integers and
+    roundings: the rows' results do not depend on what they were batched with, and AVX2 (vpmaddwd on int16 codes)
+    equals VNNI (vpdpbusd on flipped weight codes with a bias). Extreme codes (±127, -128 from Q8_0 blocks) and
+    an all-zero input block (scale 1) included."""
+    rng = np.random.default_rng(n * 131 + k * 7 + group + with_offsets)
+    q = rng.integers(-128, 128, (n, k))
+    q[1], q[2], q[3] = 0, 127, -128
+    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
+    offsets = rng.standard_normal((k // group, n)).astype(np.float32) if with_offsets else None
+    blob = q8g_panels(q)
+    for m in (1, 2, 5, 7, 8, 12, 13, 25, 32, 33, 40, 70):
+        x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
+        x[0, :32] = 0
+        y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2, offsets=offsets,
+                            q8g_input="int8")
+        np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group, offsets), err_msg=f"m={m}")
+
+
+def test_q8g_int8_input_keeps_the_f32_contract_where_its_units_do_not_fit():
+    """A group that is neither 16 nor a multiple of 32 (8, 48), or K % 32 != 0, runs the weight-only contract."""
+    rng = np.random.default_rng(5)
+    for n, k, group in ((32, 64, 8), (16, 96, 48), (16, 48, 16)):
+        q = rng.integers(-127, 128, (n, k))
+        scale = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
+        x = rng.standard_normal((3, k)).astype(np.float32)
+        y = K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, threads=2, q8g_input="int8")
+        np.testing.assert_array_equal(y, q8g_contract(x, q, scale, group))
+
+
 def test_q8g_threads_do_not_change_results():
     rng = np.random.default_rng(11)
     n, k, group = 272, 640, 32
     q = rng.integers(-127, 128, (n, k))
     scale = rng.uniform(-0.1, 0.1, (k // group, n)).astype(np.float32)
     x = rng.standard_normal((37, k)).astype(np.float32)
-    ys = [K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, threads=t) for t in (1, 2, 3)]
-    for y in ys[1:]:
-        np.testing.assert_array_equal(y, ys[0])
+    for q8g_input in ("f32", "int8"):
+        ys = [K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, threads=t, q8g_input=q8g_input)
+              for t in (1, 2, 3)]
+        for y in ys[1:]:
+            np.testing.assert_array_equal(y, ys[0])
 
 
 def test_q8g_bad_arguments():
@@ -463,6 +543,9 @@ def test_q8g_bad_arguments():
                         hadamard=128)
     with pytest.raises(ValueError, match=r"float32 \[K/group, N\]"):
         K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float16), "q8g", 16, 64, group=32)
+    with pytest.raises(ValueError, match="q8g activations must be 'int8' or 'f32', got 'int4'"):
+        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float32), "q8g", 16, 64, group=32,
+                        q8g_input="int4")
 
 
 # ---------------------------------------------------------------- errors

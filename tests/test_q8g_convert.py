@@ -499,8 +499,9 @@ def test_random_model_int8g_layout_equals_converter(tmp_path, monkeypatch):
 
 
 def test_engine_runs_int8g(tiny_int8g, report):
-    """The engine (f32 activations on q8g weights) against the float64 reference on the file's own weights, with the
-    f16 K/V the file asks for and with the f32 K/V option (fidelity checks: no rounding of the cached K/V at all)."""
+    """The engine against the float64 reference on the file's own weights: with f32 activations on the q8g weights,
+    with the f16 K/V the file asks for and with the f32 K/V option (fidelity checks: no rounding of the cached K/V at
+    all); and with the default int8 activations (quantised per 32 inputs, gemm.h)."""
     from tools.reference_forward import forward
 
     cfg, _ = load_hf_checkpoint(TINY)
@@ -508,18 +509,21 @@ def test_engine_runs_int8g(tiny_int8g, report):
     ids = np.load(TINY / "reference.npz")["prompt_ids_1"]
     want = forward(decoded, cfg, ids, norms_as_stored=True)
     err = {}
-    for kv in (None, "f32"):
-        m = N.Model(str(tiny_int8g), max_context=128, threads=2, kv_dtype=kv)
-        assert m.kv_layout["kv_dtype"] == (kv or "f16")
+    for kv, q8g_input in ((None, "f32"), ("f32", "f32"), (None, "int8")):
+        m = N.Model(str(tiny_int8g), max_context=128, threads=2, kv_dtype=kv, q8g_input=q8g_input)
+        assert m.kv_layout["kv_dtype"] == (kv or "f16") and m.q8g_input == q8g_input
         got = m.prefill(N.KvArena(m, bytearray(m.kv_slot_bytes), 1), 0, ids.astype(np.int32), all_logits=True)
         cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
-        err[kv or "f16"] = (1 - float(cos.min()), float(np.abs(got - want).max()))
-    report(f"tiny Gemma 3 int8g, engine vs float64 reference (1 - cosine min, max |logit difference|): {err}")
-    # Nothing is quantised at run time (f32 activations, the f16 K/V the file asks for): only float rounding is left
-    # (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06). f32 K/V
-    # removes the f16 rounding of the cache as well.
-    assert err["f16"][0] <= 1e-5 and err["f16"][1] <= 0.01, err
-    assert err["f32"][1] < err["f16"][1] and err["f32"][0] <= err["f16"][0], err
+        err[(kv or "f16", q8g_input)] = (1 - float(cos.min()), float(np.abs(got - want).max()))
+    report(f"tiny Gemma 3 int8g, engine vs float64 reference ((K/V, activations): 1 - cosine min, max |logit "
+           f"difference|): {err}")
+    # With f32 activations nothing is quantised at run time (the f16 K/V the file asks for): only float rounding is
+    # left (measured: 1 - cosine 4e-7, max |logit difference| 0.0017; with an int8 K/V cache 3.5e-4 and 0.06). f32
+    # K/V removes the f16 rounding of the cache as well. The int8 activations' own error (measured 8.8e-4 and 0.081)
+    # is about an int8 K/V cache's.
+    assert err[("f16", "f32")][0] <= 1e-5 and err[("f16", "f32")][1] <= 0.01, err
+    assert err[("f32", "f32")][1] < err[("f16", "f32")][1] and err[("f32", "f32")][0] <= err[("f16", "f32")][0], err
+    assert err[("f16", "int8")][0] <= 3e-3 and err[("f16", "int8")][1] <= 0.25, err
 
 
 def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkeypatch):

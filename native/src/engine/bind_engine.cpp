@@ -147,7 +147,7 @@ void bind_engine(py::module_& m) {
   py::class_<sg::Model, std::shared_ptr<sg::Model>>(
       m, "Model", "The Gemma 4 forward pass over a .fgm file: prefill and batched decode into KV slots.")
       .def(py::init([](py::object path, py::object threads, int max_context, int chunk, int max_batch,
-                       py::object weights, py::object backend, py::object kv_dtype) {
+                       py::object weights, py::object backend, py::object kv_dtype, py::object q8g_input) {
              const std::string p = py::str(py::module_::import("os").attr("fspath")(path));
              sg::ModelOptions o;
              if (!threads.is_none()) {
@@ -160,17 +160,19 @@ void bind_engine(py::module_& m) {
              if (!weights.is_none()) o.weights = weights.cast<std::string>();
              if (!backend.is_none()) o.backend = backend.cast<std::string>();
              if (!kv_dtype.is_none()) o.kv_dtype = kv_dtype.cast<std::string>();
+             if (!q8g_input.is_none()) o.q8g_input = q8g_input.cast<std::string>();
              py::gil_scoped_release nogil;
              return std::make_shared<sg::Model>(std::make_shared<sg::FgmFile>(p), o);
            }),
            py::arg("path"), py::arg("threads") = py::none(), py::arg("max_context") = 4096, py::arg("chunk") = 256,
            py::arg("max_batch") = 8, py::arg("weights") = py::none(), py::arg("backend") = py::none(),
-           py::arg("kv_dtype") = py::none(),
+           py::arg("kv_dtype") = py::none(), py::arg("q8g_input") = py::none(),
            "Open a .fgm file. threads: pool size (None: FGM_THREADS or all CPUs); max_context: longest sequence a "
            "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
            "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
            "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16 | f32, the K/V cache element type (None: what the file's "
-           "config asks for, else int8).")
+           "config asks for, else int8); q8g_input: int8 | f32, the activations of the q8g GEMMs (None: FGM_Q8G_INPUT, else "
+           "int8; f32 is the weight-only path that keeps the GGUF models' fidelity to float32).")
       .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
       .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
       .def_property_readonly("hidden_size", [](const sg::Model& md) { return md.config().hidden_size; })
@@ -187,6 +189,7 @@ void bind_engine(py::module_& m) {
           },
           "the FFN weight policy (int4 | int8 | auto:M); settable between passes")
       .def_property_readonly("backend", [](const sg::Model& md) { return sg::backend_name(md.backend()); })
+      .def_property_readonly("q8g_input", [](const sg::Model& md) { return sg::q8g_input_name(md.q8g_input()); })
       .def_property_readonly("layout_signature", [](const sg::Model& md) { return md.file().layout_signature(); })
       .def_property_readonly("kv_slot_bytes", [](const sg::Model& md) { return md.kv_layout().slot_bytes(); })
       .def_property_readonly("kv_layout", [](const sg::Model& md) { return layout_dict(md.kv_layout()); })

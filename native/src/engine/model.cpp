@@ -125,6 +125,7 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   quantize_ = zmm ? quantize_activations_avx512 : static_cast<decltype(quantize_)>(quantize_activations);
   quantize_from_ = zmm ? quantize_activations_from_avx512 : quantize_activations_from;
   policy_ = WeightPolicy::parse(opt.weights.empty() ? env_or("FGM_WEIGHTS", "auto:16") : opt.weights);
+  q8g_input_ = q8g_input_from_name(opt.q8g_input.empty() ? env_or("FGM_Q8G_INPUT", "int8") : opt.q8g_input);
   if (opt.max_context < 1) throw std::invalid_argument("max_context must be at least 1");
   if (opt.chunk < 1) throw std::invalid_argument("chunk must be at least 1");
   if (opt.max_batch < 1) throw std::invalid_argument("max_batch must be at least 1");
@@ -314,7 +315,8 @@ void Model::gelu_row(const float* g, const float* u, int n, float* row) const {
 void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<GemmOut> outs, int phase,
                        const RowPrep* prep) {
   // The GEMMs that share an input go out in one dispatch each kind: the int8-activation ones on one quantised x
-  // (gemm_multi), the q8g (weight-only) ones on x itself (gemm_q8g_multi), which a row preparation fills first.
+  // (gemm_multi), the q8g ones on x itself (gemm_q8g_multi, which quantises it its own way for int8 input), which a
+  // row preparation fills first.
   if (prep) {
     bool fused = k <= kRowSourceMaxK;
     for (const GemmOut& o : outs) fused &= o.w->pick(shape_rows(m), policy_).dtype != DType::Q8G;
@@ -335,7 +337,7 @@ void Model::gemm_group(float* x, int ldx, int m, int k, std::initializer_list<Ge
   auto flush_q8g = [&] {
     if (!n_q8g) return;
     Timer t(this, phase);
-    gemm_q8g_multi(x, ldx, m, q8g, n_q8g, pool_.get(), backend_);
+    gemm_q8g_multi(x, ldx, m, q8g, n_q8g, pool_.get(), backend_, q8g_input_);
     n_q8g = 0;
   };
   for (const GemmOut& o : outs) {

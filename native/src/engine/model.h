@@ -103,6 +103,7 @@ struct ModelOptions {
   std::string weights;    // "" : FGM_WEIGHTS, else auto:16
   std::string backend;    // "" : the process's active_backend() (FGM_BACKEND or CPUID); else amx|vnni|avx2
   std::string kv_dtype;   // "" : the file's config.kv_cache_dtype, else int8; or "int8" | "f16"
+  std::string q8g_input;  // "" : FGM_Q8G_INPUT, else int8; or "f32": the q8g GEMMs' activations (gemm.h)
 };
 
 // One token of a decode step. Consecutive entries with the same slot are one sequence's run: at consecutive
@@ -142,6 +143,7 @@ class Model {
   // decode worker does, on one model). Throws std::invalid_argument for a bad spec, leaving the policy unchanged.
   void set_weight_policy(const std::string& spec);
   Backend backend() const { return backend_; }
+  Q8gInput q8g_input() const { return q8g_input_; }
 
   // Runs tokens[0..T) at positions pos0.. into `slot`; writes the last row's logits (out[V]) or, with
   // all_logits, every row's (out[T][V]). Throws std::invalid_argument / std::out_of_range before touching the
@@ -211,6 +213,7 @@ class Model {
   std::shared_ptr<const FgmFile> file_;
   WeightPolicy policy_;
   Backend backend_;
+  Q8gInput q8g_input_ = Q8gInput::Int8;
   bool amx_attention_ = false;  // the prefill tile kernel's int8 dot products on AMX tiles (ops.h attend_rows_avx512)
   // Query vectors per block of that kernel.
   int attend_vectors() const;

@@ -260,16 +260,67 @@ void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* poo
 
 namespace sg {
 
-void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool) {
-  gemm_q8g(x, ldx, m, w, y, ldy, pool, active_backend());
+Q8gInput q8g_input_from_name(const std::string& name) {
+  if (name == "int8") return Q8gInput::Int8;
+  if (name == "f32") return Q8gInput::F32;
+  throw std::invalid_argument("q8g activations must be 'int8' or 'f32', got '" + name + "'");
 }
 
-void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b) {
+const char* q8g_input_name(Q8gInput in) { return in == Q8gInput::Int8 ? "int8" : "f32"; }
+
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Q8gInput in) {
+  gemm_q8g(x, ldx, m, w, y, ldy, pool, active_backend(), in);
+}
+
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b,
+              Q8gInput in) {
   const GemmTarget t{&w, y, ldy};
-  gemm_q8g_multi(x, ldx, m, &t, 1, pool, b);
+  gemm_q8g_multi(x, ldx, m, &t, 1, pool, b, in);
 }
 
-void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b) {
+namespace {
+
+// The int8 activations of one gemm_q8g_multi call (gemm.h), in buffers of the calling thread that grow to the
+// largest call and are then reused: nothing is allocated per step.
+struct Q8gActStore {
+  std::vector<int8_t> codes;
+  std::vector<int16_t> wide;
+  std::vector<float> scale;
+  std::vector<int32_t> bias16, bias32;
+};
+
+detail::Q8gActs quantize_q8g_input(const float* x, int ldx, int m, int k, Backend b, ThreadPool* pool) {
+  thread_local Q8gActStore st;
+  const bool wide = b == Backend::Avx2;
+  const size_t mk = size_t(m) * k;
+  st.codes.resize(mk);
+  st.wide.resize(wide ? mk : 0);
+  st.scale.resize(mk / 32);
+  st.bias32.resize(mk / 32);
+  st.bias16.resize(mk / 16);
+  detail::Q8gActs a;
+  a.m = m;
+  a.k = k;
+  a.block_rows = detail::q8g_rows_per_block(m, detail::q8g_max_rows(!wide, m));
+  // The caller's buffers, by pointer: in a pool thread, `st` would name that thread's own, empty store.
+  a.codes = st.codes.data();
+  a.wide = wide ? st.wide.data() : nullptr;
+  a.scale = st.scale.data();
+  a.bias16 = st.bias16.data();
+  a.bias32 = st.bias32.data();
+  // A decode batch (32 rows of 2048: ~30 µs) is quantised on the calling thread; a prefill chunk over the pool.
+  constexpr int kRowsPerTask = 16;
+  const int tasks = mk >= (size_t(1) << 17) && pool ? (m + kRowsPerTask - 1) / kRowsPerTask : 1;
+  const int rows = tasks == 1 ? m : kRowsPerTask;
+  auto task = [&](int t, int) { detail::q8g_quantize_rows(x, ldx, t * rows, std::min(m, (t + 1) * rows), a); };
+  detail::run_tasks(tasks > 1 ? pool : nullptr, tasks, task);
+  return a;
+}
+
+}  // namespace
+
+void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b,
+                    Q8gInput in) {
   constexpr int kMaxTargets = 8;
   if (n < 1 || n > kMaxTargets)
     throw std::invalid_argument("gemm_q8g_multi: between 1 and " + std::to_string(kMaxTargets) + " targets, got " +
@@ -306,6 +357,11 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
   for (int i = 0; i < n; ++i)
     if (targets[i].w->offsets) detail::q8g_group_sums(x, ldx, m, K, targets[i].w->group, sums + xsum_at[i]);
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
+  const auto int8_panels_fn =
+      b == Backend::Avx2 ? detail::gemm_q8g_int8_panels : detail::gemm_q8g_int8_panels_avx512;
+  bool int8_in = false;
+  for (int i = 0; i < n; ++i) int8_in |= in == Q8gInput::Int8 && q8g_runs_int8(targets[i].w->k, targets[i].w->group);
+  const detail::Q8gActs acts = int8_in ? quantize_q8g_input(x, ldx, m, K, b, pool) : detail::Q8gActs{};
   // Decode (m <= 32): a multiple of 12 panels a task (a whole number of the kernel's panel blocks for every row
   // count), as many as leave two tasks a thread and at least 12: few task boundaries for the kernels' prefetch (one
   // block ahead) to run past into panels another thread takes, as in gemm_multi (detail::task_blocks). Gemma 3 270M,
@@ -329,7 +385,10 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
     const GemmTarget& g = targets[i];
     const int panels = g.w->n / 16, p0 = (t - first[i]) * tp[i];
     const float* xs = g.w->offsets ? sums + xsum_at[i] : nullptr;
-    panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));
+    if (int8_in && q8g_runs_int8(g.w->k, g.w->group))
+      int8_panels_fn(acts, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));
+    else
+      panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));
   };
   detail::run_tasks(pool, first[n], task);
 }

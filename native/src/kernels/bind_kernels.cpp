@@ -76,7 +76,7 @@ const F32Array& check_rows(const F32Array& x, int k, const char* what) {
 }
 
 // Quantise x and run one GEMM on a pool of `threads` workers.
-py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backend b, int threads) {
+py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backend b, int threads, sg::Q8gInput in) {
   check_rows(x, w.k, "linear");
   if (threads < 1) throw std::invalid_argument("linear: threads must be >= 1");
   const int m = int(x.shape(0));
@@ -89,8 +89,8 @@ py::array_t<float> run_linear(const F32Array& x, const sg::QLinear& w, sg::Backe
     QActStore qa(m, w.k);
     sg::backend_thread_init();
     sg::ThreadPool pool(threads, sg::backend_thread_init);
-    if (w.dtype == sg::DType::Q8G) {  // weight-only: no activation quantisation, one code path for every backend
-      sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool, b);
+    if (w.dtype == sg::DType::Q8G) {  // the q8g GEMM quantises (int8 input) or not (f32) itself
+      sg::gemm_q8g(xp, w.k, m, w, yp, w.n, &pool, b, in);
     } else {
       quantizer_for(b)(xp, w.k, m, w.k, w.hadamard, &qa.q, &pool);
       sg::gemm(qa.q, w, yp, w.n, &pool, b);
@@ -149,6 +149,10 @@ void bind_kernels(py::module_& parent) {
       "active_backend", [] { return std::string(sg::backend_name(sg::active_backend())); },
       "The backend gemm() uses by default (FGM_BACKEND or the best the CPU has).");
 
+  m.def("q8g_runs_int8", &sg::q8g_runs_int8, py::arg("k"), py::arg("group"),
+        "Whether a q8g weight of K inputs and this group runs on int8 activations when the engine's q8g_input is "
+        "int8 (group 16 or a multiple of 32, K % 32 == 0); otherwise it keeps f32 activations.");
+
   m.def(
       "fwht128",
       [](const F32Array& x) {
@@ -204,40 +208,45 @@ void bind_kernels(py::module_& parent) {
   m.def(
       "linear",
       [](const F32Array& x, std::shared_ptr<sg::FgmFile> f, const std::string& tensor,
-         const std::optional<std::string>& backend, int threads) {
+         const std::optional<std::string>& backend, int threads, const std::string& q8g_input) {
         const sg::QLinear w = sg::qlinear_from(*f, f->require(tensor));
-        return run_linear(x, w, pick_backend(backend), threads);
+        return run_linear(x, w, pick_backend(backend), threads, sg::q8g_input_from_name(q8g_input));
       },
       py::arg("x"), py::arg("fgm"), py::arg("tensor"), py::arg("backend") = py::none(), py::arg("threads") = 1,
-      "y = x · Wᵀ for a q8c/q4g linear of an .fgm file (quantise + GEMM), or a q8g one (weight-only, f32 x).");
+      py::arg("q8g_input") = "f32",
+      "y = x · Wᵀ for a q8c/q4g linear of an .fgm file (quantise + GEMM), or a q8g one (q8g_input 'f32': "
+      "weight-only; 'int8': x quantised in blocks of 32, gemm.h).");
 
   m.def(
       "linear_packed",
       [](const F32Array& x, const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
          int group, int hadamard, const std::optional<std::string>& backend, int threads,
-         const std::optional<F32Array>& offsets) {
+         const std::optional<F32Array>& offsets, const std::string& q8g_input) {
         sg::QLinear w = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard);
+        const sg::Q8gInput in = sg::q8g_input_from_name(q8g_input);
         if (offsets) {  // q8ga: the offsets in the scales' layout
           if (w.dtype != sg::DType::Q8G || size_t(offsets->size()) != size_t(k / group) * n)
             throw std::invalid_argument("linear_packed: offsets (q8ga) need dtype 'q8g' and float32 [K/group, N]");
           w.offsets = offsets->data();
         }
-        return run_linear(x, w, pick_backend(backend), threads);
+        return run_linear(x, w, pick_backend(backend), threads, in);
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"),
       py::arg("group") = 0, py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1,
-      py::arg("offsets") = py::none(),
+      py::arg("offsets") = py::none(), py::arg("q8g_input") = "f32",
       "y = x · Wᵀ for a weight given as codes + scales (+ offsets: q8ga) in the .fgm byte layout (q8c/q4g tiles, "
-      "q8g panels).");
+      "q8g panels). q8g_input: the q8g GEMM's activations, 'f32' (weight-only) or 'int8' (gemm.h).");
 
   m.def(
       "bench_linear",
       [](const F32Array& x, const py::array& codes, const py::array& scales, const std::string& dtype, int n, int k,
-         int group, int hadamard, const std::optional<std::string>& backend, int threads, int repeats, int copies) {
+         int group, int hadamard, const std::optional<std::string>& backend, int threads, int repeats, int copies,
+         const std::string& q8g_input) {
         // codes/scales hold `copies` weights back to back; call i uses copy i % copies, so a
         // set larger than the caches measures streaming from DRAM.
         const sg::QLinear w0 = qlinear_from_arrays(codes, scales, dtype, n, k, group, hadamard, copies);
         const sg::Backend b = pick_backend(backend);
+        const sg::Q8gInput in = sg::q8g_input_from_name(q8g_input);
         check_rows(x, k, "bench_linear");
         if (threads < 1 || repeats < 1) throw std::invalid_argument("bench_linear: threads and repeats must be >= 1");
         const int mr = int(x.shape(0));
@@ -259,7 +268,7 @@ void bind_kernels(py::module_& parent) {
             w.codes += code_bytes * (r % copies);
             w.scales = static_cast<const uint8_t*>(w0.scales) + scale_bytes * (r % copies);
             const auto t0 = std::chrono::steady_clock::now();
-            if (q8g) sg::gemm_q8g(x.data(), k, mr, w, y.get(), n, &pool, b);
+            if (q8g) sg::gemm_q8g(x.data(), k, mr, w, y.get(), n, &pool, b, in);
             else sg::gemm(qa.q, w, y.get(), n, &pool, b);
             times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
           }
@@ -268,7 +277,9 @@ void bind_kernels(py::module_& parent) {
       },
       py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("dtype"), py::arg("n"), py::arg("k"), py::arg("group") = 0,
       py::arg("hadamard") = 0, py::arg("backend") = py::none(), py::arg("threads") = 1, py::arg("repeats") = 10,
-      py::arg("copies") = 1, "Seconds per gemm() call (activations quantised once, outside the timing).");
+      py::arg("copies") = 1, py::arg("q8g_input") = "f32",
+      "Seconds per gemm() call (activations quantised once, outside the timing; a q8g GEMM with int8 input "
+      "quantises inside it, as in the engine).");
 
   m.def(
       "bench_quantize",

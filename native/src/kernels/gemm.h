@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "fgm_file.h"
 #include "threadpool.h"
@@ -143,12 +144,31 @@ void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* poo
 // in order; off = +0; for each group g in order:
 // off = fmaf(xs_g, o[g][n], off); y = acc + off (one f32 add). For x = a unit row e_k this returns
 // fl(code · s + o), the stored value of W[n, k].
-void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool);
+//
+// With int8 activations (Q8gInput::Int8, the engine's default: the int8 multiply rate is 4x the f32 FMA rate on an
+// AVX-512 VNNI core) x is quantised per row in blocks of 32 inputs, as llama.cpp quantises activations against
+// GGUF weights (Q8_0 blocks of 32) and so no coarser:
+//   amax = max |x[m, 32b .. 32b+31]|; a[m][b] = amax / 127.0f (f32 division), or 1 when amax = 0;
+//   code = clamp(round_half_even(x / a[m][b]), -127, 127) (f32 division);
+// then over units of U inputs (U = 16 when G = 16, else 32: each unit lies in one activation block and one group),
+//   acc_u[m, n] = the exact int32 sum over unit u of code · q;
+//   y = +0; for each unit u in order: y = fmaf((float)acc_u, fl(a[m][uU/32] · s[uU/G][n]), y);
+// and a q8ga weight's offsets chain as above, on the f32 x. A weight whose group is neither 16 nor a multiple of 32
+// (or K % 32 != 0) runs the f32 contract whatever the input. Bit-identical on every backend, as the f32 one.
+enum class Q8gInput : int { F32 = 0, Int8 = 1 };
+// Whether a q8g weight of K inputs and group G runs on int8 activations when asked: G is 16 or a multiple of 32
+// (units of 16 or 32 inputs within one activation block and one group) and K % 32 == 0.
+inline bool q8g_runs_int8(int k, int group) { return k % 32 == 0 && (group == 16 || (group > 0 && group % 32 == 0)); }
+Q8gInput q8g_input_from_name(const std::string& name);  // "int8" | "f32"; std::invalid_argument otherwise
+const char* q8g_input_name(Q8gInput in);
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Q8gInput in);
 // The same on an explicit backend. Throws std::runtime_error when the CPU cannot run it.
-void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b);
+void gemm_q8g(const float* x, int ldx, int m, const QLinear& w, float* y, int ldy, ThreadPool* pool, Backend b,
+              Q8gInput in);
 // Several q8g GEMMs of the same x (q, k and v; gate and up) in ONE pool dispatch, as gemm_multi: each output gets
-// the bits gemm_q8g would give it.
-void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b);
+// the bits gemm_q8g would give it (with int8 activations, x is quantised once for all of them).
+void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, int n, ThreadPool* pool, Backend b,
+                    Q8gInput in);
 
 // In-place normalised fast Walsh–Hadamard transform of every contiguous 128-block of x[0..n)
 // (n % 128 == 0): x·H with H = H₁₂₈/√128 in Sylvester order.

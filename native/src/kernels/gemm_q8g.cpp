@@ -1,16 +1,17 @@
-// Weight-only int8 GEMM on q8g weights (docs/fgm-extensions.md), compiled with -mavx2 -mfma -mf16c.
+// The q8g GEMM on AVX2 (docs/fgm-extensions.md), compiled with -mavx2 -mfma -mf16c: the AVX2 backend's kernels, and
+// the int8 activations' quantiser of every backend.
 //
-// The activations stay f32: a q8g model is small enough that the int8 × int8 GEMMs' speed matters less than not
-// requantising its activations. One 16-byte row of a panel holds the codes of its 16 output columns at one k; they
+// f32 activations (weight-only): one 16-byte row of a panel holds the codes of its 16 output columns at one k; they
 // are widened to two ymm of f32 and each of MR activation rows adds x[m, k] · code to the group's partial sum with one
 // FMA per column, k ascending; at the group's end acc = fma(partial, s[g], acc). That sequence per output is fixed
 // by the format (gemm.h), not by the blocking, so every row count and thread count gives the same bits, and so does
 // the AVX-512 kernel (gemm_q8g_avx512.cpp), whose lanes run the same sequences. A q8ga weight (with offsets) adds,
 // after the groups, a second chain off = fma(Σx over group g, o[g], off) over g and then y = acc + off: outside the
-// hot loop, whose registers it would otherwise crowd.
+// hot loop, whose registers it would otherwise crowd. int8 activations: q8g_int8_block below.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -24,11 +25,40 @@ namespace {
 // vectors and one broadcast that must fit the 16 ymm registers. Each accumulator is one FMA chain (k ascending, the
 // format's order), so few rows need several panels in flight to hide the FMA latency: decode (1-3 rows) is bound
 // by that latency otherwise, prefill by the FMA ports.
-constexpr int kMaxRows = 6;
+constexpr int kMaxRows = kQ8gYmmRows;
+
+// y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga): off = fma(Σx over group g, o[g], off) over g, then one
+// add; outside the kernels' hot loops, whose registers it would otherwise crowd.
+template <int MR, int NP>
+void add_offsets(const float* offsets, const float* xsum, int n_total, int k_total, int group, float* y, int ldy) {
+  const int ng = k_total / group;
+  __m256 off[MR][NP][2];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) off[i][p][0] = off[i][p][1] = _mm256_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    const float* o = offsets + size_t(g) * n_total;
+    for (int p = 0; p < NP; ++p) {
+      const __m256 o0 = _mm256_loadu_ps(o + 16 * p), o1 = _mm256_loadu_ps(o + 16 * p + 8);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xs = _mm256_broadcast_ss(xsum + size_t(i) * ng + g);
+        off[i][p][0] = _mm256_fmadd_ps(xs, o0, off[i][p][0]);
+        off[i][p][1] = _mm256_fmadd_ps(xs, o1, off[i][p][1]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h) {
+        float* yo = y + size_t(i) * ldy + 16 * p + 8 * h;
+        _mm256_storeu_ps(yo, _mm256_add_ps(_mm256_loadu_ps(yo), off[i][p][h]));
+      }
+}
 
 template <int MR, int NP, bool OFF>
-void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales, const float* offsets,
-               const float* xsum, int n_total, int k_total, int group, float* y, int ldy) {
+void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+               const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t*, size_t) {
+  const float* x = rows.x;
+  const int ldx = rows.ldx;
   const size_t panel_bytes = size_t(k_total) * 16;
   // acc is touched once per group (and spilled by the compiler when MR·NP is large); part is the hot FMA chain.
   __m256 acc[MR][NP][2];
@@ -61,47 +91,85 @@ void q8g_block(const float* x, int ldx, const int8_t* codes, const float* scales
       }
     }
   }
-  if constexpr (OFF) {  // q8ga: + Σ_g (Σx over group g) · o[g], its own chain, after the loop (gemm.h)
-    const int ng = k_total / group;
-    __m256 off[MR][NP][2];
-    for (int i = 0; i < MR; ++i)
-      for (int p = 0; p < NP; ++p) off[i][p][0] = off[i][p][1] = _mm256_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      const float* o = offsets + size_t(g) * n_total;
-      for (int p = 0; p < NP; ++p) {
-        const __m256 o0 = _mm256_loadu_ps(o + 16 * p), o1 = _mm256_loadu_ps(o + 16 * p + 8);
-        for (int i = 0; i < MR; ++i) {
-          const __m256 xs = _mm256_broadcast_ss(xsum + size_t(i) * ng + g);
-          off[i][p][0] = _mm256_fmadd_ps(xs, o0, off[i][p][0]);
-          off[i][p][1] = _mm256_fmadd_ps(xs, o1, off[i][p][1]);
-        }
-      }
-    }
-    for (int i = 0; i < MR; ++i)
-      for (int p = 0; p < NP; ++p) {
-        acc[i][p][0] = _mm256_add_ps(acc[i][p][0], off[i][p][0]);
-        acc[i][p][1] = _mm256_add_ps(acc[i][p][1], off[i][p][1]);
-      }
-  }
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) {
       _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p, acc[i][p][0]);
       _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8, acc[i][p][1]);
     }
+  if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
+}
+
+// The int8-activation kernel (gemm.h, Q8gInput::Int8) on AVX2, which has no int8 dot product that is exact on
+// these operands (vpmaddubsw saturates): the int16 codes of two inputs (Q8gActs.wide) are broadcast as one dword
+// against the weights' (k, k+1) code pairs of 8 columns, widened to int16, and vpmaddwd adds each pair's two
+// products exactly into int32. Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them:
+// y = fma((float)acc, a·s, y), y kept in memory (read, fma, written once a unit), so both give the same bits.
+template <int MR, int NP, bool OFF, int U>
+void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+                    const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t*, size_t) {
+  const size_t panel_bytes = size_t(k_total) * 16;
+  const Q8gActs& a = *rows.a;
+  const int16_t* xw = a.wide + size_t(rows.m0) * k_total;  // this block's codes: step k/2 at + (k/2)·2·MR
+  const float* as = a.scale + rows.m0;               // block b at + b·m
+  for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
+    __m256i acc[MR][NP][2];
+    for (int i = 0; i < MR; ++i)
+      for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_si256();
+#pragma GCC unroll 16
+    for (int kk = 0; kk < U; kk += 2) {
+      const int k = k0 + kk;
+      const int16_t* xk = xw + size_t(k / 2) * 2 * MR;
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));       // k: 16 columns
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));  // k + 1
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));  // columns 0-7, (k, k+1) each
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));  // columns 8-15
+        for (int i = 0; i < MR; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, xk + 2 * i, 4);
+          const __m256i xb = _mm256_set1_epi32(pair);
+          acc[i][p][0] = _mm256_add_epi32(acc[i][p][0], _mm256_madd_epi16(w0, xb));
+          acc[i][p][1] = _mm256_add_epi32(acc[i][p][1], _mm256_madd_epi16(w1, xb));
+        }
+      }
+    }
+    const float* s = scales + size_t(k0 / group) * n_total;
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 sv = _mm256_loadu_ps(s + 16 * p + 8 * h);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 sc = _mm256_mul_ps(sv, _mm256_broadcast_ss(as + size_t(k0 / 32) * a.m + i));
+          float* yo = y + size_t(i) * ldy + 16 * p + 8 * h;
+          const __m256 prev = u == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yo);
+          _mm256_storeu_ps(yo, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][p][h]), sc, prev));
+        }
+      }
+  }
+  if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
 // Panels per block for MR rows, and the kernels for each MR with that many and with one panel (the remainder of a
 // panel range). Measured on Zen 3 (bench/bench_gemm.py, LM head N=262144 at M=1): 3 panels for one row beat 1 (too
 // few FMA chains) and 6 (spills, and six weight streams at once); 2 for two rows.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 3, 2, 1, 1, 1, 1};
+// The int8 kernel's registers are the same count (MR·NP·2 int32 sums, two weight vectors, one broadcast).
 template <bool OFF>
-constexpr Q8gBlockFn kWide[kMaxRows + 1] = {nullptr,
-                                            q8g_block<1, 3, OFF>, q8g_block<2, 2, OFF>, q8g_block<3, 1, OFF>,
-                                            q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
+constexpr Q8gBlockFn<F32Rows> kWide[kMaxRows + 1] = {nullptr,
+                                                     q8g_block<1, 3, OFF>, q8g_block<2, 2, OFF>, q8g_block<3, 1, OFF>,
+                                                     q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
 template <bool OFF>
-constexpr Q8gBlockFn kOne[kMaxRows + 1] = {nullptr,
-                                           q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
-                                           q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
+constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {nullptr,
+                                                    q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
+                                                    q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
+template <bool OFF, int U>
+constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
+    nullptr, q8g_int8_block<1, 3, OFF, U>, q8g_int8_block<2, 2, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
+    q8g_int8_block<4, 1, OFF, U>, q8g_int8_block<5, 1, OFF, U>, q8g_int8_block<6, 1, OFF, U>};
+template <bool OFF, int U>
+constexpr Q8gBlockFn<Int8Rows> kOneInt8[kMaxRows + 1] = {
+    nullptr, q8g_int8_block<1, 1, OFF, U>, q8g_int8_block<2, 1, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
+    q8g_int8_block<4, 1, OFF, U>, q8g_int8_block<5, 1, OFF, U>, q8g_int8_block<6, 1, OFF, U>};
 
 }  // namespace
 
@@ -125,8 +193,76 @@ void q8g_group_sums(const float* x, int ldx, int m, int k, int group, float* xs)
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                      int p1) {
   constexpr int kPanelBlock = 6;  // 6 panels of K=2048: 192 KB of codes, within Zen 3's 512 KB L2
-  q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
-            ldx, m, w, xsum, y, ldy, p0, p1);
+  q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>},
+            F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
+}
+
+void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
+                          int p1) {
+  constexpr int kPanelBlock = 6;
+  if (w.group == 16)
+    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, 16>, kOneInt8<false, 16>,
+                                   kWideInt8<true, 16>, kOneInt8<true, 16>},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+  else
+    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, 32>, kOneInt8<false, 32>,
+                                   kWideInt8<true, 32>, kOneInt8<true, 32>},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+}
+
+void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a) {
+  // gemm.h: per 32 inputs a = amax / 127 (1 when amax = 0), code = clamp(round_half_even(x / a), ±127), the f32
+  // division and the conversion's round-to-nearest-even as in quantize_activations.
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
+  const int m = a.m, k = a.k, kb = k / 32, R = a.block_rows;
+  int8_t* const codes = a.codes;
+  int16_t* const wide = a.wide;
+  float* const scale = a.scale;
+  int32_t *const bias16 = a.bias16, *const bias32 = a.bias32;
+  for (int i = r0; i < r1; ++i) {
+    const int b0 = i / R * R, r = std::min(R, m - b0), ib = i - b0;  // its register block: first row, rows, index
+    int8_t* const crow = codes + size_t(b0) * k + 4 * ib;             // + (k/4)·4r
+    int16_t* const wrow = wide ? wide + size_t(b0) * k + 2 * ib : nullptr;  // + (k/2)·2r
+    for (int b = 0; b < kb; ++b) {
+      const float* v = x + size_t(i) * ldx + 32 * b;
+      __m256 f[4];
+      for (int j = 0; j < 4; ++j) f[j] = _mm256_loadu_ps(v + 8 * j);
+      __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], magnitude), _mm256_and_ps(f[1], magnitude)),
+                                _mm256_max_ps(_mm256_and_ps(f[2], magnitude), _mm256_and_ps(f[3], magnitude)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      const float s = amax > 0.f ? amax / 127.0f : 1.0f;
+      scale[size_t(b) * m + i] = s;
+      const __m256 sv = _mm256_set1_ps(s);
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_div_ps(f[j], sv)), lo), hi);
+      alignas(32) int8_t c[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c),
+                         _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                                        _mm256_packs_epi32(q[2], q[3])),
+                                                     order));
+      for (int j = 0; j < 8; ++j)  // codes 32b + 4j .. +3: step 8b + j
+        std::memcpy(crow + size_t(8 * b + j) * 4 * r, c + 4 * j, 4);
+      if (wrow)
+        for (int j = 0; j < 16; ++j) {  // codes 32b + 2j, +1: step 16b + j
+          const int16_t pair[2] = {c[2 * j], c[2 * j + 1]};
+          std::memcpy(wrow + size_t(16 * b + j) * 2 * r, pair, 4);
+        }
+      alignas(32) int32_t half[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(half), _mm256_add_epi32(q[0], q[1]));
+      const int32_t s0 = half[0] + half[1] + half[2] + half[3] + half[4] + half[5] + half[6] + half[7];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(half), _mm256_add_epi32(q[2], q[3]));
+      const int32_t s1 = half[0] + half[1] + half[2] + half[3] + half[4] + half[5] + half[6] + half[7];
+      bias16[size_t(2 * b) * m + i] = -128 * s0;
+      bias16[size_t(2 * b + 1) * m + i] = -128 * s1;
+      bias32[size_t(b) * m + i] = -128 * (s0 + s1);
+    }
+  }
 }
 
 }  // namespace sg::detail

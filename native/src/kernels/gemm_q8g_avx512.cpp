@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels_impl.h"
 #include "q8g_driver.h"
@@ -15,28 +16,53 @@ namespace {
 // Decode (at most kDecodeRows rows): up to 12 rows a register block (M=8 in one block, M=32 in three of 11, 11 and
 // 10): every weight vector is widened to f32 once per row block, so the more rows share it, the fewer conversions
 // each FMA carries (6 rows × 2 panels spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6 per 24).
-constexpr int kMaxRows = 12;
+constexpr int kMaxRows = kQ8gZmmDecodeRows;
 
-// acc lives in y (read, fma, written back once per group: 1/group of the FMAs) so that the 32 zmm hold MR·NP part
-// chains, NP weight vectors and a broadcast. Storing the f32 and reading it back is exact, so the sequence per
-// output is the AVX2 kernel's (acc = +0, then acc = fma(p, s, acc) per group).
-// Streaming: `codes + NP panels` is what the driver walks next (M=1: the next block; several rows: the next panel
-// block after the other row blocks); its codes and scales are prefetched into L2 at the rate this block reads its
-// own (NP·16 bytes a k step), one block (NP·K·16 bytes: 40 KB for 4 panels of K=640) ahead. The mmap'd weights
-// sit on 4 KB pages where the hardware prefetcher stops, so without this each thread streamed at its DRAM latency.
+// y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga), after the groups, as the AVX2 kernels add it.
+template <int MR, int NP>
+void add_offsets_zmm(const float* offsets, const float* xsum, int n_total, int k_total, int group, float* y,
+                     int ldy) {
+  const int ng = k_total / group;
+  __m512 off[MR][NP];
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) off[i][p] = _mm512_setzero_ps();
+  for (int g = 0; g < ng; ++g) {
+    const float* o = offsets + size_t(g) * n_total;
+    for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(o + 16 * (NP + p)), _MM_HINT_T1);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 ov = _mm512_loadu_ps(o + 16 * p);
+      for (int i = 0; i < MR; ++i)
+        off[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + g]), ov, off[i][p]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) {
+      float* yo = y + size_t(i) * ldy + 16 * p;
+      _mm512_storeu_ps(yo, _mm512_add_ps(_mm512_loadu_ps(yo), off[i][p]));
+    }
+}
+
+// The f32 kernel. acc lives in y (read, fma, written back once per group: 1/group of the FMAs) so that the 32 zmm
+// hold MR·NP part chains, NP weight vectors and a broadcast. Storing the f32 and reading it back is exact, so the
+// sequence per output is the AVX2 kernel's (acc = +0, then acc = fma(p, s, acc) per group).
+// Streaming: the next panels' scales are prefetched one block ahead, their codes as the driver shares them out
+// (q8g_driver.h), a part each group.
 template <int MR, int NP, bool OFF>
-void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* scales, const float* offsets,
-                   const float* xsum, int n_total, int k_total, int group, float* y, int ldy) {
+void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+                   const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
+                   size_t pf_bytes) {
+  const float* x = rows.x;
+  const int ldx = rows.ldx;
   const size_t panel_bytes = size_t(k_total) * 16;
-  const int8_t* next = codes + NP * panel_bytes;
+  const int ng = k_total / group;
   for (int k0 = 0, g = 0; k0 < k_total; k0 += group, ++g) {
     const float* s = scales + size_t(g) * n_total;
     for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+    prefetch_part(pf, pf_bytes, g, ng);
     __m512 part[MR][NP];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) part[i][p] = _mm512_setzero_ps();
     for (int k = k0; k < k0 + group; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + size_t(k) * (NP * 16)), _MM_HINT_T1);
       __m512 wv[NP];
       for (int p = 0; p < NP; ++p)
         wv[p] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -55,54 +81,124 @@ void q8g_block_zmm(const float* x, int ldx, const int8_t* codes, const float* sc
       }
     }
   }
-  if constexpr (OFF) {  // q8ga: the offsets' own chain after the groups, then one add, as the AVX2 kernel
-    const int ng = k_total / group;
-    __m512 off[MR][NP];
-    for (int i = 0; i < MR; ++i)
-      for (int p = 0; p < NP; ++p) off[i][p] = _mm512_setzero_ps();
-    for (int g = 0; g < ng; ++g) {
-      const float* o = offsets + size_t(g) * n_total;
-      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(o + 16 * (NP + p)), _MM_HINT_T1);
-      for (int p = 0; p < NP; ++p) {
-        const __m512 ov = _mm512_loadu_ps(o + 16 * p);
-        for (int i = 0; i < MR; ++i)
-          off[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + g]), ov, off[i][p]);
+  if constexpr (OFF) add_offsets_zmm<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
+}
+
+// The int8-activation kernel (gemm.h, Q8gInput::Int8): vpdpbusd, 64 multiply-adds a lane group, 4x the f32 FMAs.
+// One 64-byte load of a panel holds 4 inputs (k .. k+3) × its 16 columns, input-major; vpdpbusd wants each column's
+// 4 inputs in one dword, so the load is transposed: vpermd gathers into 128-bit lane L the dwords of columns 4L .. 4L+3
+// of each input, vpshufb then transposes each lane's 4 × 4 bytes (AVX-512 F/BW: every VNNI host, VBMI or not).
+// vpdpbusd multiplies unsigned by signed bytes, so the weight codes are flipped to code + 128 (one xor) and each
+// unit's int32 sum starts at -128 · the activations' code sum (Q8gActs.bias16/32): it ends exact, the sum of gemm.h.
+// Then per unit y = fma((float)acc, a·s, y) with y in memory (read, fma, written once a unit), as the AVX2 kernel.
+alignas(64) constexpr int32_t kAcrossLanes[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+alignas(64) constexpr int8_t kWithinLane[64] = {0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+template <int MR, int NP, bool OFF, int U>
+void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+                        const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
+                        size_t pf_bytes) {
+  const size_t panel_bytes = size_t(k_total) * 16;
+  const Q8gActs& a = *rows.a;
+  const int8_t* xc = a.codes + size_t(rows.m0) * k_total;  // this block's codes: step k/4 at + (k/4)·4·MR
+  const float* as = a.scale + rows.m0;              // block b at + b·m
+  const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // unit u at + u·m
+  const __m512i across = _mm512_loadu_si512(kAcrossLanes), within = _mm512_loadu_si512(kWithinLane);
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
+    const float* s = scales + size_t(k0 / group) * n_total;
+    if (k0 % group == 0)
+      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+    prefetch_part(pf, pf_bytes, u, k_total / U);
+    __m512i acc[MR][NP];
+    for (int i = 0; i < MR; ++i) {
+      const __m512i b = _mm512_set1_epi32(bias[size_t(u) * a.m + i]);
+      for (int p = 0; p < NP; ++p) acc[i][p] = b;
+    }
+    // A compile-time trip count, unrolled: GCC keeps the sums in registers only in straight-line code (with a
+    // run-time bound it copied and stored every sum each step).
+#pragma GCC unroll 8
+    for (int kk = 0; kk < U; kk += 4) {
+      const int k = k0 + kk;
+      const int8_t* xk = xc + size_t(k / 4) * 4 * MR;
+      __m512i wv[NP];
+      for (int p = 0; p < NP; ++p)
+        wv[p] = _mm512_xor_si512(
+            _mm512_shuffle_epi8(
+                _mm512_permutexvar_epi32(across, _mm512_loadu_si512(codes + p * panel_bytes + size_t(k) * 16)),
+                within),
+            flip);
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xk + 4 * i, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        for (int p = 0; p < NP; ++p) acc[i][p] = _mm512_dpbusd_epi32(acc[i][p], wv[p], xb);
       }
     }
-    for (int i = 0; i < MR; ++i)
-      for (int p = 0; p < NP; ++p) {
+    for (int p = 0; p < NP; ++p) {
+      const __m512 sv = _mm512_loadu_ps(s + 16 * p);
+      for (int i = 0; i < MR; ++i) {
+        const __m512 sc = _mm512_mul_ps(sv, _mm512_set1_ps(as[size_t(k0 / 32) * a.m + i]));
         float* yo = y + size_t(i) * ldy + 16 * p;
-        _mm512_storeu_ps(yo, _mm512_add_ps(_mm512_loadu_ps(yo), off[i][p]));
+        const __m512 prev = u == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yo);
+        _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][p]), sc, prev));
       }
+    }
   }
+  if constexpr (OFF) add_offsets_zmm<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
 // Panels per block for MR rows: MR·NP part chains plus NP weight vectors and a broadcast within the 32 zmm, and at
 // least 4 chains for one row (the FMA latency). kPanelBlock (12) is a multiple of every entry.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 4, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2, 2};
 template <bool OFF>
-constexpr Q8gBlockFn kWide[kMaxRows + 1] = {
+constexpr Q8gBlockFn<F32Rows> kWide[kMaxRows + 1] = {
     nullptr,                    q8g_block_zmm<1, 4, OFF>,  q8g_block_zmm<2, 4, OFF>,  q8g_block_zmm<3, 4, OFF>,
     q8g_block_zmm<4, 4, OFF>,   q8g_block_zmm<5, 4, OFF>,  q8g_block_zmm<6, 4, OFF>,  q8g_block_zmm<7, 3, OFF>,
     q8g_block_zmm<8, 3, OFF>,   q8g_block_zmm<9, 2, OFF>,  q8g_block_zmm<10, 2, OFF>, q8g_block_zmm<11, 2, OFF>,
     q8g_block_zmm<12, 2, OFF>};
 template <bool OFF>
-constexpr Q8gBlockFn kOne[kMaxRows + 1] = {
+constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {
     nullptr,                    q8g_block_zmm<1, 1, OFF>,  q8g_block_zmm<2, 1, OFF>,  q8g_block_zmm<3, 1, OFF>,
     q8g_block_zmm<4, 1, OFF>,   q8g_block_zmm<5, 1, OFF>,  q8g_block_zmm<6, 1, OFF>,  q8g_block_zmm<7, 1, OFF>,
     q8g_block_zmm<8, 1, OFF>,   q8g_block_zmm<9, 1, OFF>,  q8g_block_zmm<10, 1, OFF>, q8g_block_zmm<11, 1, OFF>,
     q8g_block_zmm<12, 1, OFF>};
+// The int8 kernel with the same blocks: MR·NP int32 sums, NP weight vectors, three constants and a broadcast in the
+// 32 zmm. The broadcast is one vpbroadcastd a row and step, shared by the NP panels: as vpdpbusd's embedded
+// broadcast of a memory operand instead (inline asm), the kernel took 1.9x the time on Zen 5.
+template <bool OFF, int U>
+constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
+    nullptr,
+    q8g_int8_block_zmm<1, 4, OFF, U>,  q8g_int8_block_zmm<2, 4, OFF, U>,  q8g_int8_block_zmm<3, 4, OFF, U>,
+    q8g_int8_block_zmm<4, 4, OFF, U>,  q8g_int8_block_zmm<5, 4, OFF, U>,  q8g_int8_block_zmm<6, 4, OFF, U>,
+    q8g_int8_block_zmm<7, 3, OFF, U>,  q8g_int8_block_zmm<8, 3, OFF, U>,  q8g_int8_block_zmm<9, 2, OFF, U>,
+    q8g_int8_block_zmm<10, 2, OFF, U>, q8g_int8_block_zmm<11, 2, OFF, U>, q8g_int8_block_zmm<12, 2, OFF, U>};
+template <bool OFF, int U>
+constexpr Q8gBlockFn<Int8Rows> kOneInt8[kMaxRows + 1] = {
+    nullptr,
+    q8g_int8_block_zmm<1, 1, OFF, U>,  q8g_int8_block_zmm<2, 1, OFF, U>,  q8g_int8_block_zmm<3, 1, OFF, U>,
+    q8g_int8_block_zmm<4, 1, OFF, U>,  q8g_int8_block_zmm<5, 1, OFF, U>,  q8g_int8_block_zmm<6, 1, OFF, U>,
+    q8g_int8_block_zmm<7, 1, OFF, U>,  q8g_int8_block_zmm<8, 1, OFF, U>,  q8g_int8_block_zmm<9, 1, OFF, U>,
+    q8g_int8_block_zmm<10, 1, OFF, U>, q8g_int8_block_zmm<11, 1, OFF, U>, q8g_int8_block_zmm<12, 1, OFF, U>};
 
 // Prefill (more rows than a decode batch): blocks of at most 6 rows (the 12-row ones measured slower there,
 // docs/benchmarks.md, "Gemma 3 270M decode") × 4 panels: 24 FMA chains, 4 weight vectors and a broadcast in the 32
 // zmm: per k, 6 broadcasts and 4 conversions for 24 FMAs, where 6 × 2 spent 6 and 2 on 12. At M=256-512 on Zen 4
 // (one thread, in-process A/B) 6 × 4 took 0.83-0.93 of the time of 6 × 2; 8 × 3 0.89-0.98.
-constexpr int kDecodeRows = 32, kPrefillRows = 6;
+constexpr int kDecodeRows = kQ8gZmmDecodeMaxM, kPrefillRows = kQ8gZmmPrefillRows;
+constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; 120 KB of codes at K=640
 constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
-constexpr Q8gBlockFn kWidePrefill[kPrefillRows + 1] = {
+constexpr Q8gBlockFn<F32Rows> kWidePrefill[kPrefillRows + 1] = {
     nullptr, q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 4, OFF>, q8g_block_zmm<3, 4, OFF>,
     q8g_block_zmm<4, 4, OFF>, q8g_block_zmm<5, 4, OFF>, q8g_block_zmm<6, 4, OFF>};
+template <bool OFF, int U>
+constexpr Q8gBlockFn<Int8Rows> kWidePrefillInt8[kPrefillRows + 1] = {
+    nullptr, q8g_int8_block_zmm<1, 4, OFF, U>, q8g_int8_block_zmm<2, 4, OFF, U>, q8g_int8_block_zmm<3, 4, OFF, U>,
+    q8g_int8_block_zmm<4, 4, OFF, U>, q8g_int8_block_zmm<5, 4, OFF, U>, q8g_int8_block_zmm<6, 4, OFF, U>};
 
 }  // namespace
 
@@ -123,14 +219,34 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                             int p0, int p1) {
-  constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; 120 KB of codes at K=640
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>, kOne<false>,
-                         kWidePrefill<true>, kOne<true>},
-              x, ldx, m, w, xsum, y, ldy, p0, p1);
+    q8g_drive(Q8gKernels<F32Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>, kOne<false>,
+                                  kWidePrefill<true>, kOne<true>},
+              F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>}, x,
-              ldx, m, w, xsum, y, ldy, p0, p1);
+    q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>,
+                                  kOne<true>},
+              F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
+}
+
+namespace {
+template <int U>
+void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
+  if (m > kDecodeRows)
+    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefillInt8<false, U>,
+                                   kOneInt8<false, U>, kWidePrefillInt8<true, U>, kOneInt8<true, U>},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+  else
+    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, U>, kOneInt8<false, U>,
+                                   kWideInt8<true, U>, kOneInt8<true, U>},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+}
+}  // namespace
+
+void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,
+                                 int p0, int p1) {
+  if (w.group == 16) int8_panels<16>(a, m, w, xsum, y, ldy, p0, p1);
+  else int8_panels<32>(a, m, w, xsum, y, ldy, p0, p1);
 }
 
 }  // namespace sg::detail

@@ -28,6 +28,46 @@ void q8g_group_sums(const float* x, int ldx, int m, int k, int group, float* xs)
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                             int p0, int p1);
 
+// The q8g kernels' register blocks: rows go in balanced blocks of at most max_rows (8 rows on 6: 4 + 4, not 6 + 2,
+// whose 2-row block would be bound by its few chains). The largest blocks: ymm (gemm_q8g.cpp) 6 rows; zmm
+// (gemm_q8g_avx512.cpp) 12 for a decode batch (at most 32 rows), 6 for more.
+constexpr int kQ8gYmmRows = 6, kQ8gZmmDecodeRows = 12, kQ8gZmmPrefillRows = 6, kQ8gZmmDecodeMaxM = 32;
+inline int q8g_max_rows(bool zmm, int m) {
+  return !zmm ? kQ8gYmmRows : m > kQ8gZmmDecodeMaxM ? kQ8gZmmPrefillRows : kQ8gZmmDecodeRows;
+}
+inline int q8g_rows_per_block(int m, int max_rows) {
+  const int blocks = (m + max_rows - 1) / max_rows;
+  return (m + blocks - 1) / blocks;
+}
+
+// q8g with int8 activations (gemm.h, Q8gInput::Int8): the rows quantised once per gemm_q8g_multi call for all its
+// targets, laid out in the kernel's register blocks of R = block_rows rows: block b (rows bR .. bR + r - 1, r =
+// min(R, m - bR)) starts at bR·k, and holds its r rows' codes of each 4-input step side by side (step k/4 of its row
+// i at (k/4)·4r + 4i). A kernel thus broadcasts row i's codes of a step from one pointer plus 4i (an immediate),
+// walking its block's bytes in order; with a pointer per row, eleven pointers were spilled and reloaded every step
+// (measured ~2x the instructions of the multiply-adds), and with all m rows side by side a 256-row prefill chunk
+// touched a new cache line every step.
+struct Q8gActs {
+  int m = 0, k = 0;
+  int block_rows = 0;              // R: q8g_rows_per_block(m, the kernel's max_rows)
+  int8_t* codes = nullptr;   // [m·k] as above; each in [-127, 127]
+  int16_t* wide = nullptr;   // the same codes as int16 in the same order but of 2-input steps: row i's
+                                   // codes k, k+1 at bR·k + (k/2)·2r + 2i (the AVX2 kernel's operand; else null)
+  float* scale = nullptr;    // [k/32][m]: a[i][b] of gemm.h at b·m + i
+  // -128 · the sum of the codes of each 16 (32) inputs: the VNNI kernel multiplies code + 128 (vpdpbusd's unsigned
+  // operand is the weight's) and starts each unit's int32 sum here, so that it ends exact.
+  int32_t* bias16 = nullptr;  // [k/16][m]
+  int32_t* bias32 = nullptr;  // [k/32][m]
+};
+// Rows [r0, r1) of x (m rows, k % 32 == 0) into a's buffers (gemm.h's quantiser, plain AVX2, so every
+// backend gets the same codes); a.wide is filled only when non-null.
+void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a);
+// The int8-activation kernels: AVX2 (vpmaddwd on the int16 codes) and AVX-512 VNNI (vpdpbusd), bit-identical.
+void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
+                          int p1);
+void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,
+                                 int p0, int p1);
+
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of
 // int8 operations done (2 per multiply-add), for peak_tops().

@@ -31,6 +31,14 @@ def add_kv_dtype_option(p) -> None:
                         "checks) (default: what the model file asks for, else int8; q8g files ask for f16)")
 
 
+def add_q8g_input_option(p) -> None:
+    """--q8g-input, shared by every command that opens the engine (workers may differ: it changes no layout)."""
+    p.add_argument("--q8g-input", choices=("int8", "f32"), default=None,
+                   help="activations of the q8g GEMMs (GGUF models such as the default): int8, quantised per 32 "
+                        "inputs (the int8 multiply rate; llama.cpp's fidelity), or f32 (weight-only: float32 "
+                        "fidelity to the GGUF, at the f32 FMA rate) (default: FGM_Q8G_INPUT, else int8)")
+
+
 def add_log_level_option(p) -> None:
     """--log-level, of every serving command (`up` passes it on to its three processes)."""
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),

@@ -96,10 +96,13 @@ def register(subparsers) -> None:
 _GATHER_TABLES = ("embed_tokens", "embed_tokens_per_layer")
 
 
-def _linears(f) -> list[dict]:
+def _linears(f, q8g_input: str) -> list[dict]:
     """Every quantised linear of the file: name, layer (None for global ones), N, K, whether it runs on int8
-    activations (q8c/q4g) or f32 ones (q8g/q8ga, weight-only), and the bytes (codes + scales + q8ga offsets) of its
-    own copy and of its int8 twin when the file has one."""
+    activations (q8c/q4g; q8g/q8ga with the engine's q8g_input int8 where the kernel's units fit its group) or f32
+    ones (q8g/q8ga, weight-only), and the bytes (codes + scales + q8ga offsets) of its own copy and of its int8 twin
+    when the file has one."""
+    from splitgemma._native import kernels
+
     names = set(f.tensor_names)
 
     def nbytes(name: str) -> int:
@@ -118,7 +121,8 @@ def _linears(f) -> list[dict]:
         n, k = info["shape"]
         out.append({"name": "lm_head" if head else name, "layer": int(m.group(1)) if m else None, "n": n, "k": k,
                     "bytes": nbytes(name), "twin_bytes": nbytes(name + ".i8") if name + ".i8" in names else None,
-                    "f32": info["dtype"] in ("q8g", "q8ga")})
+                    "f32": info["dtype"] in ("q8g", "q8ga") and
+                    (q8g_input == "f32" or not kernels.q8g_runs_int8(k, info["group"]))})
     return out
 
 
@@ -267,7 +271,6 @@ def run(args) -> int:
 
     fgm = FgmFile(args.model)
     config = json.loads(fgm.header_json)["config"]
-    linears = _linears(fgm)
     say(f"reading {args.model} into the page cache …")
     file_bytes, warm_s = warm_page_cache(args.model)
 
@@ -275,12 +278,13 @@ def run(args) -> int:
     model = open_model(args, max_context=max(max(args.prompt_lens), args.context + args.steps),
                        max_batch=max_batch, chunk=args.chunk)
     threads, backend = model.threads, model.backend
+    linears = _linears(fgm, model.q8g_input)
     watch.running(threads)
     arena = open_arena(model, max_batch + 1)  # slot max_batch keeps the decode context, copied into the others
     pristine = max_batch
     rng = np.random.default_rng(0)
 
-    weight_only = any(w["f32"] for w in linears)  # q8g GEMMs: their limit is the f32 FMA peak
+    weight_only = any(w["f32"] for w in linears)  # q8g GEMMs on f32 activations: their limit is the f32 FMA peak
     probes = {"peak_tops": [], "dram_gbs": [], **({"peak_f32_gflops": []} if weight_only else {})}
     # The bandwidth probe reads at least what the largest decode step streams, so that no cache holds a useful
     # part of it and the reading is for the same kind of pass as the figure it is compared with.
@@ -377,6 +381,7 @@ def run(args) -> int:
                     "backends": {b: K.cpu_supports(b) for b in ("amx", "vnni", "avx2")}},
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "backend": backend, "threads": threads, "weights": {"prefill": prefill_weights, "decode": decode_weights},
+        "q8g_input": model.q8g_input,
         "chunk": model.chunk,
         "repeats": args.repeats, "page_cache_read_s": warm_s,
         "limits": {f"{backend}_int8_tops": peak, "dram_read_gbs": dram,
@@ -428,6 +433,7 @@ def render(r: dict) -> str:
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
            f"(amx {'yes' if m['backends']['amx'] else 'no'}, vnni {'yes' if m['backends']['vnni'] else 'no'}); "
            f"{r['threads']} threads; weights: prefill {r['weights']['prefill']}, decode {r['weights']['decode']}; "
+           f"q8g activations {r.get('q8g_input', 'f32')}; "
            f"chunk {r['chunk']}",
            f"limits, measured in this run: {', '.join(limits)}"
            f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
@@ -454,7 +460,7 @@ def render(r: dict) -> str:
             out.append("  ".join("-" * w for w in widths))
     out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
                 f"the batch; load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
-                f"shortcut (q8g weight-only GEMMs run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams, "
+                f"shortcut (q8g GEMMs on f32 activations, FGM_Q8G_INPUT=f32, run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams, "
                 f"and their fraction of DRAM is the median over the repeats of each one's GB/s over the probe read "
                 f"just before and after it (in brackets: the median of those readings).",
             f"Published: fastgemma on an AMX host ({ANCHORS['fastgemma_amx']['host']}) and an AVX-512 VNNI host; "

