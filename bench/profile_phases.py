@@ -120,6 +120,8 @@ def main() -> None:
     ap.add_argument("--weights", default=None, help="int4, int8 or auto:M (default: the engine's)")
     ap.add_argument("--backend", default=None, help="amx, vnni or avx2 (default: the best this CPU runs)")
     ap.add_argument("--kv-dtype", default=None, help="int8, f16 or f32 (default: the file's)")
+    ap.add_argument("--q8g-input", default=None, help="int8 or f32: the q8g GEMMs' activations (default: the "
+                                                      "engine's, FGM_Q8G_INPUT else int8)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--peak", action="store_true",
                     help="decode: each GEMM phase's int8 TOPS against the peak probe read around every step")

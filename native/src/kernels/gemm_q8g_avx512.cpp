@@ -46,7 +46,7 @@ void add_offsets_zmm(const float* offsets, const float* xsum, int n_total, int k
 // hold MR·NP part chains, NP weight vectors and a broadcast. Storing the f32 and reading it back is exact, so the
 // sequence per output is the AVX2 kernel's (acc = +0, then acc = fma(p, s, acc) per group).
 // Streaming: the next panels' scales are prefetched one block ahead, their codes as the driver shares them out
-// (q8g_driver.h), a part each group.
+// (q8g_driver.h), trickled over the k steps.
 template <int MR, int NP, bool OFF>
 void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                    const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
@@ -54,15 +54,15 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
   const float* x = rows.x;
   const int ldx = rows.ldx;
   const size_t panel_bytes = size_t(k_total) * 16;
-  const int ng = k_total / group;
+  PrefetchTrickle next(pf, pf_bytes, size_t(k_total));
   for (int k0 = 0, g = 0; k0 < k_total; k0 += group, ++g) {
     const float* s = scales + size_t(g) * n_total;
     for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
-    prefetch_part(pf, pf_bytes, g, ng);
     __m512 part[MR][NP];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) part[i][p] = _mm512_setzero_ps();
     for (int k = k0; k < k0 + group; ++k) {
+      next.step();
       __m512 wv[NP];
       for (int p = 0; p < NP; ++p)
         wv[p] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
@@ -108,11 +108,11 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
   const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // unit u at + u·m
   const __m512i across = _mm512_loadu_si512(kAcrossLanes), within = _mm512_loadu_si512(kWithinLane);
   const __m512i flip = _mm512_set1_epi8(char(0x80));
+  PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     const float* s = scales + size_t(k0 / group) * n_total;
     if (k0 % group == 0)
       for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
-    prefetch_part(pf, pf_bytes, u, k_total / U);
     __m512i acc[MR][NP];
     for (int i = 0; i < MR; ++i) {
       const __m512i b = _mm512_set1_epi32(bias[size_t(u) * a.m + i]);
@@ -124,6 +124,7 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
     for (int kk = 0; kk < U; kk += 4) {
       const int k = k0 + kk;
       const int8_t* xk = xc + size_t(k / 4) * 4 * MR;
+      next.step();
       __m512i wv[NP];
       for (int p = 0; p < NP; ++p)
         wv[p] = _mm512_xor_si512(
@@ -166,14 +167,19 @@ constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {
     q8g_block_zmm<4, 1, OFF>,   q8g_block_zmm<5, 1, OFF>,  q8g_block_zmm<6, 1, OFF>,  q8g_block_zmm<7, 1, OFF>,
     q8g_block_zmm<8, 1, OFF>,   q8g_block_zmm<9, 1, OFF>,  q8g_block_zmm<10, 1, OFF>, q8g_block_zmm<11, 1, OFF>,
     q8g_block_zmm<12, 1, OFF>};
-// The int8 kernel with the same blocks: MR·NP int32 sums, NP weight vectors, three constants and a broadcast in the
-// 32 zmm. The broadcast is one vpbroadcastd a row and step, shared by the NP panels: as vpdpbusd's embedded
-// broadcast of a memory operand instead (inline asm), the kernel took 1.9x the time on Zen 5.
+// The int8 kernel: MR·NP int32 sums, NP weight vectors, three constants and a broadcast in the 32 zmm. The
+// broadcast is one vpbroadcastd a row and step, shared by the NP panels: as vpdpbusd's embedded broadcast of a
+// memory operand instead (inline asm), the kernel took 1.9x the time on Zen 5. Few rows take fewer panels than the
+// f32 kernel: at one row this kernel is bound by the DRAM stream, and its 4 panels (4 codes streams, one line a step
+// each) streamed slower than the f32 kernel's, whose 4 streams advance a line per 4 steps. LM head (262144 x 640)
+// from DRAM, int8/f32 time, alternated in one process on Zen 5: 1 row 1.19-1.26 with 4 panels, 1.44-1.86 with 8,
+// 1.00-1.18 with 2, 1.01-1.10 with 1; 2-6 rows with 4 panels 1.18 (4 rows), with 3: 1.02 / 0.89 / 0.70 (2/4/6 rows).
+constexpr int kPanelsForInt8[kMaxRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2};
 template <bool OFF, int U>
 constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
     nullptr,
-    q8g_int8_block_zmm<1, 4, OFF, U>,  q8g_int8_block_zmm<2, 4, OFF, U>,  q8g_int8_block_zmm<3, 4, OFF, U>,
-    q8g_int8_block_zmm<4, 4, OFF, U>,  q8g_int8_block_zmm<5, 4, OFF, U>,  q8g_int8_block_zmm<6, 4, OFF, U>,
+    q8g_int8_block_zmm<1, 2, OFF, U>,  q8g_int8_block_zmm<2, 3, OFF, U>,  q8g_int8_block_zmm<3, 3, OFF, U>,
+    q8g_int8_block_zmm<4, 3, OFF, U>,  q8g_int8_block_zmm<5, 3, OFF, U>,  q8g_int8_block_zmm<6, 3, OFF, U>,
     q8g_int8_block_zmm<7, 3, OFF, U>,  q8g_int8_block_zmm<8, 3, OFF, U>,  q8g_int8_block_zmm<9, 2, OFF, U>,
     q8g_int8_block_zmm<10, 2, OFF, U>, q8g_int8_block_zmm<11, 2, OFF, U>, q8g_int8_block_zmm<12, 2, OFF, U>};
 template <bool OFF, int U>
@@ -237,7 +243,7 @@ void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, f
                                    kOneInt8<false, U>, kWidePrefillInt8<true, U>, kOneInt8<true, U>},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, U>, kOneInt8<false, U>,
+    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>, kOneInt8<false, U>,
                                    kWideInt8<true, U>, kOneInt8<true, U>},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
