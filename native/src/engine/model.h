@@ -103,7 +103,7 @@ struct ModelOptions {
   std::string weights;    // "" : FGM_WEIGHTS, else auto:16
   std::string backend;    // "" : the process's active_backend() (FGM_BACKEND or CPUID); else amx|vnni|avx2
   std::string kv_dtype;   // "" : the file's config.kv_cache_dtype, else int8; or "int8" | "f16"
-  std::string q8g_input;  // "" : FGM_Q8G_INPUT, else int8; or "f32": the q8g GEMMs' activations (gemm.h)
+  std::string q8g_input;  // "" : FGM_Q8G_INPUT, else int8 (f32 on the AVX2 backend); or "int8" | "f32" (gemm.h)
 };
 
 // One token of a decode step. Consecutive entries with the same slot are one sequence's run: at consecutive
