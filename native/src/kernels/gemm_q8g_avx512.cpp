@@ -13,10 +13,10 @@
 namespace sg::detail {
 namespace {
 
-// Decode (at most kDecodeRows rows): up to 12 rows a register block (M=8 in one block, M=32 in three of 11, 11 and
-// 10): every weight vector is widened to f32 once per row block, so the more rows share it, the fewer conversions
+// The f32 kernel's decode blocks (at most kDecodeRows rows): up to 12 rows a register block (M=8 in one block, M=32
+// in three of 11, 11 and 10): every weight vector is widened to f32 once per row block, so the more rows share it, the fewer conversions
 // each FMA carries (6 rows × 2 panels spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6 per 24).
-constexpr int kMaxRows = kQ8gZmmDecodeRows;
+constexpr int kMaxRows = 12;
 
 // y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga), after the groups, as the AVX2 kernels add it.
 template <int MR, int NP>
@@ -174,21 +174,19 @@ constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {
 // each) streamed slower than the f32 kernel's, whose 4 streams advance a line per 4 steps. LM head (262144 x 640)
 // from DRAM, int8/f32 time, alternated in one process on Zen 5: 1 row 1.19-1.26 with 4 panels, 1.44-1.86 with 8,
 // 1.00-1.18 with 2, 1.01-1.10 with 1; 2-6 rows with 4 panels 1.18 (4 rows), with 3: 1.02 / 0.89 / 0.70 (2/4/6 rows).
-constexpr int kPanelsForInt8[kMaxRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2};
+constexpr int kPanelsForInt8[kQ8gZmmDecodeRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3};
 template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
+constexpr Q8gBlockFn<Int8Rows> kWideInt8[kQ8gZmmDecodeRows + 1] = {
     nullptr,
-    q8g_int8_block_zmm<1, 2, OFF, U>,  q8g_int8_block_zmm<2, 3, OFF, U>,  q8g_int8_block_zmm<3, 3, OFF, U>,
-    q8g_int8_block_zmm<4, 3, OFF, U>,  q8g_int8_block_zmm<5, 3, OFF, U>,  q8g_int8_block_zmm<6, 3, OFF, U>,
-    q8g_int8_block_zmm<7, 3, OFF, U>,  q8g_int8_block_zmm<8, 3, OFF, U>,  q8g_int8_block_zmm<9, 2, OFF, U>,
-    q8g_int8_block_zmm<10, 2, OFF, U>, q8g_int8_block_zmm<11, 2, OFF, U>, q8g_int8_block_zmm<12, 2, OFF, U>};
+    q8g_int8_block_zmm<1, 2, OFF, U>, q8g_int8_block_zmm<2, 3, OFF, U>, q8g_int8_block_zmm<3, 3, OFF, U>,
+    q8g_int8_block_zmm<4, 3, OFF, U>, q8g_int8_block_zmm<5, 3, OFF, U>, q8g_int8_block_zmm<6, 3, OFF, U>,
+    q8g_int8_block_zmm<7, 3, OFF, U>, q8g_int8_block_zmm<8, 3, OFF, U>};
 template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kOneInt8[kMaxRows + 1] = {
+constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gZmmDecodeRows + 1] = {
     nullptr,
-    q8g_int8_block_zmm<1, 1, OFF, U>,  q8g_int8_block_zmm<2, 1, OFF, U>,  q8g_int8_block_zmm<3, 1, OFF, U>,
-    q8g_int8_block_zmm<4, 1, OFF, U>,  q8g_int8_block_zmm<5, 1, OFF, U>,  q8g_int8_block_zmm<6, 1, OFF, U>,
-    q8g_int8_block_zmm<7, 1, OFF, U>,  q8g_int8_block_zmm<8, 1, OFF, U>,  q8g_int8_block_zmm<9, 1, OFF, U>,
-    q8g_int8_block_zmm<10, 1, OFF, U>, q8g_int8_block_zmm<11, 1, OFF, U>, q8g_int8_block_zmm<12, 1, OFF, U>};
+    q8g_int8_block_zmm<1, 1, OFF, U>, q8g_int8_block_zmm<2, 1, OFF, U>, q8g_int8_block_zmm<3, 1, OFF, U>,
+    q8g_int8_block_zmm<4, 1, OFF, U>, q8g_int8_block_zmm<5, 1, OFF, U>, q8g_int8_block_zmm<6, 1, OFF, U>,
+    q8g_int8_block_zmm<7, 1, OFF, U>, q8g_int8_block_zmm<8, 1, OFF, U>};
 
 // Prefill (more rows than a decode batch): blocks of at most 6 rows (the 12-row ones measured slower there,
 // docs/benchmarks.md, "Gemma 3 270M decode") × 4 panels: 24 FMA chains, 4 weight vectors and a broadcast in the 32
@@ -243,8 +241,8 @@ void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, f
                                    kOneInt8<false, U>, kWidePrefillInt8<true, U>, kOneInt8<true, U>},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>, kOneInt8<false, U>,
-                                   kWideInt8<true, U>, kOneInt8<true, U>},
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>,
+                                   kOneInt8<false, U>, kWideInt8<true, U>, kOneInt8<true, U>},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
 }  // namespace
