@@ -171,9 +171,9 @@ void bind_engine(py::module_& m) {
            "KV slot holds; chunk: prefill rows per pass (also the sliding rings' headroom); max_batch: decode rows "
            "per pass; weights: int4 | int8 | auto:M (None: FGM_WEIGHTS or auto:16); backend: amx | vnni | avx2 (None: the process "
            "default, FGM_BACKEND or CPUID); kv_dtype: int8 | f16 | f32, the K/V cache element type (None: what the file's "
-           "config asks for, else int8); q8g_input: int8 | f32, the activations of the q8g GEMMs (None: FGM_Q8G_INPUT, else "
-           "int8 on the vnni and amx backends and f32 on avx2; f32 is the weight-only path that keeps the GGUF "
-           "models' fidelity to float32).")
+           "config asks for, else int8); q8g_input: int8 | f32, the activations of the q8g GEMMs (None: "
+           "FGM_Q8G_INPUT, else int8 on the vnni and amx backends and f32 on avx2; f32 is the weight-only path that "
+           "keeps the GGUF models' fidelity to float32).")
       .def_property_readonly("path", [](const sg::Model& md) { return md.file().path(); })
       .def_property_readonly("vocab_size", [](const sg::Model& md) { return md.config().vocab_size; })
       .def_property_readonly("hidden_size", [](const sg::Model& md) { return md.config().hidden_size; })

@@ -359,9 +359,10 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
   const auto int8_panels_fn =
       b == Backend::Avx2 ? detail::gemm_q8g_int8_panels : detail::gemm_q8g_int8_panels_avx512;
-  bool int8_in = false;
-  for (int i = 0; i < n; ++i) int8_in |= in == Q8gInput::Int8 && q8g_runs_int8(targets[i].w->k, targets[i].w->group);
-  const detail::Q8gActs acts = int8_in ? quantize_q8g_input(x, ldx, m, K, b, pool) : detail::Q8gActs{};
+  bool int8[kMaxTargets], any_int8 = false;  // per target: int8 activations asked for and its units fit
+  for (int i = 0; i < n; ++i)
+    any_int8 |= int8[i] = in == Q8gInput::Int8 && q8g_runs_int8(targets[i].w->k, targets[i].w->group);
+  const detail::Q8gActs acts = any_int8 ? quantize_q8g_input(x, ldx, m, K, b, pool) : detail::Q8gActs{};
   // Decode (m <= 32): a multiple of 12 panels a task (a whole number of the kernel's panel blocks for every row
   // count), as many as leave two tasks a thread and at least 12: few task boundaries for the kernels' prefetch (one
   // block ahead) to run past into panels another thread takes, as in gemm_multi (detail::task_blocks). Gemma 3 270M,
@@ -385,7 +386,7 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
     const GemmTarget& g = targets[i];
     const int panels = g.w->n / 16, p0 = (t - first[i]) * tp[i];
     const float* xs = g.w->offsets ? sums + xsum_at[i] : nullptr;
-    if (int8_in && q8g_runs_int8(g.w->k, g.w->group))
+    if (int8[i])
       int8_panels_fn(acts, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));
     else
       panels_fn(x, ldx, m, *g.w, xs, g.y, g.ldy, p0, std::min(p0 + tp[i], panels));

@@ -197,17 +197,20 @@ void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const flo
             F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
 }
 
+namespace {
+template <int U>
+void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
+  constexpr int kPanelBlock = 6;
+  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, U>, kOneInt8<false, U>,
+                                 kWideInt8<true, U>, kOneInt8<true, U>},
+            Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+}
+}  // namespace
+
 void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                           int p1) {
-  constexpr int kPanelBlock = 6;
-  if (w.group == 16)
-    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, 16>, kOneInt8<false, 16>,
-                                   kWideInt8<true, 16>, kOneInt8<true, 16>},
-              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
-  else
-    q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, 32>, kOneInt8<false, 32>,
-                                   kWideInt8<true, 32>, kOneInt8<true, 32>},
-              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+  if (w.group == 16) int8_panels<16>(a, m, w, xsum, y, ldy, p0, p1);
+  else int8_panels<32>(a, m, w, xsum, y, ldy, p0, p1);
 }
 
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a) {
@@ -217,14 +220,15 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
   const int m = a.m, k = a.k, kb = k / 32, R = a.block_rows;
-  int8_t* const codes = a.codes;
-  int16_t* const wide = a.wide;
-  float* const scale = a.scale;
-  int32_t *const bias16 = a.bias16, *const bias32 = a.bias32;
+  auto lane_sum = [](__m256i v) {
+    alignas(32) int32_t l[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(l), v);
+    return l[0] + l[1] + l[2] + l[3] + l[4] + l[5] + l[6] + l[7];
+  };
   for (int i = r0; i < r1; ++i) {
     const int b0 = i / R * R, r = std::min(R, m - b0), ib = i - b0;  // its register block: first row, rows, index
-    int8_t* const crow = codes + size_t(b0) * k + 4 * ib;             // + (k/4)·4r
-    int16_t* const wrow = wide ? wide + size_t(b0) * k + 2 * ib : nullptr;  // + (k/2)·2r
+    int8_t* const crow = a.codes + size_t(b0) * k + 4 * ib;           // + (k/4)·4r
+    int16_t* const wrow = a.wide ? a.wide + size_t(b0) * k + 2 * ib : nullptr;  // + (k/2)·2r
     for (int b = 0; b < kb; ++b) {
       const float* v = x + size_t(i) * ldx + 32 * b;
       __m256 f[4];
@@ -236,7 +240,7 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
       const float amax = _mm_cvtss_f32(m4);
       const float s = amax > 0.f ? amax / 127.0f : 1.0f;
-      scale[size_t(b) * m + i] = s;
+      a.scale[size_t(b) * m + i] = s;
       const __m256 sv = _mm256_set1_ps(s);
       __m256i q[4];
       for (int j = 0; j < 4; ++j)
@@ -253,14 +257,10 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
           const int16_t pair[2] = {c[2 * j], c[2 * j + 1]};
           std::memcpy(wrow + size_t(16 * b + j) * 2 * r, pair, 4);
         }
-      alignas(32) int32_t half[8];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(half), _mm256_add_epi32(q[0], q[1]));
-      const int32_t s0 = half[0] + half[1] + half[2] + half[3] + half[4] + half[5] + half[6] + half[7];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(half), _mm256_add_epi32(q[2], q[3]));
-      const int32_t s1 = half[0] + half[1] + half[2] + half[3] + half[4] + half[5] + half[6] + half[7];
-      bias16[size_t(2 * b) * m + i] = -128 * s0;
-      bias16[size_t(2 * b + 1) * m + i] = -128 * s1;
-      bias32[size_t(b) * m + i] = -128 * (s0 + s1);
+      const int32_t s0 = lane_sum(_mm256_add_epi32(q[0], q[1])), s1 = lane_sum(_mm256_add_epi32(q[2], q[3]));
+      a.bias16[size_t(2 * b) * m + i] = -128 * s0;
+      a.bias16[size_t(2 * b + 1) * m + i] = -128 * s1;
+      a.bias32[size_t(b) * m + i] = -128 * (s0 + s1);
     }
   }
 }

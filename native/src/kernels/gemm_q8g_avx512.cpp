@@ -14,8 +14,9 @@ namespace sg::detail {
 namespace {
 
 // The f32 kernel's decode blocks (at most kDecodeRows rows): up to 12 rows a register block (M=8 in one block, M=32
-// in three of 11, 11 and 10): every weight vector is widened to f32 once per row block, so the more rows share it, the fewer conversions
-// each FMA carries (6 rows × 2 panels spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6 per 24).
+// in three of 11, 11 and 10): every weight vector is widened to f32 once per row block, so the more rows share it,
+// the fewer conversions each FMA carries (6 rows × 2 panels spent 4 conversion uops per 12 FMAs, 8 × 3 spends 6
+// per 24).
 constexpr int kMaxRows = 12;
 
 // y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga), after the groups, as the AVX2 kernels add it.

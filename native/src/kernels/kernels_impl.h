@@ -51,10 +51,10 @@ inline int q8g_rows_per_block(int m, int max_rows) {
 // touched a new cache line every step.
 struct Q8gActs {
   int m = 0, k = 0;
-  int block_rows = 0;              // R: q8g_rows_per_block(m, the kernel's max_rows)
+  int block_rows = 0;        // R: q8g_rows_per_block(m, the kernel's max_rows)
   int8_t* codes = nullptr;   // [m·k] as above; each in [-127, 127]
-  int16_t* wide = nullptr;   // the same codes as int16 in the same order but of 2-input steps: row i's
-                                   // codes k, k+1 at bR·k + (k/2)·2r + 2i (the AVX2 kernel's operand; else null)
+  int16_t* wide = nullptr;   // the same codes as int16, of 2-input steps: row i's codes k, k+1 at bR·k + (k/2)·2r +
+                             // 2i (the AVX2 kernel's operand; else null)
   float* scale = nullptr;    // [k/32][m]: a[i][b] of gemm.h at b·m + i
   // -128 · the sum of the codes of each 16 (32) inputs: the VNNI kernel multiplies code + 128 (vpdpbusd's unsigned
   // operand is the weight's) and starts each unit's int32 sum here, so that it ends exact.

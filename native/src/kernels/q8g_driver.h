@@ -65,8 +65,8 @@ struct Q8gKernels {
 // in blocks of panel_block, outermost.
 // xsum: with offsets (q8ga), the group sums of the m rows ([m][K/G], gemm_q8g computes them once per call).
 // Streaming: the mmap'd weights sit on 4 KB pages where the hardware prefetcher stops, so each call prefetches
-// codes it does not read itself. One row block (decode up to 12 rows) prefetches the np panels after its own, the
-// next call's. Several row blocks walk each panel block, and only the first reads it from memory: had that one
+// codes it does not read itself. A single row block (a decode batch within the kernel's max_rows) prefetches the np
+// panels after its own, the next call's. Several row blocks walk each panel block, and only the first reads it from memory: had that one
 // prefetched the next panels alone, it would ask for them within a third of the time at 32 rows, at the int8 rate
 // faster than the DRAM gives them; so every call prefetches a share of the next panel block in proportion to its
 // panels (row block j of nb, panels q .. q+np of the W: (jW + q − pb) / nbW .. + np / nbW). In-process A/B on Zen 5,

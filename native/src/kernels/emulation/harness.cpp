@@ -1,8 +1,9 @@
 // The emulated test build's driver: runs the VNNI and AMX backends (their AVX-512 and tile
 // instructions replaced by the scalar stand-ins in this folder) against the real AVX2 backend
 // on random int8/int4 weights and activations of many shapes, and the AVX-512 q8g kernels (f32
-// and int8 activations) against the AVX2 ones, and requires bit-identical output. Built and run by tests/test_kernels.py; prints one line per mismatch and a summary,
-// exits non-zero on any mismatch.
+// and int8 activations) against the AVX2 ones, and requires bit-identical output. Built and run
+// by tests/test_kernels.py; prints one line per mismatch and a summary, exits non-zero on any
+// mismatch.
 //
 //   harness <guard 0|1>     (SG_EMULATED_TILE_LOSS_EVERY=N simulates tile-state loss)
 #include <immintrin.h>
