@@ -25,7 +25,9 @@ What it does, in order (every step is cached and skipped when its output exists)
              llama-bench         -p 512,1024 (prefill) and -n 32 -d 1024 (decode B=1 at context 1024)
              llama-batched-bench -npp 1024 -ntg 32 -npl 1,8,32 -pps -kvu (one shared 1024-token prompt, unified
                                  KV: decode B=1/8/32 aggregate at context 1024, as splitgemma bench times it)
-             splitgemma bench    --prompt-lens 512,1024 --batches 1,8,32 --context 1024 --steps 32
+             splitgemma bench    --prompt-lens 512,1024 --batches 1,8,32 --context 1024 --steps 32 (its
+                                 default --shared-prefix: a batch reads the context from one prefix slot, as
+                                 -pps shares the prompt's cells)
            Each figure is the median over the passes that were not loaded. Before every arm the 1-minute load
            average is checked: above 0.5 × CPUs the script waits up to --settle seconds for it to drop, then runs
            anyway. The load average cannot tell others' work from our previous arm's (it decays for minutes), so

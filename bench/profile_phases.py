@@ -18,6 +18,7 @@ bound.
     python bench/profile_phases.py MODEL.fgm --batches 1,8,32 --context 1024 --steps 8
     python bench/profile_phases.py MODEL.fgm --prefill 1024,4096
     python bench/profile_phases.py MODEL.fgm --batches 8,32 --steps 8 --peak
+    python bench/profile_phases.py MODEL.fgm --batches 8,32 --shared-prefix
 """
 
 from __future__ import annotations
@@ -123,6 +124,9 @@ def main() -> None:
     ap.add_argument("--q8g-input", default=None, help="int8 or f32: the q8g GEMMs' activations (default: the "
                                                       "engine's: FGM_Q8G_INPUT, else int8 on vnni/amx, f32 on avx2)")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--shared-prefix", action="store_true",
+                    help="decode batches of two or more read the context from one prefix slot (as `splitgemma bench` "
+                         "does by default), instead of each from its own copy")
     ap.add_argument("--peak", action="store_true",
                     help="decode: each GEMM phase's int8 TOPS against the peak probe read around every step")
     a = ap.parse_args()
@@ -166,20 +170,24 @@ def main() -> None:
             # One logits buffer for every step, as the decode worker and `splitgemma bench` keep theirs: a new array
             # a step would put its page faults (33.5 MB at B=32 for E2B) in the lm_head phase.
             out = np.empty((b, m.vocab_size), np.float32)
-            m.decode(ar, slots, [5] * b, [a.context] * b, out=out)  # warm-up step, rewound by the copies below
+            prefixes = [(pristine, a.context)] * b if a.shared_prefix and b > 1 else None
+            m.decode(ar, slots, [5] * b, [a.context] * b, out=out,  # warm-up step, rewound by the copies below
+                     prefixes=prefixes)
             for s in slots:
                 ar.copy_slot(s, ar, pristine)
             if a.peak:
                 peak_fractions(m, macs, a.threads, b, a.steps,
                                lambda i: m.decode(ar, slots, [int(x) for x in rng.integers(10, 1000, b)],
-                                                  [a.context + i] * b, out=out))
+                                                  [a.context + i] * b, out=out, prefixes=prefixes))
                 continue
             m.reset_profile()
             t0 = time.perf_counter()
             for i in range(a.steps):
-                m.decode(ar, slots, [int(x) for x in rng.integers(10, 1000, b)], [a.context + i] * b, out=out)
+                m.decode(ar, slots, [int(x) for x in rng.integers(10, 1000, b)], [a.context + i] * b, out=out,
+                         prefixes=prefixes)
             dt = (time.perf_counter() - t0) / a.steps
-            print(f"decode B={b} @{a.context}: {dt * 1e3:.1f} ms/step, {b / dt:.1f} tok/s")
+            print(f"decode B={b} @{a.context}{' shared prefix' if prefixes else ''}: {dt * 1e3:.1f} ms/step, "
+                  f"{b / dt:.1f} tok/s")
             print("   " + _phases(m.profile(), a.steps, "ms"))
 
 

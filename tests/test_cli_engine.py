@@ -258,6 +258,9 @@ def test_bench_json_shape(capsys):
     assert probe["bytes"] >= max(d["weight_bytes_per_step"] for d in r["decode"])
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
     assert [(d["batch"], d["context"]) for d in r["decode"]] == [(1, 20), (3, 20)]
+    # a batch shares the context as one prefix slot (--shared-prefix, the default); a single sequence has no one to
+    # share it with
+    assert [d["shared_prefix"] for d in r["decode"]] == [False, True]
     for row in r["prefill"] + r["decode"]:
         assert row["tok_s_min"] <= row["tok_s"] <= row["tok_s_max"] and len(row["seconds"]) == 2
     assert all(0 < p["ratio_to_peak"] and p["gemm_macs"] > 0 for p in r["prefill"])

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -310,11 +311,12 @@ void amx_pv(int nv, int hd, Scratch& s) {
                    std::min(16, nv - v0), s.wscale + v0, s.alpha + v0, s.o + size_t(v0) * hd, hd);
 }
 
+// Row r attends [rows[r].lo, rows[r].hi] (ops.h AttnSpanRow).
 template <int E>
-void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0, int window,
-                 float* out, int out_row_stride, float* scratch, bool amx_tiles) {
+void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
+                 bool amx_tiles) {
   constexpr bool I8 = E == 1;
-  const int nv = rows * nq;
+  const int nv = n_rows * nq;
   Scratch s = carve_scratch(scratch, nv, hd);
   const bool amx = I8 && amx_tiles && hd % 64 == 0;
   if (amx) {
@@ -324,7 +326,7 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
   }
   // The query vectors (v = row · nq + head) in the dot-product format.
   for (int v = 0; v < nv; ++v) {
-    const float* qv = q + size_t(v / nq) * q_row_stride + size_t(v % nq) * hd;
+    const float* qv = rows[v / nq].q + size_t(v % nq) * hd;
     uint32_t* qc = s.qc + size_t(v) * hd;
     if constexpr (I8) {
       int8_t* codes = reinterpret_cast<int8_t*>(qc);
@@ -340,20 +342,21 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
   }
   std::memset(s.o, 0, sizeof(float) * size_t(nv) * hd);
 
-  const auto lo_of = [&](int p) { return window > 0 ? std::max(0, p - window + 1) : 0; };
-  const int hi = p0 + rows - 1;
+  int first = INT32_MAX, last = -1;
+  for (int r = 0; r < n_rows; ++r)
+    if (rows[r].lo <= rows[r].hi) first = std::min(first, rows[r].lo), last = std::max(last, rows[r].hi);
   // Tiles on the absolute grid of kTile positions: a vector's arithmetic is then the same whichever rows share its
-  // block (prefill results do not depend on the chunking, docs/engine-api.md prefill()).
-  const int first = lo_of(p0);
-  for (int t0 = first / kTile * kTile; t0 <= hi; t0 += kTile) {
-    const int tn = std::min(kTile, hi - t0 + 1);
+  // block (prefill results do not depend on the chunking, docs/engine-api.md prefill(); a decode row's do not
+  // depend on the batch, decode() with prefixes).
+  for (int t0 = first / kTile * kTile; t0 <= last; t0 += kTile) {
+    const int tn = std::min(kTile, last - t0 + 1);
     pack_tile<E>(c, hd, t0, tn, first, s);
     if (amx) amx_scores(nv, hd, s);
     else all_scores<I8>(nv, hd, s);
-    // Online softmax: each vector's valid positions in this tile are [a, b] (its window and causality).
+    // Online softmax: each vector's valid positions in this tile are [a, b] (its row's span).
     for (int v = 0; v < nv; ++v) {
-      const int p = p0 + v / nq;
-      const int a = std::max(lo_of(p) - t0, 0), b = std::min(p - t0, tn - 1);
+      const AttnSpanRow& r = rows[v / nq];
+      const int a = std::max(r.lo - t0, 0), b = std::min(r.hi - t0, tn - 1);
       uint32_t* w = s.wt + size_t(v) * kTile;
       if (a > b) {
         s.alpha[v] = 1.0f;
@@ -401,8 +404,12 @@ void attend_rows(const float* q, int q_row_stride, int rows, int nq, int hd, con
   }
   if (amx) amx_attend::end();
   for (int v = 0; v < nv; ++v) {
-    const __m512 inv = _mm512_set1_ps(1.0f / s.l[v]);
-    float* ov = out + size_t(v / nq) * out_row_stride + size_t(v % nq) * hd;
+    if (float* st = rows[v / nq].stats) {
+      st[2 * (v % nq)] = s.m[v];
+      st[2 * (v % nq) + 1] = s.l[v];
+    }
+    const __m512 inv = _mm512_set1_ps(s.l[v] > 0 ? 1.0f / s.l[v] : 0.0f);
+    float* ov = rows[v / nq].out + size_t(v % nq) * hd;
     const float* o = s.o + size_t(v) * hd;
     for (int d = 0; d < hd; d += 16) _mm512_storeu_ps(ov + d, _mm512_mul_ps(_mm512_load_ps(o + d), inv));
   }
@@ -419,11 +426,22 @@ size_t attend_rows_scratch_floats(int nv, int hd) {
   return n;
 }
 
+void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
+                         bool amx_tiles) {
+  if (c.ks) attend_rows<1>(rows, n_rows, nq, hd, c, scratch, amx_tiles);
+  else if (c.f32) attend_rows<4>(rows, n_rows, nq, hd, c, scratch, false);
+  else attend_rows<2>(rows, n_rows, nq, hd, c, scratch, false);
+}
+
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                         int window, float* out, int out_row_stride, float* scratch, bool amx_tiles) {
-  if (c.ks) attend_rows<1>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, amx_tiles);
-  else if (c.f32) attend_rows<4>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, false);
-  else attend_rows<2>(q, q_row_stride, rows, nq, hd, c, p0, window, out, out_row_stride, scratch, false);
+  AttnSpanRow spans[kAttendRowsVectorsAmx];  // rows <= the vectors a block holds
+  for (int r = 0; r < rows; ++r) {
+    const int pos = p0 + r;
+    spans[r] = AttnSpanRow{q + size_t(r) * q_row_stride, out + size_t(r) * out_row_stride, nullptr,
+                           window > 0 ? std::max(0, pos - window + 1) : 0, pos};
+  }
+  attend_spans_avx512(spans, rows, nq, hd, c, scratch, amx_tiles);
 }
 
 }  // namespace sg::ops

@@ -217,7 +217,7 @@ void bind_engine(py::module_& m) {
       .def(
           "decode",
           [](sg::Model& md, PyKvArena& a, py::object slots, py::object tokens, py::object positions,
-             py::object logits, py::object out_buffer) {
+             py::object logits, py::object out_buffer, py::object prefixes) {
             const std::vector<int32_t> s = int_vector(slots, "slots"), t = int_vector(tokens, "tokens"),
                                        p = int_vector(positions, "positions");
             if (s.size() != t.size() || s.size() != p.size())
@@ -233,6 +233,28 @@ void bind_engine(py::module_& m) {
                 throw py::value_error("logits must be one bool per token (" + std::to_string(s.size()) + " tokens)");
               auto want = py::array_t<bool, py::array::c_style | py::array::forcecast>::ensure(arr);
               for (size_t i = 0; i < s.size(); ++i) rows[i].logits = want.data()[i];
+            }
+            if (!prefixes.is_none()) {
+              const py::sequence seq = prefixes.cast<py::sequence>();
+              if (size_t(py::len(seq)) != s.size())
+                throw py::value_error("prefixes must hold one entry per token (" + std::to_string(s.size()) +
+                                      " tokens), got " + std::to_string(py::len(seq)));
+              for (size_t i = 0; i < s.size(); ++i) {
+                const py::object e = seq[i];
+                if (e.is_none()) continue;
+                const auto bad = [&] {
+                  return py::value_error("prefixes[" + std::to_string(i) +
+                                         "] must be None or a pair of integers (prefix_slot, prefix_len), got " +
+                                         std::string(py::repr(e)));
+                };
+                if (!py::isinstance<py::sequence>(e) || py::isinstance<py::str>(e) || py::len(e) != 2) throw bad();
+                try {
+                  rows[i].prefix_slot = e[py::int_(0)].cast<int>();
+                  rows[i].prefix_len = e[py::int_(1)].cast<int>();
+                } catch (const py::cast_error&) {
+                  throw bad();
+                }
+              }
             }
             // Validate before allocating the [W, V] result.
             const int wanted = md.check_decode(*a.arena, rows.data(), int(rows.size()));
@@ -260,13 +282,17 @@ void bind_engine(py::module_& m) {
             return out;
           },
           py::arg("arena"), py::arg("slots"), py::arg("tokens"), py::arg("positions"), py::arg("logits") = py::none(),
-          py::arg("out") = py::none(),
+          py::arg("out") = py::none(), py::arg("prefixes") = py::none(),
           "One decode step: token i at positions[i] of slots[i]. Consecutive entries with the same slot are one "
           "sequence's run at consecutive positions (causal within the run, at most `chunk` tokens); a slot may appear "
           "in one run only. logits: a flag per token (None: all), false where nobody reads that token's logits (it "
           "skips the LM head and the KV-shared layers). Returns float32 logits [W, V] of the W flagged tokens, in "
           "entry order; every number equals a plain one-token-per-slot decode of the same slots. out: a float32 "
-          "C-contiguous [>= W, V] array to write them into, reused from step to step (its first W rows are returned).")
+          "C-contiguous [>= W, V] array to write them into, reused from step to step (its first W rows are returned). "
+          "prefixes: per token None or (prefix_slot, prefix_len): the token reads positions [0, prefix_len) from "
+          "that slot instead of its own (a shared prompt kept once; on the vnni and amx backends the rows naming one "
+          "prefix attend it together). The prefix slot must hold those positions and is only read: it may not be "
+          "one of the step's slots.")
       .def_property_readonly("profiling", &sg::Model::profiling)
       .def(
           "profile",

@@ -177,7 +177,9 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
                                  ops::attend_avx512_scratch_floats(nh / nkv, hd_max));
   // The prefill tile kernel (ops::attend_rows_avx512): blocks of attend_vectors() / group rows.
   const int group = nh / nkv, block_rows = std::max(1, attend_vectors() / group);
-  const size_t tiles = ops::attend_rows_scratch_floats(std::min(block_rows, chunk_) * group, hd_max);
+  // The tile kernel also attends shared prefixes in decode (attend_prefixed): blocks of up to max_rows_ rows.
+  const size_t tiles =
+      ops::attend_rows_scratch_floats(std::min(block_rows, std::max(chunk_, max_rows_)) * group, hd_max);
   row_scratch_per_worker_ = (std::max({scores, size_t(L) * P, tiles}) + 15) & ~size_t(15);
   row_scratch_.assign(row_scratch_per_worker_ * pool_->size(), 0.0f);
 
@@ -445,6 +447,123 @@ bool Model::attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, c
   return true;
 }
 
+void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, float* attn) {
+  const ModelConfig& c = config();
+  const LayerSpec& ls = c.layers[l];
+  const KvLayerLayout& src = layout_.layer(ls.kv_source);
+  const int nh = c.num_heads, nkv = c.num_kv_heads, group = nh / nkv, hd = ls.head_dim, qw = nh * hd;
+  const KvDtype kvt = layout_.dtype();
+  const int rot = kvt != KvDtype::Int8 ? 1 : ops::kv_rotation_block(hd);
+  constexpr int P = ops::kAttendPartPositions;
+  // The tile kernel where it runs (as attend_rows_ok asks); else attend_part (ymm) of the prefix and of the rest.
+  const bool tiles = backend_ != Backend::Avx2 && hd % 32 == 0 && group <= ops::kAttendRowsVectors &&
+                     int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+  const auto cache_of = [&](const uint8_t* s, int g) {
+    return ops::AttnCache{s + src.k_off, s + src.v_off,
+                          kvt != KvDtype::Int8 ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
+                          kvt != KvDtype::Int8 ? nullptr : reinterpret_cast<const float*>(s + src.vs_off),
+                          src.row_bytes, g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
+  };
+
+  // Each row's parts: its prefix positions [lo, prefix_len) (on the tile path, the absolute parts of P positions
+  // they meet: a row's arithmetic does not depend on the rows beside it) and its own [own, pos].
+  prefix_spans_.resize(m);
+  prefix_rows_.clear();
+  int max_parts = 1;
+  for (int r = 0; r < m; ++r) {
+    PrefixSpan& sp = prefix_spans_[r];
+    const int pos = rows[r].pos, pl = rows[r].prefix ? rows[r].prefix_len : 0;
+    sp.lo = ls.sliding ? std::max(0, pos - c.sliding_window + 1) : 0;
+    sp.own = std::max(sp.lo, pl);
+    sp.part0 = sp.lo / P;
+    sp.parts = sp.lo >= pl ? 0 : tiles ? (pl - 1) / P - sp.part0 + 1 : 1;
+    sp.own_parts = tiles ? ops::attend_parts(pos - sp.own + 1) : 1;
+    max_parts = std::max(max_parts, sp.parts + sp.own_parts);
+    if (sp.parts) prefix_rows_.push_back(r);
+  }
+  const size_t part_floats = size_t(group) * hd, item_floats = max_parts * (part_floats + 2 * group);
+  if (attn_parts_.size() < size_t(m) * nkv * item_floats) attn_parts_.resize(size_t(m) * nkv * item_floats);
+  const auto part_out = [&](int r, int g, int k) { return &attn_parts_[(size_t(r) * nkv + g) * item_floats + k * part_floats]; };
+  const auto part_stats = [&](int r, int g, int k) {
+    return &attn_parts_[(size_t(r) * nkv + g) * item_floats + max_parts * part_floats + k * 2 * group];
+  };
+  float* const scratch = row_scratch_.data();
+  const auto worker_scratch = [&](int w) { return scratch + size_t(w) * row_scratch_per_worker_; };
+
+  if (!tiles) {
+    pool_->parallel_for(m * nkv, [&](int it, int w) {
+      const int r = it / nkv, g = it % nkv;
+      const PrefixSpan& sp = prefix_spans_[r];
+      const float* qr = q + size_t(r) * qw + size_t(g) * part_floats;
+      if (sp.parts)
+        ops::attend_part(qr, hd, group, hd, cache_of(rows[r].prefix, g), sp.lo, rows[r].prefix_len - 1,
+                         part_out(r, g, 0), hd, worker_scratch(w), part_stats(r, g, 0));
+      ops::attend_part(qr, hd, group, hd, cache_of(rows[r].slot, g), sp.own, rows[r].pos, part_out(r, g, sp.parts), hd,
+                       worker_scratch(w), part_stats(r, g, sp.parts));
+      float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
+      ops::attend_merge_parts_ymm(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + 1, group, hd, out, hd);
+      ew_->fwht_blocks(out, group * hd, rot);
+    });
+    return;
+  }
+
+  // The prefix work: the rows naming one prefix in blocks of R (as many query vectors as a prefill block), per KV
+  // head and prefix part. The blocks' rows are grouped by prefix first.
+  std::stable_sort(prefix_rows_.begin(), prefix_rows_.end(), [&](int a, int b) {
+    return std::make_pair(rows[a].prefix, rows[a].prefix_len) < std::make_pair(rows[b].prefix, rows[b].prefix_len);
+  });
+  prefix_items_.clear();
+  const int R = std::max(1, attend_vectors() / group), n_prefixed = int(prefix_rows_.size());
+  for (int i = 0; i < n_prefixed;) {
+    int j = i + 1;
+    while (j < n_prefixed && j - i < R && rows[prefix_rows_[j]].prefix == rows[prefix_rows_[i]].prefix &&
+           rows[prefix_rows_[j]].prefix_len == rows[prefix_rows_[i]].prefix_len)
+      ++j;
+    int first_part = INT32_MAX;
+    for (int k = i; k < j; ++k) first_part = std::min(first_part, prefix_spans_[prefix_rows_[k]].part0);
+    const int last_part = (rows[prefix_rows_[i]].prefix_len - 1) / P;
+    for (int g = 0; g < nkv; ++g)
+      for (int part = last_part; part >= first_part; --part) prefix_items_.push_back(PrefixItem{i, j - i, g, part});
+    i = j;
+  }
+  const int n_prefix_items = int(prefix_items_.size()), own_items = m * nkv * max_parts;
+  pool_->parallel_for(n_prefix_items + own_items, [&](int it, int w) {
+    if (it < n_prefix_items) {
+      const PrefixItem& item = prefix_items_[it];
+      ops::AttnSpanRow block[ops::kAttendRowsVectorsAmx];
+      int n = 0;
+      const uint8_t* prefix = nullptr;
+      for (int k = item.first; k < item.first + item.count; ++k) {
+        const int r = prefix_rows_[k];
+        const PrefixSpan& sp = prefix_spans_[r];
+        if (item.part < sp.part0) continue;  // the row's window starts after this part
+        prefix = rows[r].prefix;
+        const int slot = item.part - sp.part0;
+        block[n++] = ops::AttnSpanRow{q + size_t(r) * qw + size_t(item.head) * part_floats, part_out(r, item.head, slot),
+                                      part_stats(r, item.head, slot), std::max(sp.lo, item.part * P),
+                                      std::min((item.part + 1) * P, rows[r].prefix_len) - 1};
+      }
+      if (n) ops::attend_spans_avx512(block, n, group, hd, cache_of(prefix, item.head), worker_scratch(w), amx_attention_);
+      return;
+    }
+    it -= n_prefix_items;
+    const int r = it / (nkv * max_parts), g = (it / max_parts) % nkv, p = it % max_parts;
+    const PrefixSpan& sp = prefix_spans_[r];
+    if (p >= sp.own_parts) return;
+    const int span = rows[r].pos - sp.own + 1;
+    ops::attend_avx512_part(q + size_t(r) * qw + size_t(g) * part_floats, hd, group, hd, cache_of(rows[r].slot, g),
+                            ops::attend_part_start(sp.own, span, p), ops::attend_part_start(sp.own, span, p + 1) - 1,
+                            part_out(r, g, sp.parts + p), hd, worker_scratch(w), part_stats(r, g, sp.parts + p));
+  });
+  pool_->parallel_for(m * nkv, [&](int it, int) {
+    const int r = it / nkv, g = it % nkv;
+    const PrefixSpan& sp = prefix_spans_[r];
+    float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
+    ops::attend_merge_parts(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + sp.own_parts, group, hd, out, hd);
+    ew_->fwht_blocks(out, group * hd, rot);
+  });
+}
+
 void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
   const ModelConfig& c = config();
   const int D = c.hidden_size, nh = c.num_heads, nkv = c.num_kv_heads, P = c.ple_dim, LP = c.num_layers * c.ple_dim;
@@ -531,7 +650,11 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
                               float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
                               g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
       };
-      if (attend_rows_ok(m, rows, group, hd, src)) {
+      bool prefixed = false;
+      for (int r = 0; r < m; ++r) prefixed |= rows[r].prefix != nullptr;
+      if (prefixed) {
+        attend_prefixed(m, rows, l, q, attn);
+      } else if (attend_rows_ok(m, rows, group, hd, src)) {
         // Prefill: blocks of R consecutive rows x one KV head's query heads, each K/V tile read once per block
         // (ops::attend_rows_avx512). The last blocks attend the most positions: they are handed out first.
         const int R = std::max(1, attend_vectors() / group), nb = (m + R - 1) / R;
@@ -737,7 +860,34 @@ int Model::check_decode(const KvArena& arena, const DecodeRow* in, int n) const 
   if (dup != slots.end())
     throw std::invalid_argument("decode: slot " + std::to_string(*dup) +
                                 " appears twice in one batch (a sequence's tokens are consecutive entries)");
+  for (int i = 0; i < n; ++i) check_prefix(arena, in, i, slots);
   return wanted;
+}
+
+void Model::check_prefix(const KvArena& arena, const DecodeRow* in, int i, const std::vector<int>& step_slots) const {
+  const DecodeRow& r = in[i];
+  const std::string who = "decode: entry " + std::to_string(i) + " (slot " + std::to_string(r.slot) + ")";
+  if (i > 0 && in[i - 1].slot == r.slot &&
+      (in[i - 1].prefix_slot != r.prefix_slot || in[i - 1].prefix_len != r.prefix_len))
+    throw std::invalid_argument(who + " names another prefix than the token before it in its run");
+  if (r.prefix_slot < 0) {
+    if (r.prefix_slot != -1 || r.prefix_len != 0)
+      throw std::invalid_argument(who + ": a prefix needs a slot >= 0 and a length (got slot " +
+                                  std::to_string(r.prefix_slot) + ", length " + std::to_string(r.prefix_len) + ")");
+    return;
+  }
+  arena.check_slot(r.prefix_slot);
+  if (std::binary_search(step_slots.begin(), step_slots.end(), r.prefix_slot))
+    throw std::invalid_argument(who + ": prefix slot " + std::to_string(r.prefix_slot) +
+                                " is written in this step; a prefix slot is only read");
+  if (r.prefix_len < 1 || r.prefix_len > r.pos)
+    throw std::invalid_argument(who + ": the prefix length must be in [1, position " + std::to_string(r.pos) +
+                                "], got " + std::to_string(r.prefix_len));
+  const uint32_t held = arena.n_tokens(r.prefix_slot);
+  const std::string err = layout_.resume_error(held, r.prefix_len);
+  if (!err.empty())
+    throw std::invalid_argument(who + ": prefix slot " + std::to_string(r.prefix_slot) + " does not hold positions [0, " +
+                                std::to_string(r.prefix_len) + "): " + err);
 }
 
 int Model::decode(KvArena& arena, const DecodeRow* in, int n, float* out) {
@@ -782,7 +932,8 @@ void Model::decode_pass(KvArena& arena, const DecodeRow* in, int s0, int s1, flo
   for (int pass = 0; pass < 2; ++pass)
     for (int i = seq_begin_[s0]; i < seq_begin_[s1]; ++i)
       if (in[i].logits == (pass == 1)) {
-        rows[m] = RowCtx{arena.slot(in[i].slot), in[i].pos};
+        rows[m] = RowCtx{arena.slot(in[i].slot), in[i].pos,
+                         in[i].prefix_slot >= 0 ? arena.slot(in[i].prefix_slot) : nullptr, in[i].prefix_len};
         toks[m++] = in[i].token;
       }
   int skip = 0;

@@ -108,11 +108,20 @@ struct ModelOptions {
 
 // One token of a decode step. Consecutive entries with the same slot are one sequence's run: at consecutive
 // positions, causal within the run (every token's K/V is written before any of them attends, as in a prefill chunk).
+//
+// A shared prefix: with prefix_slot >= 0 the token reads the K/V of positions [0, prefix_len) from that slot instead
+// of its own (whose rows below prefix_len are never read), so sequences that start with the same prompt can keep one
+// copy of it. On the vnni and amx backends every row naming the same prefix attends it together, each K/V tile read
+// once per block of rows (ops.h attend_spans_avx512): the cascade that makes a wide batch over one long prompt cheap.
+// The prefix slot is only read: it must hold positions [0, prefix_len) for every layer (its rings too), prefix_len
+// <= pos, and it may not be one of the step's slots. Every token of a run names the same prefix.
 struct DecodeRow {
   int slot = 0;
   int token = 0;
   int pos = 0;
   bool logits = true;  // false: nobody reads this token's logits (no LM head; no KV-shared layers, spec §3.5)
+  int prefix_slot = -1;
+  int prefix_len = 0;
 };
 
 enum Phase : int {
@@ -168,6 +177,8 @@ class Model {
   struct RowCtx {
     uint8_t* slot;
     int pos;
+    const uint8_t* prefix = nullptr;  // DecodeRow::prefix_slot's memory: positions < prefix_len are read there
+    int prefix_len = 0;
   };
   class Timer;
 
@@ -175,6 +186,8 @@ class Model {
   DualLinear dual(const std::string& name) const;
   void check_arena(const KvArena& arena) const;
   void check_token(int token, const char* what, int index) const;
+  // Entry i's shared prefix (DecodeRow); step_slots: the step's slots, sorted.
+  void check_prefix(const KvArena& arena, const DecodeRow* in, int i, const std::vector<int>& step_slots) const;
 
   // Embeddings and per-layer inputs of m rows; rows >= full_from get the per-layer inputs of every layer, the
   // others only those of layers < first_shared_layer (spec §3.5: the shared layers run only where logits are needed).
@@ -183,6 +196,9 @@ class Model {
   void run_layers(int l0, int l1, int m, const RowCtx* rows);
   // Whether the chunk's attention takes the tile kernel: prefill rows of one slot at consecutive positions.
   bool attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const;
+  // The attention of a decode pass in which some row reads a shared prefix: every row's positions as parts (the
+  // prefix's on the absolute grid of kAttendPartPositions, its own as attend_parts of their span), merged in order.
+  void attend_prefixed(int m, const RowCtx* rows, int l, const float* q, float* attn);
   void lm_head(int m, float* out);
   // One decode pass over the runs [s0, s1) of seq_begin_ (at most max_rows_ tokens); logits rows go to *out.
   void decode_pass(KvArena& arena, const DecodeRow* in, int s0, int s1, float*& out);
@@ -247,6 +263,18 @@ class Model {
   int rope_positions_ = 0, rope_filled_[2] = {0, 0};
   LineVector<float> row_scratch_;  // per worker: max(L*P gather row, attention scores)
   LineVector<float> attn_parts_;   // decode attention split over positions: each part's outputs and stats
+  struct PrefixItem {
+    int first, count;  // rows prefix_rows_[first, first + count): one block of rows naming one prefix
+    int head, part;    // KV head; the prefix part (positions [part, part + 1) x kAttendPartPositions)
+  };
+  struct PrefixSpan {
+    int lo, own;       // the row's first position; its first position in its own slot
+    int part0, parts;  // its prefix parts (absolute part indices part0 ..), then own_parts of its own positions
+    int own_parts;
+  };
+  std::vector<PrefixItem> prefix_items_;  // attend_prefixed's work, reused from layer to layer
+  std::vector<PrefixSpan> prefix_spans_;  // per row
+  std::vector<int> prefix_rows_;          // the rows that read a prefix, grouped by the prefix they name
   size_t row_scratch_per_worker_ = 0;
   LineVector<int8_t> qa_packed_;
   std::vector<float> qa_scale_;

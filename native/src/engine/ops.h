@@ -82,6 +82,14 @@ struct AttnCache {
 };
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch);
+// attend() of one part [lo, hi] of a row's positions, its heads' stats (largest score, sum of exp(score - largest))
+// to stats[2 h], stats[2 h + 1]; attend_merge_parts_ymm folds parts laid out as attend_merge_parts' (below) with the
+// same arithmetic in ymm. The FGM_BACKEND=avx2 engine attends a decode row with a shared prefix this way: the
+// prefix's positions from the prefix slot, the rest from the row's own slot.
+void attend_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
+                 int out_stride, float* scratch, float* stats);
+void attend_merge_parts_ymm(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+                            int out_stride);
 // The same on zmm (ops_avx512.cpp): call only when the CPU has AVX-512 VNNI (the VNNI and AMX backends). f16 / f32
 // K/V: equal to attend() up to f32 reassociation (relative ~1e-6); int8 K/V: Q·K in int8 and P·V in int16, within
 // the bound ops_avx512.cpp states. Not bit for bit. Scratch: attend_avx512_scratch_floats(nq, hd) floats (a head_dim
@@ -118,6 +126,20 @@ void attend_merge_parts(const float* parts, const float* stats, int n_parts, int
 // AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
 // amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0; the same bits), where
 // sg::amx_tiles_usable() said yes.
+//
+// attend_spans_avx512 is the same kernel for query rows of different sequences: row r reads its nq heads' queries at
+// rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with
+// rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts folds the
+// result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on the absolute
+// grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
+// way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and packed once per block
+// instead of once per row (Model::attend_prefixed).
+struct AttnSpanRow {
+  const float* q;
+  float* out;
+  float* stats;
+  int lo, hi;
+};
 constexpr int kAttendRowsVectors = 64;
 // With amx_tiles the dot products cost little beside each K/V tile's packing, which a larger block shares among more
 // vectors (xeon-amx-2c, E2B prefill 8192: attention 2.03 s at 64 vectors, 1.72 s at 256, 1.72 s at 512).
@@ -125,6 +147,8 @@ constexpr int kAttendRowsVectorsAmx = 256;
 size_t attend_rows_scratch_floats(int nv, int hd);
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                         int window, float* out, int out_row_stride, float* scratch, bool amx_tiles = false);
+void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
+                         bool amx_tiles = false);
 
 // Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
 // e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; running (null, or n doubles)

@@ -172,7 +172,7 @@ void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const R
 
 template <int NH, int E>
 void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s) {
+                  int out_stride, float* s, float* stats) {
   const int span = hi - lo + 1;
   Run runs[2];
   const int n_runs = ring_runs(lo, span, c.cap, runs);
@@ -193,6 +193,10 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     }
     float sum = hsum(sv);
     for (; j < span; ++j) sum += (sh[j] = exp1(sh[j] - m));
+    if (stats) {
+      stats[2 * h] = m;
+      stats[2 * h + 1] = sum;
+    }
     // Fold the normaliser and each position's V scale into the weights.
     fold_weights<E>(sh, c, runs, n_runs, 1.0f / sum);
   }
@@ -207,10 +211,9 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
 
 template <int NH, int E>
 struct YmmBlock {
-  // stats: always null (attend() attends whole spans; only the zmm kernel splits the positions).
   static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
-                  int out_stride, float* s, float*) {
-    attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s);
+                  int out_stride, float* s, float* stats) {
+    attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s, stats);
   }
 };
 
@@ -403,6 +406,33 @@ const Elementwise& elementwise_avx2() {
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch) {
   attend_in_blocks<YmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch);
+}
+
+void attend_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
+                 int out_stride, float* scratch, float* stats) {
+  attend_in_blocks<YmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch, stats);
+}
+
+void attend_merge_parts_ymm(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+                            int out_stride) {
+  for (int h = 0; h < nq; ++h) {
+    float* o = out + int64_t(h) * out_stride;
+    std::memcpy(o, parts + int64_t(h) * hd, sizeof(float) * hd);
+    float run_m = stats[2 * h], run_l = stats[2 * h + 1];
+    for (int p = 1; p < n_parts; ++p) {
+      const float* st = stats + (int64_t(p) * nq + h) * 2;
+      const float m = std::max(run_m, st[0]);
+      const float a = run_l * std::exp(run_m - m), b = st[1] * std::exp(st[0] - m), l = a + b;
+      const __m256 fa = _mm256_set1_ps(a / l), fb = _mm256_set1_ps(b / l);
+      const float* x = parts + (int64_t(p) * nq + h) * hd;
+      int d = 0;
+      for (; d + 8 <= hd; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(fa, _mm256_loadu_ps(o + d), _mm256_mul_ps(fb, _mm256_loadu_ps(x + d))));
+      for (; d < hd; ++d) o[d] = std::fma(a / l, o[d], b / l * x[d]);
+      run_m = m;
+      run_l = l;
+    }
+  }
 }
 
 float max_finite(const float* x, int n, bool* all_finite) {

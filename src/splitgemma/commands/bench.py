@@ -4,7 +4,10 @@ limits measured in the same run.
 * Prefill: tok/s per prompt length, synthetic ids, one Model.prefill per prompt (chunked as the engine does, the
   KV-shared shortcut on: the layers that write no K/V run on the last row only).
 * Decode: aggregate tok/s per batch size at a context: the context is prefilled once and copied into every
-  sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included. Decode
+  sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included. With
+  --shared-prefix (the default) a batch of two or more reads the context from that one prefilled slot (Model.decode
+  prefixes=: its sequences share one prompt, as llama-batched-bench -pps runs them) and only its own tokens from its
+  slot; --no-shared-prefix has every sequence read its own copy (sequences with unrelated prompts). Decode
   uses --decode-weights (default int4, what the decode worker serves: its bits do not depend on the batch size),
   prefill --weights (default auto:16, the prefill worker's).
 * Limits: int8 peak TOPS of the backend's multiply-accumulate instruction and streaming DRAM read bandwidth, on the
@@ -82,6 +85,9 @@ def register(subparsers) -> None:
     p.add_argument("--decode-weights", default="int4", metavar="POLICY",
                    help="the FFN weight policy of the decode steps (default: int4, the decode worker's default; "
                         "--weights applies to prefill)")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="batches of two or more share the decode context as one prefix slot, as sequences over one "
+                        "prompt do (default); --no-shared-prefix: each reads its own copy")
     p.add_argument("--ignore-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {LOAD_FACTOR} × CPUs (figures are "
                         f"then lower bounds)")
@@ -340,7 +346,10 @@ def run(args) -> int:
     for b in args.batches:
         slots = list(range(b))
         steps = [[int(t) for t in _synthetic(rng, b, model.vocab_size)] for _ in range(args.steps)]
-        say(f"decode batch {b} at context {args.context}: {args.steps} steps × {args.repeats} …")
+        shared = args.shared_prefix and b > 1
+        prefixes = [(pristine, args.context)] * b if shared else None
+        say(f"decode batch {b} at context {args.context}{' (shared prefix)' if shared else ''}: "
+            f"{args.steps} steps × {args.repeats} …")
 
         def start() -> None:
             for s in slots:
@@ -348,17 +357,19 @@ def run(args) -> int:
 
         start()
         logits = np.empty((b, model.vocab_size), np.float32)  # reused, as the decode worker reuses its buffer
-        model.decode(arena, slots, steps[0], [args.context] * b, out=logits)  # warm-up step (rewound by the next copy)
+        model.decode(arena, slots, steps[0], [args.context] * b, out=logits,  # warm-up (rewound by the next copy)
+                     prefixes=prefixes)
         step_bytes = decode_step_bytes(linears, decode_weights, b, model.max_rows)
         seconds, brackets = [], [K.read_bandwidth(dram_bytes, threads, 1)[0]]
         for _ in range(args.repeats):
             start()
             t0 = time.perf_counter()
             for i, toks in enumerate(steps):
-                model.decode(arena, slots, toks, [args.context + i] * b, out=logits)
+                model.decode(arena, slots, toks, [args.context + i] * b, out=logits, prefixes=prefixes)
             seconds.append(time.perf_counter() - t0)
             brackets += K.read_bandwidth(dram_bytes, threads, 1)
-        r = {"batch": b, "context": args.context, "steps": args.steps, **_spread(args.steps * b, seconds)}
+        r = {"batch": b, "context": args.context, "steps": args.steps, "shared_prefix": shared,
+             **_spread(args.steps * b, seconds)}
         r["weight_bytes_per_step"] = step_bytes
         r["weight_read_gbs"] = step_bytes * args.steps / statistics.median(seconds) / 1e9
         r["dram_brackets_gbs"] = brackets  # the probe pass before the first repeat and after each
@@ -447,7 +458,8 @@ def render(r: dict) -> str:
         rows.append([f"prefill {p['prompt_len']}", f"{p['tok_s']:.2f}", f"{p['tok_s_min']:.2f}–{p['tok_s_max']:.2f}",
                      f"{p['load_1min']:.2f}", " + ".join(vs), _anchor_text("prefill", p["prompt_len"])])
     for d in r["decode"]:
-        rows.append([f"decode B={d['batch']} @{d['context']}", f"{d['tok_s']:.2f}",
+        rows.append([f"decode B={d['batch']} @{d['context']}" + (" shared" if d.get("shared_prefix") else ""),
+                     f"{d['tok_s']:.2f}",
                      f"{d['tok_s_min']:.2f}–{d['tok_s_max']:.2f}", f"{d['load_1min']:.2f}",
                      f"{_size(d['weight_bytes_per_step'])}/step → {d['weight_read_gbs']:.1f} GB/s = "
                      f"{d['ratio_to_dram']:.0%} of DRAM read beside it "
@@ -459,7 +471,7 @@ def render(r: dict) -> str:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
-                f"the batch; load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
+                f"the batch (shared: its sequences read the context from one prefix slot, --shared-prefix); load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
                 f"shortcut (q8g GEMMs on f32 activations, FGM_Q8G_INPUT=f32, run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams, "
                 f"and their fraction of DRAM is the median over the repeats of each one's GB/s over the probe read "
                 f"just before and after it (in brackets: the median of those readings).",
