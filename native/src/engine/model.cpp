@@ -45,6 +45,15 @@ int default_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+// KV head g of a slot's K/V for one layer (src: the layer whose K/V it reads), as the attention kernels take it.
+ops::AttnCache head_cache(const uint8_t* slot, const KvLayerLayout& src, KvDtype kvt, int hd, int g) {
+  const bool scaled = kvt == KvDtype::Int8;
+  return ops::AttnCache{slot + src.k_off, slot + src.v_off,
+                        scaled ? reinterpret_cast<const float*>(slot + src.ks_off) : nullptr,
+                        scaled ? reinterpret_cast<const float*>(slot + src.vs_off) : nullptr, src.row_bytes,
+                        g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
+}
+
 }  // namespace
 
 const char* phase_name(int p) {
@@ -458,12 +467,7 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
   // The tile kernel where it runs (as attend_rows_ok asks); else attend_part (ymm) of the prefix and of the rest.
   const bool tiles = backend_ != Backend::Avx2 && hd % 32 == 0 && group <= ops::kAttendRowsVectors &&
                      int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
-  const auto cache_of = [&](const uint8_t* s, int g) {
-    return ops::AttnCache{s + src.k_off, s + src.v_off,
-                          kvt != KvDtype::Int8 ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
-                          kvt != KvDtype::Int8 ? nullptr : reinterpret_cast<const float*>(s + src.vs_off),
-                          src.row_bytes, g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
-  };
+  const auto cache_of = [&](const uint8_t* s, int g) { return head_cache(s, src, kvt, hd, g); };
 
   // Each row's parts: its prefix positions [lo, prefix_len) (on the tile path, the absolute parts of P positions
   // they meet: a row's arithmetic does not depend on the rows beside it) and its own [own, pos].
@@ -483,7 +487,10 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
   }
   const size_t part_floats = size_t(group) * hd, item_floats = max_parts * (part_floats + 2 * group);
   if (attn_parts_.size() < size_t(m) * nkv * item_floats) attn_parts_.resize(size_t(m) * nkv * item_floats);
-  const auto part_out = [&](int r, int g, int k) { return &attn_parts_[(size_t(r) * nkv + g) * item_floats + k * part_floats]; };
+  // Per (row, KV head): the parts' outputs (group x hd floats each), then their stats (group x 2).
+  const auto part_out = [&](int r, int g, int k) {
+    return &attn_parts_[(size_t(r) * nkv + g) * item_floats + k * part_floats];
+  };
   const auto part_stats = [&](int r, int g, int k) {
     return &attn_parts_[(size_t(r) * nkv + g) * item_floats + max_parts * part_floats + k * 2 * group];
   };
@@ -498,8 +505,8 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
       if (sp.parts)
         ops::attend_part(qr, hd, group, hd, cache_of(rows[r].prefix, g), sp.lo, rows[r].prefix_len - 1,
                          part_out(r, g, 0), hd, worker_scratch(w), part_stats(r, g, 0));
-      ops::attend_part(qr, hd, group, hd, cache_of(rows[r].slot, g), sp.own, rows[r].pos, part_out(r, g, sp.parts), hd,
-                       worker_scratch(w), part_stats(r, g, sp.parts));
+      ops::attend_part(qr, hd, group, hd, cache_of(rows[r].slot, g), sp.own, rows[r].pos, part_out(r, g, sp.parts),
+                       hd, worker_scratch(w), part_stats(r, g, sp.parts));
       float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
       ops::attend_merge_parts_ymm(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + 1, group, hd, out, hd);
       ew_->fwht_blocks(out, group * hd, rot);
@@ -539,11 +546,14 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
         if (item.part < sp.part0) continue;  // the row's window starts after this part
         prefix = rows[r].prefix;
         const int slot = item.part - sp.part0;
-        block[n++] = ops::AttnSpanRow{q + size_t(r) * qw + size_t(item.head) * part_floats, part_out(r, item.head, slot),
-                                      part_stats(r, item.head, slot), std::max(sp.lo, item.part * P),
+        block[n++] = ops::AttnSpanRow{q + size_t(r) * qw + size_t(item.head) * part_floats,
+                                      part_out(r, item.head, slot), part_stats(r, item.head, slot),
+                                      std::max(sp.lo, item.part * P),
                                       std::min((item.part + 1) * P, rows[r].prefix_len) - 1};
       }
-      if (n) ops::attend_spans_avx512(block, n, group, hd, cache_of(prefix, item.head), worker_scratch(w), amx_attention_);
+      if (n)
+        ops::attend_spans_avx512(block, n, group, hd, cache_of(prefix, item.head), worker_scratch(w),
+                                 amx_attention_);
       return;
     }
     it -= n_prefix_items;
@@ -644,12 +654,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
       if (shape_items * parts < pool_->size())
         per = std::max(1, (group * shape_items * parts + pool_->size() - 1) / pool_->size());
       const int nch = (group + per - 1) / per;
-      const auto cache_of = [&](uint8_t* s, int g) {
-        return ops::AttnCache{s + src.k_off, s + src.v_off,
-                              float_kv ? nullptr : reinterpret_cast<const float*>(s + src.ks_off),
-                              float_kv ? nullptr : reinterpret_cast<const float*>(s + src.vs_off), src.row_bytes,
-                              g * hd * kv_element_bytes(kvt), src.cap, kvt == KvDtype::F32};
-      };
+      const auto cache_of = [&](const uint8_t* s, int g) { return head_cache(s, src, kvt, hd, g); };
       bool prefixed = false;
       for (int r = 0; r < m; ++r) prefixed |= rows[r].prefix != nullptr;
       if (prefixed) {
@@ -886,8 +891,8 @@ void Model::check_prefix(const KvArena& arena, const DecodeRow* in, int i, const
   const uint32_t held = arena.n_tokens(r.prefix_slot);
   const std::string err = layout_.resume_error(held, r.prefix_len);
   if (!err.empty())
-    throw std::invalid_argument(who + ": prefix slot " + std::to_string(r.prefix_slot) + " does not hold positions [0, " +
-                                std::to_string(r.prefix_len) + "): " + err);
+    throw std::invalid_argument(who + ": prefix slot " + std::to_string(r.prefix_slot) +
+                                " does not hold positions [0, " + std::to_string(r.prefix_len) + "): " + err);
 }
 
 int Model::decode(KvArena& arena, const DecodeRow* in, int n, float* out) {
