@@ -25,9 +25,10 @@ What it does, in order (every step is cached and skipped when its output exists)
              llama-bench         -p 512,1024 (prefill) and -n 32 -d 1024 (decode B=1 at context 1024)
              llama-batched-bench -npp 1024 -ntg 32 -npl 1,8,32 -pps -kvu (one shared 1024-token prompt, unified
                                  KV: decode B=1/8/32 aggregate at context 1024, as splitgemma bench times it)
-             splitgemma bench    --prompt-lens 512,1024 --batches 1,8,32 --context 1024 --steps 32 (its
-                                 default --shared-prefix: a batch reads the context from one prefix slot, as
-                                 -pps shares the prompt's cells)
+             splitgemma bench    --prompt-lens 512,1024 --batches 1,8,32 --context 1024 --steps 32
+                                 --decode-prefix both (B=8/32 with the context in one prefix slot, as -pps shares
+                                 the prompt's cells, and with a copy in every sequence's slot, as its decode worker
+                                 runs today: the table's "on copies" rows, against the same llama.cpp figure)
            Each figure is the median over the passes that were not loaded. Before every arm the 1-minute load
            average is checked: above 0.5 × CPUs the script waits up to --settle seconds for it to drop, then runs
            anyway. The load average cannot tell others' work from our previous arm's (it decays for minutes), so
@@ -392,10 +393,13 @@ def splitgemma_arm(arm: Arm, fgm: str, threads: int, repeats: int, context: int,
                    prompt_lens, batches) -> dict:
     out, meta = arm([sys.executable, "-m", "splitgemma", "bench", "--model", fgm, "--threads", threads,
                      "--prompt-lens", ",".join(map(str, prompt_lens)), "--batches", ",".join(map(str, batches)),
-                     "--context", context, "--steps", steps, "--repeats", repeats, "--ignore-load", "--json"])
+                     "--context", context, "--steps", steps, "--repeats", repeats, "--decode-prefix", "both",
+                     "--ignore-load", "--json"])
     r = json.loads(out)
     figures = {f"prefill_{p['prompt_len']}": p["tok_s"] for p in r["prefill"]}
-    figures.update({f"decode_b{d['batch']}": d["tok_s"] for d in r["decode"]})
+    # decode_bB: over one shared prompt, as -pps (B=1: plain); decode_bB_copies: each sequence its own copy
+    figures.update({f"decode_b{d['batch']}" + ("_copies" if d["batch"] > 1 and not d["shared_prefix"] else ""):
+                    d["tok_s"] for d in r["decode"]})
     return {"figures": figures, "runs": [meta], "backend": r["backend"], "weights": r["weights"],
             "limits": r["limits"]}
 
@@ -428,6 +432,10 @@ def rows(prompt_lens, batches, context: int) -> list[tuple[str, str]]:
     out.append((f"decode B=1 @{context} (llama-bench tg)", "decode_b1_bench"))
     out += [(f"decode B={b} @{context}" + (" aggregate" if b > 1 else " (batched-bench)"), f"decode_b{b}")
             for b in batches]
+    # splitgemma with a copy of the prompt in every sequence's slot (what its decode worker runs today), against the
+    # same llama.cpp figure (-pps: one shared prompt)
+    out += [(f"decode B={b} @{context} aggregate, splitgemma on copies", f"decode_b{b}_copies")
+            for b in batches if b > 1]
     return out
 
 
@@ -442,6 +450,8 @@ def table(model: str, summary: dict, threads: int, context: int, prompt_lens, ba
             v = s["figures"].get(key) if s else None
             if v is None and a == "splitgemma" and key == "decode_b1_bench":
                 v = s["figures"].get("decode_b1") if s else None
+            if v is None and a != "splitgemma" and key.endswith("_copies"):
+                v = s["figures"].get(key[: -len("_copies")]) if s else None
             vals[a] = v
             cells.append("–" if v is None else f"{v:.1f}{'*' if s['loaded'] else ''}")
         best = max((vals[a] for a in arms[:-1] if vals[a] is not None), default=None)

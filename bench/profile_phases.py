@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--shared-prefix", action="store_true",
                     help="decode batches of two or more read the context from one prefix slot (as `splitgemma bench` "
-                         "does by default), instead of each from its own copy")
+                         "does by default, --decode-prefix shared), instead of each from its own copy")
     ap.add_argument("--peak", action="store_true",
                     help="decode: each GEMM phase's int8 TOPS against the peak probe read around every step")
     a = ap.parse_args()

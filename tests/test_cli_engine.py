@@ -238,7 +238,8 @@ def test_score_equals_engine_and_keeps_the_file_name(capsys, tmp_path):
 
 def test_bench_json_shape(capsys):
     rc, out, err = cli(capsys, "bench", "--model", FGM, "--prompt-lens", "24,48", "--batches", "1,3",
-                       "--context", 20, "--steps", 3, "--repeats", 2, "--threads", 2, "--ignore-load", "--json")
+                       "--context", 20, "--steps", 3, "--repeats", 2, "--threads", 2, "--decode-prefix", "both",
+                       "--ignore-load", "--json")
     assert rc == 0, err
     r = json.loads(out)
     backend = r["backend"]
@@ -257,10 +258,10 @@ def test_bench_json_shape(capsys):
     assert probe["range_gbs"] == [min(r["limit_readings"]["dram_gbs"]), max(r["limit_readings"]["dram_gbs"])]
     assert probe["bytes"] >= max(d["weight_bytes_per_step"] for d in r["decode"])
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
-    assert [(d["batch"], d["context"]) for d in r["decode"]] == [(1, 20), (3, 20)]
-    # a batch shares the context as one prefix slot (--shared-prefix, the default); a single sequence has no one to
-    # share it with
-    assert [d["shared_prefix"] for d in r["decode"]] == [False, True]
+    # a batch with the context in every slot, then read from one prefix slot; a single sequence has no one to share
+    # it with
+    assert [(d["batch"], d["context"], d["shared_prefix"]) for d in r["decode"]] == \
+        [(1, 20, False), (3, 20, False), (3, 20, True)]
     for row in r["prefill"] + r["decode"]:
         assert row["tok_s_min"] <= row["tok_s"] <= row["tok_s_max"] and len(row["seconds"]) == 2
     assert all(0 < p["ratio_to_peak"] and p["gemm_macs"] > 0 for p in r["prefill"])
@@ -295,7 +296,7 @@ def test_bench_text_and_rising_load_warning(capsys, monkeypatch):
     warnings = [line for line in err.splitlines() if "warning" in line]
     # loads read: start, probes (quiet), prefill 16 (over), decode 1 (over, not half again), decode 2 (half again)
     assert len(warnings) == 2 and "during prefill 16" in warnings[0] and "during decode batch 2" in warnings[1]
-    assert "prefill 16" in out and "decode B=2 @8" in out and "of peak" in out and "of DRAM" in out
+    assert "prefill 16" in out and "decode B=2 @8 shared" in out and "of peak" in out and "of DRAM" in out
 
 
 def test_bench_refuses_a_loaded_machine(capsys, monkeypatch):

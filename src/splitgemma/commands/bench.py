@@ -5,9 +5,10 @@ limits measured in the same run.
   KV-shared shortcut on: the layers that write no K/V run on the last row only).
 * Decode: aggregate tok/s per batch size at a context: the context is prefilled once and copied into every
   sequence's slot, then N decode steps are timed (tok/s = steps × batch / time). Sampling is not included. With
-  --shared-prefix (the default) a batch of two or more reads the context from that one prefilled slot (Model.decode
-  prefixes=: its sequences share one prompt, as llama-batched-bench -pps runs them) and only its own tokens from its
-  slot; --no-shared-prefix has every sequence read its own copy (sequences with unrelated prompts). Decode
+  --decode-prefix shared (the default) a batch of two or more reads the context from that one prefilled slot
+  (Model.decode prefixes=: its sequences share one prompt, as llama-batched-bench -pps runs them) and only its own
+  tokens from its slot; with copies every sequence reads its own copy (what the decode worker runs today, and what
+  sequences with unrelated prompts cost); both times each batch both ways. Decode
   uses --decode-weights (default int4, what the decode worker serves: its bits do not depend on the batch size),
   prefill --weights (default auto:16, the prefill worker's).
 * Limits: int8 peak TOPS of the backend's multiply-accumulate instruction and streaming DRAM read bandwidth, on the
@@ -85,9 +86,10 @@ def register(subparsers) -> None:
     p.add_argument("--decode-weights", default="int4", metavar="POLICY",
                    help="the FFN weight policy of the decode steps (default: int4, the decode worker's default; "
                         "--weights applies to prefill)")
-    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="batches of two or more share the decode context as one prefix slot, as sequences over one "
-                        "prompt do (default); --no-shared-prefix: each reads its own copy")
+    p.add_argument("--decode-prefix", choices=("shared", "copies", "both"), default="shared",
+                   help="shared (default): a decode batch of two or more reads the context from one prefix slot, as "
+                        "sequences over one prompt can; copies: each sequence reads its own copy; both: each batch "
+                        "both ways")
     p.add_argument("--ignore-load", action="store_true",
                    help=f"run even when the 1-minute load average is above {LOAD_FACTOR} × CPUs (figures are "
                         f"then lower bounds)")
@@ -343,10 +345,11 @@ def run(args) -> int:
     say(f"prefill of the decode context ({args.context} tokens) …")
     model.prefill(arena, pristine, _synthetic(rng, args.context, model.vocab_size))
     model.weights = decode_weights
-    for b in args.batches:
+    # A single sequence has no one to share its context with: B=1 is timed plain whatever --decode-prefix says.
+    ways = {"shared": (True,), "copies": (False,), "both": (False, True)}[args.decode_prefix]
+    for b, shared in [(b, shared) for b in args.batches for shared in (ways if b > 1 else (False,))]:
         slots = list(range(b))
         steps = [[int(t) for t in _synthetic(rng, b, model.vocab_size)] for _ in range(args.steps)]
-        shared = args.shared_prefix and b > 1
         prefixes = [(pristine, args.context)] * b if shared else None
         say(f"decode batch {b} at context {args.context}{' (shared prefix)' if shared else ''}: "
             f"{args.steps} steps × {args.repeats} …")
@@ -458,7 +461,8 @@ def render(r: dict) -> str:
         rows.append([f"prefill {p['prompt_len']}", f"{p['tok_s']:.2f}", f"{p['tok_s_min']:.2f}–{p['tok_s_max']:.2f}",
                      f"{p['load_1min']:.2f}", " + ".join(vs), _anchor_text("prefill", p["prompt_len"])])
     for d in r["decode"]:
-        rows.append([f"decode B={d['batch']} @{d['context']}" + (" shared" if d.get("shared_prefix") else ""),
+        rows.append([f"decode B={d['batch']} @{d['context']}" +
+                     (" shared" if d.get("shared_prefix") else " copies" if d["batch"] > 1 else ""),
                      f"{d['tok_s']:.2f}",
                      f"{d['tok_s_min']:.2f}–{d['tok_s_max']:.2f}", f"{d['load_1min']:.2f}",
                      f"{_size(d['weight_bytes_per_step'])}/step → {d['weight_read_gbs']:.1f} GB/s = "
@@ -471,7 +475,7 @@ def render(r: dict) -> str:
         if i == 0:
             out.append("  ".join("-" * w for w in widths))
     out += ["", f"tok/s: median of {r['repeats']} runs (range: slowest–fastest); decode tok/s is the aggregate over "
-                f"the batch (shared: its sequences read the context from one prefix slot, --shared-prefix); load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
+                f"the batch (shared: its sequences read the context from one prefix slot; copies: each its own, --decode-prefix); load: the 1-minute load average after the figure. Prefill TOPS count the int8 GEMM multiply-adds (×2) of the prompt with the KV-shared "
                 f"shortcut (q8g GEMMs on f32 activations, FGM_Q8G_INPUT=f32, run f32 FMAs: counted apart, in GFLOP/s); decode GB/s count the weight bytes one step streams, "
                 f"and their fraction of DRAM is the median over the repeats of each one's GB/s over the probe read "
                 f"just before and after it (in brackets: the median of those readings).",
