@@ -443,14 +443,18 @@ void Model::compute_rope(int m, const RowCtx* rows) {
   }
 }
 
+bool Model::tile_kernel_runs(int group, int head_dim, const KvLayerLayout& src) const {
+  // The tile kernel needs AVX-512 VNNI, which the vnni and amx backends imply; FGM_BACKEND=avx2 keeps the ymm
+  // reference.
+  return backend_ != Backend::Avx2 && head_dim % 32 == 0 && group <= ops::kAttendRowsVectors &&
+         int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+}
+
 bool Model::attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const {
   // Prefill only (shape_rows_ == 0), every pass of it (one row too): a row's result then does not depend on how the
   // prompt was split into calls and chunks (prefix reuse equals a whole prefill). A multi-token decode run keeps
-  // attend()'s per-token results, which equal those of a plain decode. The tile kernel needs AVX-512 VNNI, which
-  // the vnni and amx backends imply; FGM_BACKEND=avx2 keeps the ymm reference.
-  if (backend_ == Backend::Avx2 || shape_rows_ != 0 || head_dim % 32 ||
-      group > ops::kAttendRowsVectors || int64_t(src.cap) * src.row_bytes >= (int64_t(1) << 31))
-    return false;
+  // attend()'s per-token results, which equal those of a plain decode.
+  if (shape_rows_ != 0 || !tile_kernel_runs(group, head_dim, src)) return false;
   for (int r = 1; r < m; ++r)
     if (rows[r].slot != rows[0].slot || rows[r].pos != rows[0].pos + r) return false;
   return true;
@@ -464,9 +468,8 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
   const KvDtype kvt = layout_.dtype();
   const int rot = kvt != KvDtype::Int8 ? 1 : ops::kv_rotation_block(hd);
   constexpr int P = ops::kAttendPartPositions;
-  // The tile kernel where it runs (as attend_rows_ok asks); else attend_part (ymm) of the prefix and of the rest.
-  const bool tiles = backend_ != Backend::Avx2 && hd % 32 == 0 && group <= ops::kAttendRowsVectors &&
-                     int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+  // The tile kernel where it runs; else attend_part (ymm) of the prefix and of the rest.
+  const bool tiles = tile_kernel_runs(group, hd, src);
   const auto cache_of = [&](const uint8_t* s, int g) { return head_cache(s, src, kvt, hd, g); };
 
   // Each row's parts: its prefix positions [lo, prefix_len) (on the tile path, the absolute parts of P positions

@@ -4,8 +4,11 @@
 // acc = fma(p, s, acc)), so the two give the same bits; the emulated test build checks that on any CPU.
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "kernels_impl.h"
 #include "q8g_driver.h"
@@ -156,18 +159,32 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
 // Panels per block for MR rows: MR·NP part chains plus NP weight vectors and a broadcast within the 32 zmm, and at
 // least 4 chains for one row (the FMA latency). kPanelBlock (12) is a multiple of every entry.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 4, 4, 4, 4, 4, 4, 3, 3, 2, 2, 2, 2};
+
+// The dispatch tables: entry mr (1 .. R) is Kernel::fn<mr, panels[mr]>, or Kernel::fn<mr, 1> for the remainder of a
+// panel range (kOne*), so each block shape is written once, in its panels array.
 template <bool OFF>
-constexpr Q8gBlockFn<F32Rows> kWide[kMaxRows + 1] = {
-    nullptr,                    q8g_block_zmm<1, 4, OFF>,  q8g_block_zmm<2, 4, OFF>,  q8g_block_zmm<3, 4, OFF>,
-    q8g_block_zmm<4, 4, OFF>,   q8g_block_zmm<5, 4, OFF>,  q8g_block_zmm<6, 4, OFF>,  q8g_block_zmm<7, 3, OFF>,
-    q8g_block_zmm<8, 3, OFF>,   q8g_block_zmm<9, 2, OFF>,  q8g_block_zmm<10, 2, OFF>, q8g_block_zmm<11, 2, OFF>,
-    q8g_block_zmm<12, 2, OFF>};
+struct F32Kernel {
+  template <int MR, int NP>
+  static constexpr Q8gBlockFn<F32Rows> fn = q8g_block_zmm<MR, NP, OFF>;
+};
+template <bool OFF, int U>
+struct Int8Kernel {
+  template <int MR, int NP>
+  static constexpr Q8gBlockFn<Int8Rows> fn = q8g_int8_block_zmm<MR, NP, OFF, U>;
+};
+template <class Kernel, const int* Panels, int... I>  // I = mr - 1; Panels null: one panel
+constexpr auto block_table(std::integer_sequence<int, I...>) {
+  using Fn = std::remove_const_t<decltype(Kernel::template fn<1, 1>)>;
+  return std::array<Fn, sizeof...(I) + 1>{nullptr, Kernel::template fn<I + 1, Panels ? Panels[I + 1] : 1>...};
+}
+template <class Kernel, const int* Panels, int R>
+constexpr auto kTable = block_table<Kernel, Panels>(std::make_integer_sequence<int, R>{});
+
 template <bool OFF>
-constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {
-    nullptr,                    q8g_block_zmm<1, 1, OFF>,  q8g_block_zmm<2, 1, OFF>,  q8g_block_zmm<3, 1, OFF>,
-    q8g_block_zmm<4, 1, OFF>,   q8g_block_zmm<5, 1, OFF>,  q8g_block_zmm<6, 1, OFF>,  q8g_block_zmm<7, 1, OFF>,
-    q8g_block_zmm<8, 1, OFF>,   q8g_block_zmm<9, 1, OFF>,  q8g_block_zmm<10, 1, OFF>, q8g_block_zmm<11, 1, OFF>,
-    q8g_block_zmm<12, 1, OFF>};
+constexpr auto kWide = kTable<F32Kernel<OFF>, kPanelsFor, kMaxRows>;
+template <bool OFF>
+constexpr auto kOne = kTable<F32Kernel<OFF>, nullptr, kMaxRows>;
+
 // The int8 kernel: MR·NP int32 sums, NP weight vectors, three constants and a broadcast in the 32 zmm. The
 // broadcast is one vpbroadcastd a row and step, shared by the NP panels: as vpdpbusd's embedded broadcast of a
 // memory operand instead (inline asm), the kernel took 1.9x the time on Zen 5. Few rows take fewer panels than the
@@ -177,17 +194,9 @@ constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {
 // 1.00-1.18 with 2, 1.01-1.10 with 1; 2-6 rows with 4 panels 1.18 (4 rows), with 3: 1.02 / 0.89 / 0.70 (2/4/6 rows).
 constexpr int kPanelsForInt8[kQ8gZmmDecodeRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3};
 template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kWideInt8[kQ8gZmmDecodeRows + 1] = {
-    nullptr,
-    q8g_int8_block_zmm<1, 2, OFF, U>, q8g_int8_block_zmm<2, 3, OFF, U>, q8g_int8_block_zmm<3, 3, OFF, U>,
-    q8g_int8_block_zmm<4, 3, OFF, U>, q8g_int8_block_zmm<5, 3, OFF, U>, q8g_int8_block_zmm<6, 3, OFF, U>,
-    q8g_int8_block_zmm<7, 3, OFF, U>, q8g_int8_block_zmm<8, 3, OFF, U>};
+constexpr auto kWideInt8 = kTable<Int8Kernel<OFF, U>, kPanelsForInt8, kQ8gZmmDecodeRows>;
 template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gZmmDecodeRows + 1] = {
-    nullptr,
-    q8g_int8_block_zmm<1, 1, OFF, U>, q8g_int8_block_zmm<2, 1, OFF, U>, q8g_int8_block_zmm<3, 1, OFF, U>,
-    q8g_int8_block_zmm<4, 1, OFF, U>, q8g_int8_block_zmm<5, 1, OFF, U>, q8g_int8_block_zmm<6, 1, OFF, U>,
-    q8g_int8_block_zmm<7, 1, OFF, U>, q8g_int8_block_zmm<8, 1, OFF, U>};
+constexpr auto kOneInt8 = kTable<Int8Kernel<OFF, U>, nullptr, kQ8gZmmDecodeRows>;
 
 // Prefill (more rows than a decode batch): blocks of at most 6 rows (the 12-row ones measured slower there,
 // docs/benchmarks.md, "Gemma 3 270M decode") × 4 panels: 24 FMA chains, 4 weight vectors and a broadcast in the 32
@@ -197,13 +206,9 @@ constexpr int kDecodeRows = kQ8gZmmDecodeMaxM, kPrefillRows = kQ8gZmmPrefillRows
 constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes; 120 KB of codes at K=640
 constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
-constexpr Q8gBlockFn<F32Rows> kWidePrefill[kPrefillRows + 1] = {
-    nullptr, q8g_block_zmm<1, 4, OFF>, q8g_block_zmm<2, 4, OFF>, q8g_block_zmm<3, 4, OFF>,
-    q8g_block_zmm<4, 4, OFF>, q8g_block_zmm<5, 4, OFF>, q8g_block_zmm<6, 4, OFF>};
+constexpr auto kWidePrefill = kTable<F32Kernel<OFF>, kPanelsForPrefill, kPrefillRows>;
 template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kWidePrefillInt8[kPrefillRows + 1] = {
-    nullptr, q8g_int8_block_zmm<1, 4, OFF, U>, q8g_int8_block_zmm<2, 4, OFF, U>, q8g_int8_block_zmm<3, 4, OFF, U>,
-    q8g_int8_block_zmm<4, 4, OFF, U>, q8g_int8_block_zmm<5, 4, OFF, U>, q8g_int8_block_zmm<6, 4, OFF, U>};
+constexpr auto kWidePrefillInt8 = kTable<Int8Kernel<OFF, U>, kPanelsForPrefill, kPrefillRows>;
 
 }  // namespace
 
@@ -225,12 +230,12 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                             int p0, int p1) {
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels<F32Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>, kOne<false>,
-                                  kWidePrefill<true>, kOne<true>},
+    q8g_drive(Q8gKernels<F32Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>.data(),
+                                  kOne<false>.data(), kWidePrefill<true>.data(), kOne<true>.data()},
               F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>,
-                                  kOne<true>},
+    q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>.data(), kOne<false>.data(),
+                                  kWide<true>.data(), kOne<true>.data()},
               F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
 }
 
@@ -238,12 +243,13 @@ namespace {
 template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefillInt8<false, U>,
-                                   kOneInt8<false, U>, kWidePrefillInt8<true, U>, kOneInt8<true, U>},
+    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefillInt8<false, U>.data(),
+                                   kOneInt8<false, U>.data(), kWidePrefillInt8<true, U>.data(),
+                                   kOneInt8<true, U>.data()},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>,
-                                   kOneInt8<false, U>, kWideInt8<true, U>, kOneInt8<true, U>},
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>.data(),
+                                   kOneInt8<false, U>.data(), kWideInt8<true, U>.data(), kOneInt8<true, U>.data()},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
 }  // namespace
