@@ -103,7 +103,9 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // these operands (vpmaddubsw saturates): the int16 codes of two inputs (Q8gActs.wide) are broadcast as one dword
 // against the weights' (k, k+1) code pairs of 8 columns, widened to int16, and vpmaddwd adds each pair's two
 // products exactly into int32. Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them:
-// y = fma((float)acc, a·s, y), y kept in memory (read, fma, written once a unit), so both give the same bits.
+// y = fma((float)acc, a·s, y), y kept in memory (read, fma, written once a unit), so both give the same bits. That
+// memory is a tile on the stack, not y: y's rows at a multiple of 4 KB apart (N = 2048, 262144) alias each other's
+// low address bits, and each unit's loads would wait on the other rows' stores (gemm_q8g_avx512.cpp, store_tile).
 template <int MR, int NP, bool OFF, int U>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t*, size_t) {
@@ -111,6 +113,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
   const Q8gActs& a = *rows.a;
   const int16_t* xw = a.wide + size_t(rows.m0) * k_total;  // this block's codes: step k/2 at + (k/2)·2·MR
   const float* as = a.scale + rows.m0;               // block b at + b·m
+  alignas(32) float tile[MR][NP][16];
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     __m256i acc[MR][NP][2];
     for (int i = 0; i < MR; ++i)
@@ -140,12 +143,16 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
         const __m256 sv = _mm256_loadu_ps(s + 16 * p + 8 * h);
         for (int i = 0; i < MR; ++i) {
           const __m256 sc = _mm256_mul_ps(sv, _mm256_broadcast_ss(as + size_t(k0 / 32) * a.m + i));
-          float* yo = y + size_t(i) * ldy + 16 * p + 8 * h;
-          const __m256 prev = u == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(yo);
-          _mm256_storeu_ps(yo, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][p][h]), sc, prev));
+          float* t = tile[i][p] + 8 * h;
+          const __m256 prev = u == 0 ? _mm256_setzero_ps() : _mm256_load_ps(t);
+          _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][p][h]), sc, prev));
         }
       }
   }
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8 * h, _mm256_load_ps(tile[i][p] + 8 * h));
   if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
@@ -193,7 +200,7 @@ void q8g_group_sums(const float* x, int ldx, int m, int k, int group, float* xs)
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                      int p1) {
   constexpr int kPanelBlock = 6;  // 6 panels of K=2048: 192 KB of codes, within Zen 3's 512 KB L2
-  q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>, kOne<false>, kWide<true>, kOne<true>},
+  q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, {kWide<false>, kOne<false>, kWide<true>, kOne<true>}},
             F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
 }
 
@@ -201,8 +208,8 @@ namespace {
 template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;
-  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWideInt8<false, U>, kOneInt8<false, U>,
-                                 kWideInt8<true, U>, kOneInt8<true, U>},
+  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor,
+                                 {kWideInt8<false, U>, kOneInt8<false, U>, kWideInt8<true, U>, kOneInt8<true, U>}},
             Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
 }  // namespace

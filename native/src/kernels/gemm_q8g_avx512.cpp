@@ -22,6 +22,18 @@ namespace {
 // per 24).
 constexpr int kMaxRows = 12;
 
+// The kernels below keep each output's running sum in memory between groups (the registers hold the hot chains), in
+// a tile on the stack rather than in y itself: y's rows lie N floats apart, and at N = 2048 or 4096 (Gemma 3 270M's
+// FFN projections) that is a multiple of 4 KB, so every row's sums share their low 12 address bits and a group's
+// loads can wait on other rows' stores (4K aliasing). Int8 activations, 32 rows, K=640, in one process alternated
+// call by call on Zen 5: N=2048 0.94x the time in the tile, N=4096 0.92x; the LM head (N=262144) alike (1.01x).
+// The tile goes to y once, at the end.
+template <int MR, int NP>
+void store_tile(const float (&tile)[MR][NP][16], float* y, int ldy) {
+  for (int i = 0; i < MR; ++i)
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + size_t(i) * ldy + 16 * p, _mm512_load_ps(tile[i][p]));
+}
+
 // y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga), after the groups, as the AVX2 kernels add it.
 template <int MR, int NP>
 void add_offsets_zmm(const float* offsets, const float* xsum, int n_total, int k_total, int group, float* y,
@@ -46,9 +58,10 @@ void add_offsets_zmm(const float* offsets, const float* xsum, int n_total, int k
     }
 }
 
-// The f32 kernel. acc lives in y (read, fma, written back once per group: 1/group of the FMAs) so that the 32 zmm
-// hold MR·NP part chains, NP weight vectors and a broadcast. Storing the f32 and reading it back is exact, so the
-// sequence per output is the AVX2 kernel's (acc = +0, then acc = fma(p, s, acc) per group).
+// The f32 kernel. acc lives in memory (read, fma, written back once per group: 1/group of the FMAs) so that the 32
+// zmm hold MR·NP part chains, NP weight vectors and a broadcast. Storing the f32 and reading it back is exact, so the
+// sequence per output is the AVX2 kernel's (acc = +0, then acc = fma(p, s, acc) per group). That memory is a tile
+// on the stack, copied to y at the end (q8g_fold_tile).
 // Streaming: the next panels' scales are prefetched one block ahead, their codes as the driver shares them out
 // (q8g_driver.h), trickled over the k steps.
 template <int MR, int NP, bool OFF>
@@ -59,6 +72,7 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
   const int ldx = rows.ldx;
   const size_t panel_bytes = size_t(k_total) * 16;
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total));
+  alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, g = 0; k0 < k_total; k0 += group, ++g) {
     const float* s = scales + size_t(g) * n_total;
     for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
@@ -79,12 +93,12 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
     for (int p = 0; p < NP; ++p) {
       const __m512 sv = _mm512_loadu_ps(s + 16 * p);
       for (int i = 0; i < MR; ++i) {
-        float* yo = y + size_t(i) * ldy + 16 * p;
-        const __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yo);
-        _mm512_storeu_ps(yo, _mm512_fmadd_ps(part[i][p], sv, acc));
+        const __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tile[i][p]);
+        _mm512_store_ps(tile[i][p], _mm512_fmadd_ps(part[i][p], sv, acc));
       }
     }
   }
+  store_tile<MR, NP>(tile, y, ldy);
   if constexpr (OFF) add_offsets_zmm<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
@@ -94,14 +108,35 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
 // of each input, vpshufb then transposes each lane's 4 × 4 bytes (AVX-512 F/BW: every VNNI host, VBMI or not).
 // vpdpbusd multiplies unsigned by signed bytes, so the weight codes are flipped to code + 128 (one xor) and each
 // unit's int32 sum starts at -128 · the activations' code sum (Q8gActs.bias16/32): it ends exact, the sum of gemm.h.
-// Then per unit y = fma((float)acc, a·s, y) with y in memory (read, fma, written once a unit), as the AVX2 kernel.
+// Then per unit y = fma((float)acc, a·s, y) with y in a tile in memory (read, fma, written once a unit), as the AVX2
+// kernel.
 alignas(64) constexpr int32_t kAcrossLanes[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 alignas(64) constexpr int8_t kWithinLane[64] = {0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                 0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                 0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                 0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15};
 
-template <int MR, int NP, bool OFF, int U>
+struct VnniOrder {
+  __m512i across = _mm512_loadu_si512(kAcrossLanes), within = _mm512_loadu_si512(kWithinLane);
+  __m512i flip = _mm512_set1_epi8(char(0x80));
+  // 64 bytes of a panel (inputs k .. k+3 × 16 columns, input-major) as vpdpbusd's unsigned operand.
+  __m512i operator()(__m512i raw) const {
+    return _mm512_xor_si512(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(across, raw), within), flip);
+  }
+};
+
+// A prefill chunk's row blocks would each transpose the same panels: the driver has them rewritten once per panel
+// block into its scratch (q8g_driver.h), which the REPACKED kernels (the prefill ones) load as they are. Same
+// operands, so the same bits.
+// Gemma 3 270M's shapes, int8 activations, 2 threads, in one process alternated call by call on Zen 5: at M=256
+// 0.92-0.93x the time (N=2048 K=640, N=1024 K=640, N=640 K=2048), at M=64 0.99x. Not for decode batches: at M=16
+// and 32 (2 and 4 row blocks) the rewrite cost what it saved (1.02-1.07x, LM head and FFN shapes).
+void repack_vnni(const int8_t* codes, size_t bytes, int8_t* out) {
+  const VnniOrder order;
+  for (size_t o = 0; o < bytes; o += 64) _mm512_store_si512(out + o, order(_mm512_loadu_si512(codes + o)));
+}
+
+template <int MR, int NP, bool OFF, int U, bool REPACKED>
 void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                         const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                         size_t pf_bytes) {
@@ -110,9 +145,9 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
   const int8_t* xc = a.codes + size_t(rows.m0) * k_total;  // this block's codes: step k/4 at + (k/4)·4·MR
   const float* as = a.scale + rows.m0;              // block b at + b·m
   const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // unit u at + u·m
-  const __m512i across = _mm512_loadu_si512(kAcrossLanes), within = _mm512_loadu_si512(kWithinLane);
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  const VnniOrder order;
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
+  alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     const float* s = scales + size_t(k0 / group) * n_total;
     if (k0 % group == 0)
@@ -130,12 +165,10 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
       const int8_t* xk = xc + size_t(k / 4) * 4 * MR;
       next.step();
       __m512i wv[NP];
-      for (int p = 0; p < NP; ++p)
-        wv[p] = _mm512_xor_si512(
-            _mm512_shuffle_epi8(
-                _mm512_permutexvar_epi32(across, _mm512_loadu_si512(codes + p * panel_bytes + size_t(k) * 16)),
-                within),
-            flip);
+      for (int p = 0; p < NP; ++p) {
+        const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
+        wv[p] = REPACKED ? _mm512_load_si512(c) : order(_mm512_loadu_si512(c));
+      }
       for (int i = 0; i < MR; ++i) {
         int32_t quad;
         std::memcpy(&quad, xk + 4 * i, 4);
@@ -147,12 +180,12 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
       const __m512 sv = _mm512_loadu_ps(s + 16 * p);
       for (int i = 0; i < MR; ++i) {
         const __m512 sc = _mm512_mul_ps(sv, _mm512_set1_ps(as[size_t(k0 / 32) * a.m + i]));
-        float* yo = y + size_t(i) * ldy + 16 * p;
-        const __m512 prev = u == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(yo);
-        _mm512_storeu_ps(yo, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][p]), sc, prev));
+        const __m512 prev = u == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tile[i][p]);
+        _mm512_store_ps(tile[i][p], _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][p]), sc, prev));
       }
     }
   }
+  store_tile<MR, NP>(tile, y, ldy);
   if constexpr (OFF) add_offsets_zmm<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
@@ -167,10 +200,10 @@ struct F32Kernel {
   template <int MR, int NP>
   static constexpr Q8gBlockFn<F32Rows> fn = q8g_block_zmm<MR, NP, OFF>;
 };
-template <bool OFF, int U>
+template <bool OFF, int U, bool REPACKED>
 struct Int8Kernel {
   template <int MR, int NP>
-  static constexpr Q8gBlockFn<Int8Rows> fn = q8g_int8_block_zmm<MR, NP, OFF, U>;
+  static constexpr Q8gBlockFn<Int8Rows> fn = q8g_int8_block_zmm<MR, NP, OFF, U, REPACKED>;
 };
 template <class Kernel, const int* Panels, int... I>  // I = mr - 1; Panels null: one panel
 constexpr auto block_table(std::integer_sequence<int, I...>) {
@@ -194,9 +227,9 @@ constexpr auto kOne = kTable<F32Kernel<OFF>, nullptr, kMaxRows>;
 // 1.00-1.18 with 2, 1.01-1.10 with 1; 2-6 rows with 4 panels 1.18 (4 rows), with 3: 1.02 / 0.89 / 0.70 (2/4/6 rows).
 constexpr int kPanelsForInt8[kQ8gZmmDecodeRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3};
 template <bool OFF, int U>
-constexpr auto kWideInt8 = kTable<Int8Kernel<OFF, U>, kPanelsForInt8, kQ8gZmmDecodeRows>;
-template <bool OFF, int U>
-constexpr auto kOneInt8 = kTable<Int8Kernel<OFF, U>, nullptr, kQ8gZmmDecodeRows>;
+constexpr auto kWideInt8 = kTable<Int8Kernel<OFF, U, false>, kPanelsForInt8, kQ8gZmmDecodeRows>;
+template <bool OFF, int U, bool REPACKED>
+constexpr auto kOneInt8 = kTable<Int8Kernel<OFF, U, REPACKED>, nullptr, kQ8gZmmDecodeRows>;
 
 // Prefill (more rows than a decode batch): blocks of at most 6 rows (the 12-row ones measured slower there,
 // docs/benchmarks.md, "Gemma 3 270M decode") × 4 panels: 24 FMA chains, 4 weight vectors and a broadcast in the 32
@@ -207,8 +240,8 @@ constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes
 constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
 constexpr auto kWidePrefill = kTable<F32Kernel<OFF>, kPanelsForPrefill, kPrefillRows>;
-template <bool OFF, int U>
-constexpr auto kWidePrefillInt8 = kTable<Int8Kernel<OFF, U>, kPanelsForPrefill, kPrefillRows>;
+template <bool OFF, int U>  // reading the codes as repack_vnni writes them
+constexpr auto kWidePrefillInt8 = kTable<Int8Kernel<OFF, U, true>, kPanelsForPrefill, kPrefillRows>;
 
 }  // namespace
 
@@ -230,26 +263,31 @@ uint64_t peak_loop_fma512(uint64_t iters) {
 void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                             int p0, int p1) {
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels<F32Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefill<false>.data(),
-                                  kOne<false>.data(), kWidePrefill<true>.data(), kOne<true>.data()},
+    q8g_drive(Q8gKernels<F32Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill,
+                                  {kWidePrefill<false>.data(), kOne<false>.data(), kWidePrefill<true>.data(),
+                                   kOne<true>.data()}},
               F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, kWide<false>.data(), kOne<false>.data(),
-                                  kWide<true>.data(), kOne<true>.data()},
+    q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor,
+                                  {kWide<false>.data(), kOne<false>.data(), kWide<true>.data(), kOne<true>.data()}},
               F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
 }
 
 namespace {
 template <int U>
+constexpr Q8gFns<Int8Rows> kPrefillInt8{kWidePrefillInt8<false, U>.data(), kOneInt8<false, U, true>.data(),
+                                        kWidePrefillInt8<true, U>.data(), kOneInt8<true, U, true>.data()};
+template <int U>
+constexpr Q8gFns<Int8Rows> kDecodeInt8{kWideInt8<false, U>.data(), kOneInt8<false, U, false>.data(),
+                                       kWideInt8<true, U>.data(), kOneInt8<true, U, false>.data()};
+
+template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kWidePrefillInt8<false, U>.data(),
-                                   kOneInt8<false, U>.data(), kWidePrefillInt8<true, U>.data(),
-                                   kOneInt8<true, U>.data()},
+    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kPrefillInt8<U>, repack_vnni},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kWideInt8<false, U>.data(),
-                                   kOneInt8<false, U>.data(), kWideInt8<true, U>.data(), kOneInt8<true, U>.data()},
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kDecodeInt8<U>},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
 }  // namespace

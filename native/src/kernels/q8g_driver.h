@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <immintrin.h>
+#include <vector>
 
 #include "kernels_impl.h"
 
@@ -51,14 +52,25 @@ class PrefetchTrickle {
 };
 
 template <class Rows>
-struct Q8gKernels {
-  int max_rows;                  // rows per register block, at most
-  int panel_block;               // panels whose codes stay cached while every row block walks them
-  const int* panels_for;         // [mr]: panels per register block for mr rows
-  const Q8gBlockFn<Rows>* wide;  // [mr]: the kernel for mr rows × panels_for[mr] panels
-  const Q8gBlockFn<Rows>* one;   // [mr]: the kernel for mr rows × 1 panel (the remainder of a panel range)
+struct Q8gFns {
+  const Q8gBlockFn<Rows>* wide;      // [mr]: the kernel for mr rows × panels_for[mr] panels
+  const Q8gBlockFn<Rows>* one;       // [mr]: the kernel for mr rows × 1 panel (the remainder of a panel range)
   const Q8gBlockFn<Rows>* wide_off;  // the same two with the offset term (q8ga)
   const Q8gBlockFn<Rows>* one_off;
+};
+
+// Rewrites `bytes` bytes of consecutive panels' codes (a multiple of 64) into the order a kernel reads them in.
+using Q8gRepackFn = void (*)(const int8_t* codes, size_t bytes, int8_t* out);
+
+template <class Rows>
+struct Q8gKernels {
+  int max_rows;           // rows per register block, at most
+  int panel_block;        // panels whose codes stay cached while every row block walks them
+  const int* panels_for;  // [mr]: panels per register block for mr rows
+  Q8gFns<Rows> fns;       // the kernels: they read the weight's codes as they are, or as `repack` writes them
+  // Optional, where many row blocks walk each panel block (prefill): each panel block's codes rewritten once into a
+  // scratch buffer, for every row block's kernel to read.
+  Q8gRepackFn repack = nullptr;
 };
 
 // Output columns of panels [p0, p1), all m rows. Rows go in blocks of q8g_rows_per_block (kernels_impl.h); panels
@@ -82,8 +94,20 @@ inline void q8g_drive(const Q8gKernels<Rows>& kk, const Rows& rows, int m, const
   const int rows_per_block = q8g_rows_per_block(m, kk.max_rows);
   const int row_blocks = (m + rows_per_block - 1) / rows_per_block;
   const size_t panel_bytes = size_t(w.k) * 16;
+  // One scratch buffer per thread (each translation unit its own), grown to the largest panel block it has held.
+  thread_local std::vector<int8_t> scratch;
+  int8_t* repacked = nullptr;
+  if (kk.repack) {
+    scratch.resize(size_t(kk.panel_block) * panel_bytes + 64);
+    repacked = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+  }
   for (int pb = p0; pb < p1; pb += kk.panel_block) {
     const int pe = std::min(pb + kk.panel_block, p1), width = pe - pb;
+    const int8_t* block_codes = codes + size_t(pb) * panel_bytes;
+    if (kk.repack) {
+      kk.repack(block_codes, size_t(width) * panel_bytes, repacked);
+      block_codes = repacked;
+    }
     // what follows in the weight (another task's panels past p1 too: the thread may take that task next)
     const size_t next_bytes = size_t(std::min(pe + kk.panel_block, w.n / 16) - pe) * panel_bytes;
     const int8_t* next = codes + size_t(pe) * panel_bytes;
@@ -101,8 +125,9 @@ inline void q8g_drive(const Q8gKernels<Rows>& kk, const Rows& rows, int m, const
           pf = next + pf0;
           pf_bytes = next_bytes * (size_t(j) * width + (q - pb) + np) / share / 64 * 64 - pf0;
         }
-        const Q8gBlockFn<Rows>* fns = off ? (wide ? kk.wide_off : kk.one_off) : (wide ? kk.wide : kk.one);
-        fns[mr](rows.at(m0), codes + size_t(q) * panel_bytes, scales + size_t(q) * 16,
+        const Q8gFns<Rows>& f = kk.fns;
+        const Q8gBlockFn<Rows>* fn = off ? (wide ? f.wide_off : f.one_off) : (wide ? f.wide : f.one);
+        fn[mr](rows.at(m0), block_codes + size_t(q - pb) * panel_bytes, scales + size_t(q) * 16,
                 off ? w.offsets + size_t(q) * 16 : nullptr, off ? xsum + size_t(m0) * ng : nullptr, w.n, w.k, w.group,
                 y + size_t(m0) * ldy + size_t(q) * 16, ldy, pf, pf_bytes);
         q += np;
