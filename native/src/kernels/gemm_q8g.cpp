@@ -200,7 +200,8 @@ void q8g_group_sums(const float* x, int ldx, int m, int k, int group, float* xs)
 void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                      int p1) {
   constexpr int kPanelBlock = 6;  // 6 panels of K=2048: 192 KB of codes, within Zen 3's 512 KB L2
-  q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor, {kWide<false>, kOne<false>, kWide<true>, kOne<true>}},
+  q8g_drive(Q8gKernels<F32Rows>{kMaxRows, kPanelBlock, kPanelsFor,
+                                {kWide<false>, kOne<false>, kWide<true>, kOne<true>}},
             F32Rows{x, ldx}, m, w, xsum, y, ldy, p0, p1);
 }
 
