@@ -681,6 +681,33 @@ def test_logprobs():
     assert s.token in kept and abs(s.logprob - want[list(kept).index(s.token)]) < 1e-5
 
 
+def test_wide_truncation_keeps_the_full_sort_order():
+    """Past 4096 ids the kept set comes from a bucket sort (sampling.cpp best_k_by_buckets), not the heap: it must
+    still be a full sort's first ids (by value, ties to the lower id; -0.0 equal to +0.0), which numpy's stable sort
+    gives here. A flat row with top_p alone walks up to every id; large top_k takes the bucket path at once."""
+    rng = np.random.default_rng(5)
+    n = 262144
+    flat = (np.round(rng.normal(size=n) * 16) / 16).astype(np.float32)  # many ties
+    flat[rng.choice(n, 2000, replace=False)] = -0.0
+    flat[rng.choice(n, 2000, replace=False)] = 0.0
+    flat[:3] = [-3e38, 3e38 / 2, -1e30]  # a range near float's limit
+    order = np.argsort(-flat.astype(np.float64), kind="stable")  # ties keep the lower id first
+    for k in (4097, 30000, n - 1):  # the last: every id but one, the zeros among them
+        s = sample(flat, top_k=k, n_logprobs=k, rng_state=3)
+        assert [t for t, _ in s.top_logprobs] == list(order[:k])
+    row = rng.normal(size=n).astype(np.float32)
+    order = np.argsort(-row.astype(np.float64), kind="stable")
+    w = np.exp(row[order].astype(np.float64) - row.max())
+    cum = np.cumsum(w)
+    for top_p in (0.3, 0.9):
+        s = sample(row, top_p=top_p, n_logprobs=n, rng_state=4)
+        kept = [t for t, _ in s.top_logprobs]
+        assert kept == list(order[:len(kept)])
+        # the smallest prefix that reaches top_p of the mass (to the rounding of the two sums)
+        assert cum[len(kept) - 2] < top_p * cum[-1] * (1 + 1e-9) and cum[len(kept) - 1] >= top_p * cum[-1] * (1 - 1e-9)
+        assert s.token in set(kept)
+
+
 def test_sampling_rejects_bad_arguments():
     row = np.zeros(10, np.float32)
     for kw, msg in (({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
