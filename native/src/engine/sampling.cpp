@@ -178,7 +178,11 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
         kept = i;  // >= 1: the loop always takes the first candidate
         break;
       }
-      sorted = sorted < kHeapSelectMax ? std::min(n, sorted * 4) : std::min(n, sorted + 16384);
+      // The weights fall best-first, so the prefix needs at least sorted · target / cum ids: once that is past the
+      // heap's range (a flat row, after the first round), the next round is the bucket sort's.
+      const bool past_heap = cum * kHeapSelectMax < p.top_p * z * sorted;
+      sorted = sorted < kHeapSelectMax && !past_heap ? std::min(n, sorted * 4)
+                                                     : std::min(n, std::max(sorted, kHeapSelectMax) + 16384);
     }
   }
   double zk = 0;
