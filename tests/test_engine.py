@@ -682,7 +682,7 @@ def test_logprobs():
 
 
 def test_wide_truncation_keeps_the_full_sort_order():
-    """Past 4096 ids the kept set comes from a bucket sort (sampling.cpp best_k_by_buckets), not the heap: it must
+    """Past 4096 ids the kept set comes from a bucket sort (sampling.cpp BucketOrder), not the heap: it must
     still be a full sort's first ids (by value, ties to the lower id; -0.0 equal to +0.0), which numpy's stable sort
     gives here. A flat row with top_p alone walks up to every id; large top_k takes the bucket path at once."""
     rng = np.random.default_rng(5)
