@@ -225,7 +225,13 @@ constexpr auto kOne = kTable<F32Kernel<OFF>, nullptr, kMaxRows>;
 // each) streamed slower than the f32 kernel's, whose 4 streams advance a line per 4 steps. LM head (262144 x 640)
 // from DRAM, int8/f32 time, alternated in one process on Zen 5: 1 row 1.19-1.26 with 4 panels, 1.44-1.86 with 8,
 // 1.00-1.18 with 2, 1.01-1.10 with 1; 2-6 rows with 4 panels 1.18 (4 rows), with 3: 1.02 / 0.89 / 0.70 (2/4/6 rows).
-constexpr int kPanelsForInt8[kQ8gZmmDecodeRows + 1] = {0, 2, 3, 3, 3, 3, 3, 3, 3};
+// Five to eight rows take 2 panels (16 sums), not 3 (24): the 8-row block is every block of a 16- or 32-row decode
+// batch, and with 24 int32 chains the kernel ran at 0.62 of the one-thread vpdpbusd peak on Zen 4 even with the
+// weights cached, the transposition and the fold knocked out made no or 17% difference, and 12 rows × 2 panels (24
+// chains again) was as slow; 8 × 2 took 0.87-0.89x the time (Gemma 3 270M's shapes, one thread, alternated
+// processes: N=2048 K=640 at 8, 16 and 32 rows, the LM head at 8 and 32 rows; 0.83-0.90x of the FFN GEMM time in the
+// model at B=8 and B=32, two threads). Not measured on Zen 5, where the 3 panels were chosen against 4, not 2.
+constexpr int kPanelsForInt8[kQ8gZmmDecodeRows + 1] = {0, 2, 3, 3, 3, 2, 2, 2, 2};
 template <bool OFF, int U>
 constexpr auto kWideInt8 = kTable<Int8Kernel<OFF, U, false>, kPanelsForInt8, kQ8gZmmDecodeRows>;
 template <bool OFF, int U, bool REPACKED>
