@@ -246,8 +246,13 @@ constexpr int kPanelBlock = 12;  // a multiple of the 4/3/2 panels a block takes
 constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
 constexpr auto kWidePrefill = kTable<F32Kernel<OFF>, kPanelsForPrefill, kPrefillRows>;
+// The int8 kernel's prefill blocks: 5 and 6 rows take 2 panels (12 int32 sums), as the decode blocks keep to 16 (see
+// kPanelsForInt8): with 6 × 4 (24 sums) the same GEMMs took 1.2-1.3x the time on Zen 4 (M=256, Gemma 3 270M's
+// N=2048 K=640, N=1024 K=640, N=640 K=2048 at groups 16 and 32; one thread and two, alternated processes); 6 × 3
+// and 8 rows × 2 panels were between, 6 × 1 a little slower than 6 × 2.
+constexpr int kPanelsForPrefillInt8[kPrefillRows + 1] = {0, 4, 4, 4, 4, 2, 2};
 template <bool OFF, int U>  // reading the codes as repack_vnni writes them
-constexpr auto kWidePrefillInt8 = kTable<Int8Kernel<OFF, U, true>, kPanelsForPrefill, kPrefillRows>;
+constexpr auto kWidePrefillInt8 = kTable<Int8Kernel<OFF, U, true>, kPanelsForPrefillInt8, kPrefillRows>;
 
 }  // namespace
 
@@ -290,7 +295,7 @@ constexpr Q8gFns<Int8Rows> kDecodeInt8{kWideInt8<false, U>.data(), kOneInt8<fals
 template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   if (m > kDecodeRows)
-    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefill, kPrefillInt8<U>, repack_vnni},
+    q8g_drive(Q8gKernels<Int8Rows>{kPrefillRows, kPanelBlock, kPanelsForPrefillInt8, kPrefillInt8<U>, repack_vnni},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
     q8g_drive(Q8gKernels<Int8Rows>{kQ8gZmmDecodeRows, kPanelBlock, kPanelsForInt8, kDecodeInt8<U>},
