@@ -247,7 +247,7 @@ constexpr int kPanelsForPrefill[kPrefillRows + 1] = {0, 4, 4, 4, 4, 4, 4};
 template <bool OFF>
 constexpr auto kWidePrefill = kTable<F32Kernel<OFF>, kPanelsForPrefill, kPrefillRows>;
 // The int8 kernel's prefill blocks: 5 and 6 rows take 2 panels (12 int32 sums), as the decode blocks keep to 16 (see
-// kPanelsForInt8): with 6 × 4 (24 sums) the same GEMMs took 1.2-1.3x the time on Zen 4 (M=256, Gemma 3 270M's
+// kPanelsForInt8): with 6 × 4 (24 sums) the same GEMMs took 1.12-1.3x the time on Zen 4 (M=256, Gemma 3 270M's
 // N=2048 K=640, N=1024 K=640, N=640 K=2048 at groups 16 and 32; one thread and two, alternated processes); 6 × 3
 // and 8 rows × 2 panels were between, 6 × 1 a little slower than 6 × 2.
 constexpr int kPanelsForPrefillInt8[kPrefillRows + 1] = {0, 4, 4, 4, 4, 2, 2};
