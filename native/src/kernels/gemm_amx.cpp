@@ -11,8 +11,9 @@
 // Blocking: a task is ≤ 4 column blocks (64 columns; its B panel stays in L2). Rows go in
 // pairs of 16-row blocks with 2×2 tiles (2 A × 2 B → 4 accumulators); the last odd 16-row
 // block, and with it every decode-sized call (M ≤ 16), uses 1×4 (1 A × 4 B, one weight read
-// per column block). q8c accumulates over the whole K; q4g over one scale group at a time,
-// then drains the tiles into f32 sums.
+// per column block). q8c accumulates over the whole K (prefill-sized calls: in K slices with the
+// row pairs innermost, q8c_sliced); q4g over one scale group at a time, then drains the tiles
+// into f32 sums.
 //
 // Compiler traps: the tile primitives (amx_tiles.h) carry memory clobbers, and an explicit
 // barrier follows the scratch-tile stores.
@@ -24,6 +25,7 @@
 // scalar tiles to run this file's logic on CPUs without AMX.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -102,14 +104,16 @@ struct BSource {
   }
 };
 
-// One attempt: accumulators (i, j) = tmm(i·NT + j) over k-blocks [kb0, kb1), stored to out.
-// Returns false when the guard sees a reset tile.
+// One attempt: accumulators (i, j) = tmm(i·NT + j) over k-blocks [kb0, kb1), starting from init (the sums of
+// earlier k-blocks, biased alike) or from nothing, stored to out (never init: a failed attempt must be able to
+// start again from it; without the guard out may be init). Returns false when the guard sees a reset tile.
 template <int MT, int NT>
 bool accumulate_tiles(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard,
-                      int32_t (*out)[256]) {
+                      const int32_t (*init)[256], int32_t (*out)[256]) {
   static_assert(MT * NT <= 4 && MT <= 2, "four accumulator tiles, two A tiles");
   unroll<MT * NT>([&](auto c) {
-    if (guard) tile_load<decltype(c)::value>(kSentinelTile.v);
+    if (init) tile_load<decltype(c)::value>(init[decltype(c)::value]);
+    else if (guard) tile_load<decltype(c)::value>(kSentinelTile.v);
     else tile_zero<decltype(c)::value>();
   });
   for (int kb = kb0; kb < kb1; ++kb) {
@@ -138,9 +142,9 @@ bool accumulate_tiles(const int8_t* A, size_t a_mstride, const BSource& bs, int 
 // The same sums without tiles (after repeated tile-state loss): exact int32, biased alike.
 template <int MT, int NT>
 void accumulate_scalar(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard,
-                       int32_t (*out)[256]) {
+                       const int32_t (*init)[256], int32_t (*out)[256]) {
   for (int c = 0; c < MT * NT; ++c)
-    for (int e = 0; e < 256; ++e) out[c][e] = guard ? kSentinel : 0;
+    for (int e = 0; e < 256; ++e) out[c][e] = init ? init[c][e] : guard ? kSentinel : 0;
   for (int kb = kb0; kb < kb1; ++kb)
     for (int j = 0; j < NT; ++j) {
       const int8_t* b = bs.get(j, kb);  // b[t·64 + n·4 + e] = W[n, kb·64 + 4t + e]
@@ -157,12 +161,34 @@ void accumulate_scalar(const int8_t* A, size_t a_mstride, const BSource& bs, int
 }
 
 template <int MT, int NT>
-void accumulate(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard, int32_t (*out)[256]) {
+void accumulate(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, int kb1, bool guard,
+                const int32_t (*init)[256], int32_t (*out)[256]) {
   for (int attempt = 0; attempt < kMaxRetry; ++attempt) {
-    if (accumulate_tiles<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, out)) return;
+    if (accumulate_tiles<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, init, out)) return;
     g_amx_recoveries.fetch_add(1, std::memory_order_relaxed);
   }
-  accumulate_scalar<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, out);
+  accumulate_scalar<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, init, out);
+}
+
+// The q8c epilogue of MT×NT accumulator tiles (row block mb, column block nb): y = (sum − bias) · row scale ·
+// column scale, for the valid rows.
+template <int MT, int NT>
+void store_q8c(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, bool guard, bool stream,
+               const int32_t (*out)[256]) {
+  const __m512i bias = _mm512_set1_epi32(guard ? kSentinel : 0);
+  const float* ws = static_cast<const float*>(w.scales);
+  for (int i = 0; i < MT; ++i) {
+    const int left = a.m - (mb + i) * 16;
+    for (int r = 0; r < (left < 16 ? left : 16); ++r) {
+      const int m = (mb + i) * 16 + r;
+      const __m512 as = _mm512_set1_ps(a.scale[m]);
+      for (int j = 0; j < NT; ++j) {
+        const __m512i acc = _mm512_sub_epi32(_mm512_load_si512(out[i * NT + j] + r * 16), bias);
+        const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), as), _mm512_loadu_ps(ws + (nb + j) * 16));
+        store_out(y + (size_t)m * ldy + (nb + j) * 16, f, stream);
+      }
+    }
+  }
 }
 
 // MT 16-row blocks starting at row block mb × NT column blocks starting at nb.
@@ -174,33 +200,19 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
   const BSource bs{&w, KB, nb, scratch};
   const int8_t* A = a.packed + (size_t)mb * KB * 1024;
   const size_t a_mstride = (size_t)KB * 1024;
-  const __m512i bias = _mm512_set1_epi32(guard ? kSentinel : 0);
-  auto valid_rows = [&](int i) {
-    const int left = a.m - (mb + i) * 16;
-    return left < 16 ? left : 16;
-  };
   if (w.dtype == DType::Q8C) {
-    accumulate<MT, NT>(A, a_mstride, bs, 0, KB, guard, out);
-    const float* ws = static_cast<const float*>(w.scales);
-    for (int i = 0; i < MT; ++i)
-      for (int r = 0; r < valid_rows(i); ++r) {
-        const int m = (mb + i) * 16 + r;
-        const __m512 as = _mm512_set1_ps(a.scale[m]);
-        for (int j = 0; j < NT; ++j) {
-          const __m512i acc = _mm512_sub_epi32(_mm512_load_si512(out[i * NT + j] + r * 16), bias);
-          const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), as), _mm512_loadu_ps(ws + (nb + j) * 16));
-          store_out(y + (size_t)m * ldy + (nb + j) * 16, f, stream);
-        }
-      }
+    accumulate<MT, NT>(A, a_mstride, bs, 0, KB, guard, nullptr, out);
+    store_q8c<MT, NT>(a, w, y, ldy, mb, nb, guard, stream, out);
     return;
   }
+  const __m512i bias = _mm512_set1_epi32(guard ? kSentinel : 0);
   const int TG = w.group / 64;
   const uint16_t* scales = static_cast<const uint16_t*>(w.scales);
   alignas(64) float sums[MT * 16][NT * 16];
   for (auto& row : sums)
     for (float& v : row) v = 0.f;
   for (int g = 0; g < KB / TG; ++g) {
-    accumulate<MT, NT>(A, a_mstride, bs, g * TG, (g + 1) * TG, guard, out);
+    accumulate<MT, NT>(A, a_mstride, bs, g * TG, (g + 1) * TG, guard, nullptr, out);
     for (int j = 0; j < NT; ++j) {
       const __m512 sc =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (size_t)g * w.n + (nb + j) * 16)));
@@ -213,12 +225,45 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int r = 0; r < valid_rows(i); ++r) {
+    for (int r = 0; r < std::min(16, a.m - (mb + i) * 16); ++r) {
       const int m = (mb + i) * 16 + r;
       const __m512 as = _mm512_set1_ps(a.scale[m]);
       for (int j = 0; j < NT; ++j)
         store_out(y + (size_t)m * ldy + (nb + j) * 16, _mm512_mul_ps(_mm512_load_ps(&sums[i * 16 + r][j * 16]), as), stream);
     }
+}
+
+// q8c over many rows (prefill): row pairs [mp0, mp1) of 2×16 rows against the task's column blocks [nb0, nb1), with
+// K cut into slices of kSliceBlocks k-blocks. A column pair's slice of weights (2 × 8 KB) stays in L1 while every
+// row pair of the group passes over it, so per four tile products only the two A tiles come from L2, not all four
+// operands (2×2 over the whole K reads 4 KB from L2 per 64 cycles of products: at the L2's bandwidth, ~45% of the
+// tile peak). The accumulators go to memory between slices (4 KB out and in per 32 products), alternating between
+// two buffers so that a slice the tile guard rejects starts again from the sums before it. Measured on a 2-core
+// Xeon with AMX (docs/benchmarks.md, session 18): a standalone tile loop (one thread, M=256, N=64, K=1536, operands
+// in L2) 3.7 TOPS against 2.9 (peak 6.2; slices of 4, 6, 12, 24 k-blocks: 3.2, 3.5, 3.4, 2.9); in the package
+// (2 threads, weights cycled) the FFN gate 1.09-1.15x, gate+up 1.10-1.13x; E2B prefill 1024 1.00-1.07x, 8192 1.02-1.04x.
+constexpr int kSliceBlocks = 8;
+constexpr int kSliceRowPairs = 8;  // the row pairs of one group: their sums are 32 KB (64 with the guard)
+// Up to this K. Beyond it the activations of a 256-row chunk (1.5 MB at K=6144, the FFN down projection) fill the
+// L2 with the task's weights, and slicing measured 0.95x (2 threads; 1.05x on one); K of one slice gains nothing.
+constexpr int kSliceMaxK = 4096;
+
+template <int NT>
+void q8c_sliced(const QAct& a, const QLinear& w, float* y, int ldy, int mp0, int mp1, int nb, bool guard, bool stream,
+                int32_t (*buf)[2][4][256]) {
+  const int KB = a.k / 64;
+  const BSource bs{&w, KB, nb, nullptr};
+  const size_t a_mstride = (size_t)KB * 1024;
+  // Without the guard no attempt fails, and the sums stay in one buffer (in L1 with the slice of weights).
+  auto at = [&](int p, int s) { return buf[p - mp0][guard ? s & 1 : 0]; };
+  int s = 0;
+  for (int k0 = 0; k0 < KB; k0 += kSliceBlocks, ++s) {
+    const int k1 = k0 + kSliceBlocks < KB ? k0 + kSliceBlocks : KB;
+    for (int p = mp0; p < mp1; ++p)
+      accumulate<2, NT>(a.packed + (size_t)(2 * p) * a_mstride, a_mstride, bs, k0, k1, guard, k0 ? at(p, s) : nullptr,
+                        at(p, s + 1));
+  }
+  for (int p = mp0; p < mp1; ++p) store_q8c<2, NT>(a, w, y, ldy, 2 * p, nb, guard, stream, at(p, s));
 }
 
 // The decode-shaped block: one 16-row block against up to four column blocks.
@@ -297,6 +342,16 @@ void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int n
   const bool stream = stream_output(a, w, y, ldy);
   const int MB = (a.m + 15) / 16;
   int mb = 0;
+  if (w.dtype == DType::Q8C && MB >= 4 && a.k / 64 > kSliceBlocks && a.k <= kSliceMaxK) {
+    alignas(64) int32_t buf[kSliceRowPairs][2][4][256];
+    for (int mp0 = 0; mp0 < MB / 2; mp0 += kSliceRowPairs) {
+      const int mp1 = std::min(MB / 2, mp0 + kSliceRowPairs);
+      int nb = nb0;
+      for (; nb + 2 <= nb1; nb += 2) q8c_sliced<2>(a, w, y, ldy, mp0, mp1, nb, guard, stream, buf);
+      if (nb < nb1) q8c_sliced<1>(a, w, y, ldy, mp0, mp1, nb, guard, stream, buf);
+    }
+    mb = MB / 2 * 2;
+  }
   for (; mb + 2 <= MB; mb += 2) {
     int nb = nb0;
     for (; nb + 2 <= nb1; nb += 2) block<2, 2>(a, w, y, ldy, mb, nb, guard, stream);

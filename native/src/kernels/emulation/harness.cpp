@@ -42,8 +42,11 @@ int main(int argc, char** argv) {
   const std::vector<Shape> shapes = {{16, 64, 64, 0},     {48, 192, 64, 0},  {80, 384, 128, 128},
                                      {144, 768, 256, 128}, {112, 512, 128, 128}, {32, 4096, 4096, 0},
                                      // an output past kStreamOutputBytes (streaming stores), odd last row block
-                                     {16400, 64, 64, 0, 81}};
-  const std::vector<int> rows = loss ? std::vector<int>{1, 17, 33} : std::vector<int>{1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 50};
+                                     {16400, 64, 64, 0, 81},
+                                     // AMX q8c in K slices: two groups of row pairs, a partial last slice
+                                     {48, 640, 128, 0, 300}};
+  // 50 rows: the AMX q8c K-sliced path (≥ 2 row pairs) on the K > 512 shapes
+  const std::vector<int> rows = loss ? std::vector<int>{1, 17, 33, 50} : std::vector<int>{1, 2, 3, 5, 8, 9, 15, 16, 17, 31, 32, 33, 50};
   std::mt19937 rng(20240607);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::uniform_real_distribution<float> uni(-0.1f, 0.1f);
