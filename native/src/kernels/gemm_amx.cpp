@@ -241,7 +241,7 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
 // two buffers so that a slice the tile guard rejects starts again from the sums before it. Measured on a 2-core
 // Xeon with AMX (docs/benchmarks.md, session 18): a standalone tile loop (one thread, M=256, N=64, K=1536, operands
 // in L2) 3.7 TOPS against 2.9 (peak 6.2; slices of 4, 6, 12, 24 k-blocks: 3.2, 3.5, 3.4, 2.9); in the package
-// (2 threads, weights cycled) the FFN gate 1.09-1.15x, gate+up 1.10-1.13x; E2B prefill 1024 1.00-1.07x, 8192 1.02-1.04x.
+// (2 threads, weights cycled) the FFN gate 1.09-1.15x, gate+up 1.10-1.13x; E2B prefill 1024 1.00-1.07x, 8192 1.02-1.05x.
 constexpr int kSliceBlocks = 8;
 constexpr int kSliceRowPairs = 8;  // the row pairs of one group: their sums are 32 KB (64 with the guard)
 // Up to this K. Beyond it the activations of a 256-row chunk (1.5 MB at K=6144, the FFN down projection) fill the
