@@ -170,6 +170,9 @@ void accumulate(const int8_t* A, size_t a_mstride, const BSource& bs, int kb0, i
   accumulate_scalar<MT, NT>(A, a_mstride, bs, kb0, kb1, guard, init, out);
 }
 
+// Rows of 16-row block mb that hold activations (the last block of a call may be partial).
+inline int valid_rows(const QAct& a, int mb) { return std::min(16, a.m - mb * 16); }
+
 // The q8c epilogue of MT×NT accumulator tiles (row block mb, column block nb): y = (sum − bias) · row scale ·
 // column scale, for the valid rows.
 template <int MT, int NT>
@@ -177,9 +180,8 @@ void store_q8c(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int n
                const int32_t (*out)[256]) {
   const __m512i bias = _mm512_set1_epi32(guard ? kSentinel : 0);
   const float* ws = static_cast<const float*>(w.scales);
-  for (int i = 0; i < MT; ++i) {
-    const int left = a.m - (mb + i) * 16;
-    for (int r = 0; r < (left < 16 ? left : 16); ++r) {
+  for (int i = 0; i < MT; ++i)
+    for (int r = 0; r < valid_rows(a, mb + i); ++r) {
       const int m = (mb + i) * 16 + r;
       const __m512 as = _mm512_set1_ps(a.scale[m]);
       for (int j = 0; j < NT; ++j) {
@@ -188,7 +190,6 @@ void store_q8c(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int n
         store_out(y + (size_t)m * ldy + (nb + j) * 16, f, stream);
       }
     }
-  }
 }
 
 // MT 16-row blocks starting at row block mb × NT column blocks starting at nb.
@@ -225,7 +226,7 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
     }
   }
   for (int i = 0; i < MT; ++i)
-    for (int r = 0; r < std::min(16, a.m - (mb + i) * 16); ++r) {
+    for (int r = 0; r < valid_rows(a, mb + i); ++r) {
       const int m = (mb + i) * 16 + r;
       const __m512 as = _mm512_set1_ps(a.scale[m]);
       for (int j = 0; j < NT; ++j)
@@ -233,8 +234,8 @@ void block(const QAct& a, const QLinear& w, float* y, int ldy, int mb, int nb, b
     }
 }
 
-// q8c over many rows (prefill): row pairs [mp0, mp1) of 2×16 rows against the task's column blocks [nb0, nb1), with
-// K cut into slices of kSliceBlocks k-blocks. A column pair's slice of weights (2 × 8 KB) stays in L1 while every
+// q8c over many rows (prefill): row pairs [mp0, mp1) of 2×16 rows against NT column blocks from nb (a column pair
+// of the task, or its odd last block), with K cut into slices of kSliceBlocks k-blocks. A column pair's slice of weights (2 × 8 KB) stays in L1 while every
 // row pair of the group passes over it, so per four tile products only the two A tiles come from L2, not all four
 // operands (2×2 over the whole K reads 4 KB from L2 per 64 cycles of products: at the L2's bandwidth, ~45% of the
 // tile peak). The accumulators go to memory between slices (4 KB out and in per 32 products), alternating between
