@@ -611,7 +611,7 @@ def test_emulated_vnni_and_amx_match_avx2(tmp_path):
         pytest.skip("the reference backend (AVX2) cannot run here")
     kern = src / "kernels"
     sources = [kern / "emulation" / "harness.cpp", kern / "gemm_vnni.cpp", kern / "gemm_amx.cpp",
-               kern / "gemm_avx2.cpp", kern / "gemm_q8g.cpp", kern / "gemm_q8g_avx512.cpp", kern / "activations.cpp", kern / "backend.cpp",
+               kern / "gemm_avx2.cpp", kern / "gemm_q8g.cpp", kern / "gemm_q8g_avx512.cpp", kern / "gemm_q8g_amx.cpp", kern / "activations.cpp", kern / "backend.cpp",
                src / "fgm_file.cpp", src / "json.cpp", src / "threadpool.cpp"]
     flags = ["-std=c++17", "-O1", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-Wno-psabi",
              "-DSG_KERNEL_EMULATION", f"-I{kern / 'emulation'}", f"-I{kern}", f"-I{src}"]

@@ -24,21 +24,22 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads exactly 64 bytes");
 
-// Every tile 16 rows × 64 bytes (palette 1).
-inline void load_tile_config() {
+// Palette 1 with k_bytes inputs a product (4 to 64, a multiple of 4): tmm0-3 (the int32 sums) 16 rows × 64 bytes,
+// tmm4-5 (A) 16 rows × k_bytes, tmm6-7 (B) k_bytes / 4 rows × 64 bytes. The default: every tile 16 rows × 64 bytes.
+inline void load_tile_config(int k_bytes = 64) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
+    cfg.colsb[i] = i == 4 || i == 5 ? k_bytes : 64;
+    cfg.rows[i] = i >= 6 ? k_bytes / 4 : 16;
   }
   asm volatile("" ::: "memory");
   asm volatile("ldtilecfg %0" ::"m"(cfg));
 }
 inline void tile_release() { asm volatile("tilerelease" ::: "memory"); }
 
-// Tile T from / to 16 rows of 64 bytes, `stride` bytes apart.
+// Tile T from / to its rows (of its configured bytes), `stride` bytes apart.
 template <int T>
 inline void tile_load(const void* p, long stride = 64) {
   asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");

@@ -289,11 +289,12 @@ struct Q8gActStore {
   std::vector<int32_t> bias16, bias32;
 };
 
-detail::Q8gActs quantize_q8g_input(const float* x, int ldx, int m, int k, Backend b, ThreadPool* pool) {
+// amx: laid out for the AMX kernel (gemm_q8g_int8_panels_amx: rows one after another, padded to whole tiles).
+detail::Q8gActs quantize_q8g_input(const float* x, int ldx, int m, int k, Backend b, ThreadPool* pool, bool amx) {
   thread_local Q8gActStore st;
   const bool wide = b == Backend::Avx2;
   const size_t mk = size_t(m) * k;
-  st.codes.resize(mk);
+  st.codes.resize(amx ? size_t(detail::q8g_amx_padded_rows(m)) * k : mk);
   st.wide.resize(wide ? mk : 0);
   st.scale.resize(mk / 32);
   st.bias32.resize(mk / 32);
@@ -301,7 +302,7 @@ detail::Q8gActs quantize_q8g_input(const float* x, int ldx, int m, int k, Backen
   detail::Q8gActs a;
   a.m = m;
   a.k = k;
-  a.block_rows = detail::q8g_rows_per_block(m, detail::q8g_max_rows(!wide, m));
+  a.block_rows = amx ? 1 : detail::q8g_rows_per_block(m, detail::q8g_max_rows(!wide, m));
   // The caller's buffers, by pointer: in a pool thread, `st` would name that thread's own, empty store.
   a.codes = st.codes.data();
   a.wide = wide ? st.wide.data() : nullptr;
@@ -357,12 +358,15 @@ void gemm_q8g_multi(const float* x, int ldx, int m, const GemmTarget* targets, i
   for (int i = 0; i < n; ++i)
     if (targets[i].w->offsets) detail::q8g_group_sums(x, ldx, m, K, targets[i].w->group, sums + xsum_at[i]);
   const auto panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_panels : detail::gemm_q8g_panels_avx512;
-  const auto int8_panels_fn =
-      b == Backend::Avx2 ? detail::gemm_q8g_int8_panels : detail::gemm_q8g_int8_panels_avx512;
   bool int8[kMaxTargets], any_int8 = false;  // per target: int8 activations asked for and its units fit
   for (int i = 0; i < n; ++i)
     any_int8 |= int8[i] = in == Q8gInput::Int8 && q8g_runs_int8(targets[i].w->k, targets[i].w->group);
-  const detail::Q8gActs acts = any_int8 ? quantize_q8g_input(x, ldx, m, K, b, pool) : detail::Q8gActs{};
+  // AMX tiles for enough rows, where the tile state holds (no guard: the VNNI kernel gives the same bits).
+  const bool amx = any_int8 && b == Backend::Amx && m >= detail::kQ8gAmxMinRows && amx_tiles_usable();
+  const auto int8_panels_fn = b == Backend::Avx2 ? detail::gemm_q8g_int8_panels
+                              : amx              ? detail::gemm_q8g_int8_panels_amx
+                                                 : detail::gemm_q8g_int8_panels_avx512;
+  const detail::Q8gActs acts = any_int8 ? quantize_q8g_input(x, ldx, m, K, b, pool, amx) : detail::Q8gActs{};
   // Decode (m <= 32): a multiple of 12 panels a task (a whole number of the kernel's panel blocks for every row
   // count), as many as leave two tasks a thread and at least 12: few task boundaries for the kernels' prefetch (one
   // block ahead) to run past into panels another thread takes, as in gemm_multi (detail::task_blocks). Gemma 3 270M,

@@ -71,11 +71,6 @@ inline void unroll(F&& f) {
   unroll_impl(f, std::make_integer_sequence<int, N>{});
 }
 
-void ensure_permission() {
-  thread_local bool done = false;
-  if (!done) done = amx_request_permission();
-}
-
 // 16 tile rows of packed int4 (32 bytes each) → a 1 KB int8 B tile (low nibbles to bytes
 // 0..31, high to 32..63, two's complement sign-extended).
 inline void unpack_q4_tile(const uint8_t* src, int8_t* dst) {
@@ -314,7 +309,7 @@ bool tile_state_is_lost() {
 }  // namespace
 
 void amx_prepare() {
-  ensure_permission();
+  amx_thread_permission();
   if (g_amx_guard.load() >= 0) return;
   static std::mutex mu;
   std::lock_guard<std::mutex> lk(mu);
@@ -335,7 +330,7 @@ bool amx_guard_off() {
 }
 
 void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int nb1) {
-  ensure_permission();
+  amx_thread_permission();
   load_tile_config();
   // The sentinel needs |sum| < 2^29: true for every group of int4 and for int8 up to K ≈ 33k.
   const int64_t max_sum = w.dtype == DType::Q8C ? int64_t(w.k) * 127 * 127 : int64_t(w.group) * 127 * 8;
@@ -366,7 +361,7 @@ void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int n
 }
 
 uint64_t peak_loop_amx(uint64_t iters) {
-  ensure_permission();
+  amx_thread_permission();
   load_tile_config();
   alignas(64) static const int8_t operand[1024] = {};  // values do not change the speed
   tile_load<4>(operand);

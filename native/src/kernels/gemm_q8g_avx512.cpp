@@ -12,6 +12,7 @@
 
 #include "kernels_impl.h"
 #include "q8g_driver.h"
+#include "q8g_zmm.h"
 
 namespace sg::detail {
 namespace {
@@ -32,30 +33,6 @@ template <int MR, int NP>
 void store_tile(const float (&tile)[MR][NP][16], float* y, int ldy) {
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) _mm512_storeu_ps(y + size_t(i) * ldy + 16 * p, _mm512_load_ps(tile[i][p]));
-}
-
-// y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga), after the groups, as the AVX2 kernels add it.
-template <int MR, int NP>
-void add_offsets_zmm(const float* offsets, const float* xsum, int n_total, int k_total, int group, float* y,
-                     int ldy) {
-  const int ng = k_total / group;
-  __m512 off[MR][NP];
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) off[i][p] = _mm512_setzero_ps();
-  for (int g = 0; g < ng; ++g) {
-    const float* o = offsets + size_t(g) * n_total;
-    for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(o + 16 * (NP + p)), _MM_HINT_T1);
-    for (int p = 0; p < NP; ++p) {
-      const __m512 ov = _mm512_loadu_ps(o + 16 * p);
-      for (int i = 0; i < MR; ++i)
-        off[i][p] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[size_t(i) * ng + g]), ov, off[i][p]);
-    }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p) {
-      float* yo = y + size_t(i) * ldy + 16 * p;
-      _mm512_storeu_ps(yo, _mm512_add_ps(_mm512_loadu_ps(yo), off[i][p]));
-    }
 }
 
 // The f32 kernel. acc lives in memory (read, fma, written back once per group: 1/group of the FMAs) so that the 32
@@ -103,26 +80,17 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
 }
 
 // The int8-activation kernel (gemm.h, Q8gInput::Int8): vpdpbusd, 64 multiply-adds a lane group, 4x the f32 FMAs.
-// One 64-byte load of a panel holds 4 inputs (k .. k+3) × its 16 columns, input-major; vpdpbusd wants each column's
-// 4 inputs in one dword, so the load is transposed: vpermd gathers into 128-bit lane L the dwords of columns 4L .. 4L+3
-// of each input, vpshufb then transposes each lane's 4 × 4 bytes (AVX-512 F/BW: every VNNI host, VBMI or not).
+// vpdpbusd wants each column's 4 inputs in one dword, so each 64-byte load of a panel is transposed (PanelTranspose,
+// q8g_zmm.h).
 // vpdpbusd multiplies unsigned by signed bytes, so the weight codes are flipped to code + 128 (one xor) and each
 // unit's int32 sum starts at -128 · the activations' code sum (Q8gActs.bias16/32): it ends exact, the sum of gemm.h.
 // Then per unit y = fma((float)acc, a·s, y) with y in a tile in memory (read, fma, written once a unit), as the AVX2
 // kernel.
-alignas(64) constexpr int32_t kAcrossLanes[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
-alignas(64) constexpr int8_t kWithinLane[64] = {0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15};
-
 struct VnniOrder {
-  __m512i across = _mm512_loadu_si512(kAcrossLanes), within = _mm512_loadu_si512(kWithinLane);
+  PanelTranspose transpose;
   __m512i flip = _mm512_set1_epi8(char(0x80));
   // 64 bytes of a panel (inputs k .. k+3 × 16 columns, input-major) as vpdpbusd's unsigned operand.
-  __m512i operator()(__m512i raw) const {
-    return _mm512_xor_si512(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(across, raw), within), flip);
-  }
+  __m512i operator()(__m512i raw) const { return _mm512_xor_si512(transpose(raw), flip); }
 };
 
 // A prefill chunk's row blocks would each transpose the same panels: the driver has them rewritten once per panel

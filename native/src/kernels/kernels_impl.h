@@ -70,6 +70,18 @@ void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float
                           int p1);
 void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                                  int p0, int p1);
+// The same on AMX tiles (gemm_q8g_amx.cpp), bit-identical to both: for the AMX backend where the tile state holds
+// (amx_tiles_usable: no guard) and the call has at least kQ8gAmxMinRows rows. It reads the activations of 16 rows
+// at a time as one tile, so `a` must be laid out with block_rows = 1 (row i's codes at i·k: rows one after another)
+// and its codes buffer must hold q8g_amx_padded_rows(m) rows (the rows past m are read, never used).
+void gemm_q8g_int8_panels_amx(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
+                              int p1);
+// From 24 rows: the tiles always multiply 16 rows, and below one and a half tiles the VNNI kernel, which does only
+// the rows there are, was as fast or faster. 2 threads, Gemma 3 270M's shapes (N×K 2048×640, 640×2048, 1024×640, the
+// LM head 262144×640), amx time over vnni on a Xeon (docs/benchmarks.md, session 19): 8 rows 1.18-1.59, 12 rows
+// 1.03-1.16, 16 rows 0.92-1.08, 20 rows 0.99-1.12, 24 rows 0.88-0.99, 32 rows 0.68-0.89, 256 rows 0.72-0.89.
+constexpr int kQ8gAmxMinRows = 24;
+inline int q8g_amx_padded_rows(int m) { return (m + 15) / 16 * 16; }
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back
 // (independent accumulators, register operands) for `iters` iterations; return the number of
@@ -83,6 +95,11 @@ uint64_t peak_loop_fma512(uint64_t iters);
 
 // AMX: ARCH_REQ_XCOMP_PERM for the calling thread (backend.cpp); true when granted.
 bool amx_request_permission();
+// The same, asked once per thread (a GEMM may run on a thread the pool did not start: the caller's).
+inline void amx_thread_permission() {
+  thread_local bool granted = false;
+  if (!granted) granted = amx_request_permission();
+}
 // AMX: before a GEMM, on the calling thread: tile permission, and the tile guard decided once
 // (FGM_TILE_GUARD or the probe; throws std::runtime_error on a bad FGM_TILE_GUARD value).
 void amx_prepare();

@@ -1,7 +1,7 @@
 // The emulated test build's driver: runs the VNNI and AMX backends (their AVX-512 and tile
 // instructions replaced by the scalar stand-ins in this folder) against the real AVX2 backend
 // on random int8/int4 weights and activations of many shapes, and the AVX-512 q8g kernels (f32
-// and int8 activations) against the AVX2 ones, and requires bit-identical output. Built and run
+// and int8 activations) and the AMX q8g kernel against the AVX2 ones, and requires bit-identical output. Built and run
 // by tests/test_kernels.py; prints one line per mismatch and a summary, exits non-zero on any
 // mismatch.
 //
@@ -147,32 +147,43 @@ int main(int argc, char** argv) {
       if (!q8g_runs_int8(w.k, w.group)) continue;
       // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddwd), each on the activations laid
       // out for its own register blocks, as gemm_q8g_multi quantises them
-      std::vector<float> yi(ya.size(), -1.f), yv(ya.size(), -2.f);
-      for (bool zmm : {false, true}) {
-        std::vector<int8_t> codes8(size_t(m) * sh.k);
+      // and the AMX kernel (tile products) on its row-after-row layout, padded to whole tiles (without tile-state
+      // loss: it runs only where the guard is off)
+      enum Layout { kAvx2, kZmm, kAmx };
+      std::vector<float> yi(ya.size(), -1.f), yv(ya.size(), -2.f), yx(ya.size(), -3.f);
+      for (Layout l : {kAvx2, kZmm, kAmx}) {
+        if (l == kAmx && (guard || loss)) continue;
+        const size_t rows = l == kAmx ? size_t(detail::q8g_amx_padded_rows(m)) : size_t(m);
+        std::vector<int8_t> codes8(rows * sh.k);
         std::vector<int16_t> wide(size_t(m) * sh.k);
         std::vector<float> ascale(size_t(m) * sh.k / 32);
         std::vector<int32_t> b16(size_t(m) * sh.k / 16), b32(size_t(m) * sh.k / 32);
         detail::Q8gActs a;
         a.m = m;
         a.k = sh.k;
-        a.block_rows = detail::q8g_rows_per_block(m, detail::q8g_max_rows(zmm, m));
+        a.block_rows = l == kAmx ? 1 : detail::q8g_rows_per_block(m, detail::q8g_max_rows(l == kZmm, m));
         a.codes = codes8.data();
-        a.wide = zmm ? nullptr : wide.data();
+        a.wide = l == kAvx2 ? wide.data() : nullptr;
         a.scale = ascale.data();
         a.bias16 = b16.data();
         a.bias32 = b32.data();
         detail::q8g_quantize_rows(x.data(), sh.k, 0, m, a);
-        if (zmm)
-          for (int p = 0; p < sh.n / 16; p += 5)
-            detail::gemm_q8g_int8_panels_avx512(a, m, w, xs, yv.data(), sh.n, p, std::min(p + 5, sh.n / 16));
-        else
-          detail::gemm_q8g_int8_panels(a, m, w, xs, yi.data(), sh.n, 0, sh.n / 16);
+        for (int p = 0; p < sh.n / 16; p += 5) {
+          const int p1 = std::min(p + 5, sh.n / 16);
+          if (l == kZmm) detail::gemm_q8g_int8_panels_avx512(a, m, w, xs, yv.data(), sh.n, p, p1);
+          if (l == kAmx) detail::gemm_q8g_int8_panels_amx(a, m, w, xs, yx.data(), sh.n, p, p1);
+        }
+        if (l == kAvx2) detail::gemm_q8g_int8_panels(a, m, w, xs, yi.data(), sh.n, 0, sh.n / 16);
       }
       ++runs;
       if (std::memcmp(yi.data(), yv.data(), yi.size() * sizeof(float))) {
         ++failures;
         std::printf("MISMATCH %s int8 avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
+                    sh.group, m);
+      }
+      if (!guard && !loss && std::memcmp(yi.data(), yx.data(), yi.size() * sizeof(float))) {
+        ++failures;
+        std::printf("MISMATCH %s int8 amx n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
                     sh.group, m);
       }
     }
