@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,6 +25,20 @@ std::atomic<uint64_t> g_amx_recoveries{0};
 bool amx_request_permission() {
   constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+bool cpu_is_amd() {
+  static const bool amd = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13];
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    vendor[12] = '\0';
+    return std::string(vendor) == "AuthenticAMD";
+  }();
+  return amd;
 }
 
 }  // namespace detail

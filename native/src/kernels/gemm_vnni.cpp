@@ -181,11 +181,13 @@ void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
   const bool q8 = c.w->dtype == DType::Q8C;
   int nb = nb0;
   if constexpr (MR == 1) {
-    // One int4 row (single-stream decode) reads one strip at a time: a single stream per thread, which both threads
-    // together pull from DRAM faster than two interleaved ones each. Measured on Zen 5 (bench/ab_gemm_vnni, in one
-    // process, alternated call by call): 0.87-0.94x the time of two strips at N=6144 K=1536, N=1536 K=6144 and N=2048
-    // K=1536; at 2-8 rows it did not pay in the model (B=4, B=8 slower), and q8c was unchanged.
-    if (!q8) {
+    // One int4 row (single-stream decode) on AMD reads one strip at a time: a single stream per thread, which both
+    // threads together pull from DRAM faster than two interleaved ones each. Measured on Zen 5 (bench/ab_gemm_vnni, in
+    // one process, alternated call by call): 0.87-0.94x the time of two strips at N=6144 K=1536, N=1536 K=6144 and
+    // N=2048 K=1536; at 2-8 rows it did not pay in the model (B=4, B=8 slower), and q8c was unchanged. On Intel the
+    // opposite: a Xeon with AMX (docs/benchmarks.md, session 19; N=6144 K=1536 from DRAM, 2 threads, alternated
+    // processes) streamed 14.9-15.2 GB/s one strip at a time and 23.1-23.6 two at a time, the DRAM probe's 22-23.
+    if (!q8 && cpu_is_amd()) {
       for (; nb < nb1; ++nb) block_q4<1, 1>(c, m, valid, nb);
       return;
     }

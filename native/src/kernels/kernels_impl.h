@@ -93,6 +93,8 @@ uint64_t peak_loop_amx(uint64_t iters);
 uint64_t peak_loop_fma(uint64_t iters);
 uint64_t peak_loop_fma512(uint64_t iters);
 
+// CPUID's vendor is AMD (backend.cpp): where a kernel's best memory access pattern was measured to differ by vendor.
+bool cpu_is_amd();
 // AMX: ARCH_REQ_XCOMP_PERM for the calling thread (backend.cpp); true when granted.
 bool amx_request_permission();
 // The same, asked once per thread (a GEMM may run on a thread the pool did not start: the caller's).
