@@ -14,7 +14,7 @@
 // walk (the weights sit on 4 KB pages, where the hardware prefetcher stops), their scales when the walk starts.
 // Where it stands (a Xeon with AMX, docs/benchmarks.md session 19): the fold's three vector operations per 16 outputs
 // and unit (convert, scale product, FMA) are the bound, not the tile products, which at U = 32 use half the tile
-// unit's K; 0.5-0.8 int8 TOPS on 2 threads, 1.1-1.4x the VNNI kernel from 24 rows.
+// unit's K; 0.5-0.8 int8 TOPS on 2 threads, 1.0-1.5x the VNNI kernel's speed from 24 rows.
 #include <immintrin.h>
 
 #include <algorithm>

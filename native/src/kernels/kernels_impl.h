@@ -78,8 +78,8 @@ void gemm_q8g_int8_panels_amx(const Q8gActs& a, int m, const QLinear& w, const f
                               int p1);
 // From 24 rows: the tiles always multiply 16 rows, and below one and a half tiles the VNNI kernel, which does only
 // the rows there are, was as fast or faster. 2 threads, Gemma 3 270M's shapes (N×K 2048×640, 640×2048, 1024×640, the
-// LM head 262144×640), amx time over vnni on a Xeon (docs/benchmarks.md, session 19): 8 rows 1.18-1.59, 12 rows
-// 1.03-1.16, 16 rows 0.92-1.08, 20 rows 0.99-1.12, 24 rows 0.88-0.99, 32 rows 0.68-0.89, 256 rows 0.72-0.89.
+// LM head 262144×640), amx time over vnni on a Xeon (docs/benchmarks.md, session 19): 8 rows 1.18-1.50, 12 rows
+// 1.03-1.16, 16 rows 0.90-1.08, 20 rows 0.99-1.12, 24 rows 0.88-0.99, 32 rows 0.68-0.89, 256 rows 0.72-0.99.
 constexpr int kQ8gAmxMinRows = 24;
 inline int q8g_amx_padded_rows(int m) { return (m + 15) / 16 * 16; }
 
