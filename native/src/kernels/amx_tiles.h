@@ -1,14 +1,18 @@
-// The AMX tile primitives: the only inline assembly of the AMX code (gemm_amx.cpp, the engine's prefill attention
-// in attend_rows_amx.cpp). Include only from translation units built with the AMX flags, and run only after
-// cpu_supports(Backend::Amx) (and, per thread, the tile permission: amx_request_permission). The emulated test
-// build (-DSG_KERNEL_EMULATION) compiles gemm_amx.cpp with emulation/amx_tiles.h instead: the names that file uses,
-// on scalar tiles.
+// The AMX tile primitives: the only inline assembly of the AMX code (gemm_amx.cpp, gemm_q8g_amx.cpp, the engine's
+// prefill attention in attend_rows_amx.cpp). Include only from translation units built with the AMX flags, and run
+// only after cpu_supports(Backend::Amx) (and, per thread, the tile permission: amx_request_permission). In the
+// emulated test build (-DSG_KERNEL_EMULATION) this header gives emulation/amx_tiles.h instead: the same names, on
+// scalar tiles.
 //
 // Compiler traps handled here (see the design notes): GCC's _tile_loadconfig tells the compiler it reads 8 bytes,
 // and its _tile_loadd reads "no memory", so stores to the 64-byte config or to a scratch tile may be elided or sunk
 // past the load. The config is a fully initialised 64-byte-aligned struct passed to our own ldtilecfg as a
 // whole-object memory operand after a compiler barrier, and every tile load and store carries a "memory" clobber.
 #pragma once
+
+#ifdef SG_KERNEL_EMULATION
+#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
+#else
 
 #include <cstdint>
 #include <cstring>
@@ -68,3 +72,5 @@ inline void tile_dp_us() {
 }
 
 }  // namespace sg::amx
+
+#endif  // SG_KERNEL_EMULATION

@@ -38,11 +38,7 @@
 #include <vector>
 
 #include "kernels_impl.h"
-#ifdef SG_KERNEL_EMULATION
-#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
-#else
-#include "amx_tiles.h"
-#endif
+#include "amx_tiles.h"  // (the emulated test build: scalar tiles)
 
 namespace sg::detail {
 namespace {

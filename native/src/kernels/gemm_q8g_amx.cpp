@@ -27,11 +27,7 @@
 #include "kernels_impl.h"
 #include "q8g_driver.h"
 #include "q8g_zmm.h"
-#ifdef SG_KERNEL_EMULATION
-#include "emulation/amx_tiles.h"  // scalar tiles for the emulated test build
-#else
-#include "amx_tiles.h"
-#endif
+#include "amx_tiles.h"  // (the emulated test build: scalar tiles)
 
 namespace sg::detail {
 namespace {
