@@ -260,6 +260,40 @@ def test_zmm_quantiser_and_row_sources_are_bit_identical(hadamard, k):
         np.testing.assert_array_equal(scale, ref[1], err_msg=str(v))
 
 
+def near_half_integers(rng, shape, segment: int) -> np.ndarray:
+    """Values whose quotients x / scale lie a few ulps either side of half-integers, the codes' rounding boundaries,
+    per segment of `segment` values sharing one scale (a row: quantize_activations; 32 values: the q8g int8 input):
+    there the quantisers' x · fl(1/scale) can round the other way from the division gemm.h defines
+    (quotient_codes.h), so only its correction keeps the codes. A third of the values ordinary, so that boundary
+    lanes share registers with others; one segment's amax is subnormal, where fl(1/scale) overflows."""
+    seg = np.asarray(rng.uniform(1e-3, 1e3, shape[:-1] + (shape[-1] // segment, 1)), np.float32)
+    seg.flat[0] = np.float32(3e-41)
+    scale = seg / np.float32(127)
+    halves = rng.integers(-127, 127, shape[:-1] + (shape[-1] // segment, segment)) + 0.5
+    v = (halves * scale.astype(np.float64)).astype(np.float32)
+    v = (v.view(np.int32) + rng.integers(-3, 4, v.shape).astype(np.int32)).view(np.float32)  # ulps apart
+    ordinary = rng.random(v.shape) < 0.3
+    v[ordinary] = (rng.uniform(-1, 1, v.shape) * seg)[ordinary]
+    v[..., 0] = seg[..., 0]  # the segment's amax, so its scale is seg / 127
+    return v.reshape(shape)
+
+
+def test_near_half_integer_quotients_round_as_the_division():
+    """The oracle: numpy's correctly rounded f32 division and round-half-even (quantize_ref), on values built to sit
+    at the codes' rounding boundaries; the data must hold values where the product alone rounds differently, or the
+    test could not fail."""
+    rng = np.random.default_rng(20)
+    x = near_half_integers(rng, (9, 1536), 1536)
+    scale = quantize_ref(x)[1]
+    with np.errstate(over="ignore"):  # the subnormal row's 1/scale
+        product = np.rint(x * (np.float32(1) / scale)[:, None])
+    assert (product != np.rint(x / scale[:, None])).sum() > 20
+    for b in ["avx2"] + (["vnni"] if K.cpu_supports("vnni") else []):
+        codes, got_scale = K.quantize_rows(x, 0, backend=b)
+        np.testing.assert_array_equal(got_scale, scale, err_msg=b)
+        np.testing.assert_array_equal(codes, quantize_ref(x)[0], err_msg=b)
+
+
 def test_quantize_rows_rejects_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 64"):
         K.quantize_rows(np.zeros((2, 100), np.float32), 0)
@@ -508,6 +542,24 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2, offsets=offsets,
                             q8g_input="int8")
         np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group, offsets), err_msg=f"m={m}")
+
+
+def test_q8g_int8_input_rounds_near_half_integer_quotients_as_the_division(backend):
+    """The q8g activation codes at their rounding boundaries (near_half_integers, per 32 inputs) against the
+    contract's numpy division: one-row decode (the VNNI kernel) and 32 rows (the AMX tiles on an AMX host)."""
+    rng = np.random.default_rng(21)
+    n, k, group = 64, 640, 32
+    q = rng.integers(-128, 128, (n, k))
+    scale = rng.uniform(1e-3, 1e-1, (k // group, n)).astype(np.float32)
+    for m in (1, 32):
+        x = near_half_integers(rng, (m, k), 32)
+        blocks = x.reshape(m, k // 32, 32)
+        a = np.abs(blocks).max(-1).astype(np.float32) / np.float32(127)
+        with np.errstate(over="ignore"):
+            assert (np.rint(blocks * (np.float32(1) / a)[..., None]) != np.rint(blocks / a[..., None])).sum() > 5
+        y = K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, backend=backend, threads=2,
+                            q8g_input="int8")
+        np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group), err_msg=f"m={m}")
 
 
 def test_q8g_int8_input_keeps_the_f32_contract_where_its_units_do_not_fit():

@@ -11,6 +11,7 @@
 #include "gemm.h"
 #include "kernels_impl.h"
 #include "quantize_row.h"
+#include "quotient_codes.h"
 
 namespace sg {
 namespace {
@@ -70,13 +71,13 @@ inline float amax_of(const float* p, int n) {
 }
 
 // 64 floats → 64 int8 codes at dst (one A-tile row); returns their sum.
-inline int32_t quantize64(const float* p, __m256 scale, int8_t* dst) {
+inline int32_t quantize64(const float* p, const detail::QuotientCodes256& codes, int8_t* dst) {
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   __m256i q[8];
   __m256i sum = _mm256_setzero_si256();
   for (int j = 0; j < 8; ++j) {
-    // f32 division, then round-half-even (MXCSR default) and the clamp to ±127.
-    __m256i v = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(p + 8 * j), scale));
+    // round-half-even(fl(x / scale)) (quotient_codes.h), then the clamp to ±127.
+    __m256i v = codes(_mm256_loadu_ps(p + 8 * j));
     v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
     sum = _mm256_add_epi32(sum, v);
     q[j] = v;
@@ -97,7 +98,9 @@ inline int32_t quantize64(const float* p, __m256 scale, int8_t* dst) {
 struct Isa {
   static void fwht_block(const float* src, float* dst) { sg::fwht_block(src, dst); }
   static float amax_of(const float* p, int n) { return sg::amax_of(p, n); }
-  static int32_t quantize64(const float* p, float scale, int8_t* dst) { return sg::quantize64(p, _mm256_set1_ps(scale), dst); }
+  static int32_t quantize64(const float* p, float scale, int8_t* dst) {
+    return sg::quantize64(p, detail::QuotientCodes256(scale), dst);
+  }
 };
 
 void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {

@@ -3,7 +3,7 @@
 //
 // Bit-identical to the ymm quantiser: the Hadamard butterflies run in the same stage order (strides 1, 2, ..., 64,
 // the 1/√128 folded into the last stage) and every output element is the same chain of f32 adds and subtracts;
-// the codes are the same f32 division by the scale, round-half-even, clamp to ±127; max and the integer code sums
+// the codes are the same integers of the f32 division by the scale (quotient_codes.h), clamped to ±127; max and the integer code sums
 // do not depend on the order they are taken in.
 #include <immintrin.h>
 
@@ -12,6 +12,7 @@
 #include "gemm.h"
 #include "kernels_impl.h"
 #include "quantize_row.h"
+#include "quotient_codes.h"
 
 namespace sg {
 namespace {
@@ -56,11 +57,11 @@ inline float amax_of(const float* p, int n) {
 }
 
 // 64 floats → 64 int8 codes at dst (one A-tile row); returns their sum.
-inline int32_t quantize64(const float* p, __m512 scale, int8_t* dst) {
+inline int32_t quantize64(const float* p, const detail::QuotientCodes512& codes, int8_t* dst) {
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   __m512i sum = _mm512_setzero_si512();
   for (int j = 0; j < 4; ++j) {
-    __m512i v = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(p + 16 * j), scale));
+    __m512i v = codes(_mm512_loadu_ps(p + 16 * j));
     v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
     sum = _mm512_add_epi32(sum, v);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16 * j), _mm512_cvtepi32_epi8(v));
@@ -71,7 +72,9 @@ inline int32_t quantize64(const float* p, __m512 scale, int8_t* dst) {
 struct Isa {
   static void fwht_block(const float* src, float* dst) { sg::fwht_block(src, dst); }
   static float amax_of(const float* p, int n) { return sg::amax_of(p, n); }
-  static int32_t quantize64(const float* p, float scale, int8_t* dst) { return sg::quantize64(p, _mm512_set1_ps(scale), dst); }
+  static int32_t quantize64(const float* p, float scale, int8_t* dst) {
+    return sg::quantize64(p, detail::QuotientCodes512(scale), dst);
+  }
 };
 
 void quantize_row(const float* x, int k, int hadamard, int row, QAct* out) {

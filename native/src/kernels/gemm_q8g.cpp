@@ -17,6 +17,7 @@
 
 #include "kernels_impl.h"
 #include "q8g_driver.h"
+#include "quotient_codes.h"
 
 namespace sg::detail {
 namespace {
@@ -222,8 +223,8 @@ void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float
 }
 
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a) {
-  // gemm.h: per 32 inputs a = amax / 127 (1 when amax = 0), code = clamp(round_half_even(x / a), ±127), the f32
-  // division and the conversion's round-to-nearest-even as in quantize_activations.
+  // gemm.h: per 32 inputs a = amax / 127 (1 when amax = 0), code = clamp(round_half_even(x / a), ±127): the f32
+  // division's integers, as in quantize_activations (quotient_codes.h).
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the two packs' lane interleave, undone
@@ -249,10 +250,9 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
       const float amax = _mm_cvtss_f32(m4);
       const float s = amax > 0.f ? amax / 127.0f : 1.0f;
       a.scale[size_t(b) * m + i] = s;
-      const __m256 sv = _mm256_set1_ps(s);
+      const QuotientCodes256 codes(s);
       __m256i q[4];
-      for (int j = 0; j < 4; ++j)
-        q[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_div_ps(f[j], sv)), lo), hi);
+      for (int j = 0; j < 4; ++j) q[j] = _mm256_min_epi32(_mm256_max_epi32(codes(f[j]), lo), hi);
       alignas(32) int8_t c[32];
       _mm256_store_si256(reinterpret_cast<__m256i*>(c),
                          _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
