@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -250,13 +251,16 @@ def test_bench_json_shape(capsys):
     # the peak is the best of the readings taken before and after the figures; the bandwidth the median of the
     # passes over a buffer no smaller than the largest decode step's weight bytes, the same number before and after
     from splitgemma.commands.bench import DRAM_PASSES
-    assert [len(v) for v in r["limit_readings"].values()] == [6, 2 * DRAM_PASSES]
+    assert [len(v) for v in r["limit_readings"].values()] == [6, 2 * DRAM_PASSES, 2 * DRAM_PASSES]
     assert r["limits"][f"{backend}_int8_tops"] == max(r["limit_readings"]["peak_tops"])
     assert r["limits"]["dram_read_gbs"] == statistics.median(r["limit_readings"]["dram_gbs"])
     probe = r["dram_probe"]
     assert probe["passes"] == 2 * DRAM_PASSES
     assert probe["range_gbs"] == [min(r["limit_readings"]["dram_gbs"]), max(r["limit_readings"]["dram_gbs"])]
     assert probe["bytes"] >= max(d["weight_bytes_per_step"] for d in r["decode"])
+    # the same probe over the model file's own mapped pages, all of them: what decode streams
+    assert r["file_probe"]["bytes"] == os.path.getsize(FGM)
+    assert r["file_probe"]["read_gbs"] == statistics.median(r["limit_readings"]["file_gbs"]) > 0
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
     # a batch with the context in every slot, then read from one prefix slot; a single sequence has no one to share
     # it with

@@ -689,7 +689,8 @@ def test_emulated_vnni_and_amx_match_avx2(tmp_path):
 
 def test_read_bandwidth_gives_one_reading_per_pass():
     """The bandwidth probe (splitgemma bench's DRAM limit): one positive GB/s reading per pass over the buffer, on
-    every thread count; a pass count below 1 or a buffer below a page per thread is refused by name."""
+    every thread count; a pass count below 1, a buffer below a page per thread, more bytes than a caller's buffer
+    holds or a strided one is refused by name."""
     for threads in (1, 2):
         readings = K.read_bandwidth(8 << 20, threads, 3)
         assert len(readings) == 3 and all(r > 0 for r in readings)
@@ -697,3 +698,10 @@ def test_read_bandwidth_gives_one_reading_per_pass():
         K.read_bandwidth(8 << 20, 1, 0)
     with pytest.raises(ValueError, match="too small"):
         K.read_bandwidth(4096, 2, 1)
+    # a caller's buffer read as it is (bench: the mapped model file), never past its end, only whole
+    buf = np.zeros(3 << 20, np.uint8)
+    assert len(K.read_bandwidth(buf.size, 2, 2, of=buf)) == 2
+    with pytest.raises(ValueError, match="asked of a buffer"):
+        K.read_bandwidth(buf.size + 1, 1, 1, of=buf)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.read_bandwidth(4096, 1, 1, of=buf.reshape(3, -1)[:, ::2])

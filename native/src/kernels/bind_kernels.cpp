@@ -326,14 +326,25 @@ void bind_kernels(py::module_& parent) {
 
   m.def(
       "read_bandwidth",
-      [](size_t bytes, int threads, int passes) {
+      [](size_t bytes, int threads, int passes, std::optional<py::buffer> of) {
+        std::optional<py::buffer_info> info;
+        if (of) {
+          info = of->request();
+          if (!PyBuffer_IsContiguous(info->view(), 'C'))
+            throw std::invalid_argument("read_bandwidth: the buffer must be contiguous");
+          const size_t have = size_t(info->size) * size_t(info->itemsize);
+          if (bytes > have)
+            throw std::invalid_argument("read_bandwidth: " + std::to_string(bytes) + " bytes asked of a buffer of " +
+                                        std::to_string(have));
+        }
         py::gil_scoped_release nogil;
         sg::ThreadPool pool(threads);
-        return sg::read_bandwidth_gbs(bytes, &pool, passes);
+        return info ? sg::read_bandwidth_gbs(info->ptr, bytes, &pool, passes) : sg::read_bandwidth_gbs(bytes, &pool, passes);
       },
-      py::arg("bytes"), py::arg("threads") = 1, py::arg("passes") = 3,
-      "Streaming read bandwidth in GB/s (1e9 B/s) of `threads` threads reading a fresh `bytes`-long buffer: a list "
-      "of `passes` readings, one per pass over the whole buffer.");
+      py::arg("bytes"), py::arg("threads") = 1, py::arg("passes") = 3, py::arg("of") = py::none(),
+      "Streaming read bandwidth in GB/s (1e9 B/s) of `threads` threads reading a fresh `bytes`-long buffer, or the "
+      "first `bytes` of the buffer `of` as they are (e.g. a mapped weight file: its pages wherever the page cache put "
+      "them): a list of `passes` readings, one per pass.");
 
   m.def(
       "tile_guard_status",

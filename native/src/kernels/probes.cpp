@@ -91,26 +91,23 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds) {
   return run_peak(peak_loop_for(b), pool, seconds) / 1e12;
 }
 
-std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes) {
+std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPool* pool, int passes) {
   if (passes < 1) throw std::invalid_argument("read_bandwidth_gbs: passes must be at least 1");
   const int n = pool ? pool->size() : 1;
   const size_t slice = (bytes / n) / 4096 * 4096;
   if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
-  std::unique_ptr<uint8_t, void (*)(void*)> buf(static_cast<uint8_t*>(std::aligned_alloc(4096, slice * n)), std::free);
-  if (!buf) throw std::bad_alloc();
-  // Touch every page on the thread that will read it (first-touch placement).
-  auto touch = [&](int t, int) { std::memset(buf.get() + slice * t, t + 1, slice); };
-  detail::run_tasks(pool, n, touch);
+  const uint8_t* base = static_cast<const uint8_t*>(data);
   uint64_t sink[64] = {};
   auto read = [&](int t, int) {
-    const __m256i* p = reinterpret_cast<const __m256i*>(buf.get() + slice * t);
-    const size_t nv = slice / 32;
+    // 32-byte loads from wherever the slice starts: a mapped file's pages are 4 KB-aligned, a caller's buffer need
+    // not be.
+    const uint8_t* p = base + slice * t;
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (size_t i = 0; i < nv; i += 4) {
-      a0 = _mm256_add_epi64(a0, _mm256_load_si256(p + i));
-      a1 = _mm256_add_epi64(a1, _mm256_load_si256(p + i + 1));
-      a2 = _mm256_add_epi64(a2, _mm256_load_si256(p + i + 2));
-      a3 = _mm256_add_epi64(a3, _mm256_load_si256(p + i + 3));
+    for (size_t i = 0; i < slice; i += 128) {
+      a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+      a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+      a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+      a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
     }
     const __m256i s = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
     sink[t % 64] += uint64_t(_mm256_extract_epi64(s, 0));
@@ -124,6 +121,18 @@ std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passe
   volatile uint64_t keep = sink[0];
   (void)keep;
   return gbs;
+}
+
+std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes) {
+  const int n = pool ? pool->size() : 1;
+  const size_t slice = (bytes / n) / 4096 * 4096;
+  if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
+  std::unique_ptr<uint8_t, void (*)(void*)> buf(static_cast<uint8_t*>(std::aligned_alloc(4096, slice * n)), std::free);
+  if (!buf) throw std::bad_alloc();
+  // Touch every page on the thread that will read it (first-touch placement).
+  auto touch = [&](int t, int) { std::memset(buf.get() + slice * t, t + 1, slice); };
+  detail::run_tasks(pool, n, touch);
+  return read_bandwidth_gbs(buf.get(), slice * n, pool, passes);
 }
 
 }  // namespace sg

@@ -25,5 +25,8 @@ double peak_f32_gflops(Backend b, ThreadPool* pool, double seconds = 0.2);
 // from the dispatch until the slowest thread is done. Throws std::invalid_argument when passes < 1 or the buffer
 // is smaller than a page per thread.
 std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes);
+// The same over a caller's `bytes` at data (e.g. a mapped weight file's pages, wherever the page cache put them),
+// read as they are: nothing allocated, nothing touched first.
+std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPool* pool, int passes);
 
 }  // namespace sg

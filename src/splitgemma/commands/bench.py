@@ -19,7 +19,10 @@ limits measured in the same run.
   peak (the model's GEMM multiply-adds per prompt), decode with the bandwidth (the weight bytes one step streams).
   Because the bandwidth a shared host gives moves by 1.4x from one minute to the next, every decode repeat is also
   bracketed by a pass of the probe just before and just after it, and a decode row's fraction of DRAM is the median
-  over its repeats of the repeat's GB/s over the mean of its two brackets.
+  over its repeats of the repeat's GB/s over the mean of its two brackets. Beside it, the same reading of the model
+  file's own mapped pages (all of them), which is what decode streams: on
+  a VM whose page cache was filled from the block device these read up to 1.4x slower than freshly written memory
+  (docs/benchmarks.md, session 20), and decode with them; the header shows both and says so when they part.
 
 Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
 multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
@@ -40,6 +43,7 @@ from splitgemma.commands import context_length, positive_int
 
 DRAM_PASSES = 3  # passes over the bandwidth probe's buffer, each time it is measured (before and after the figures)
 DRAM_MIN_BYTES = 1 << 28  # the probe's buffer when the decode steps stream less (small models)
+FILE_PAGES_SLOW = 0.85  # below this fraction of the DRAM probe, the header says the weights' pages read slow
 LOAD_FACTOR = 0.5  # refuse when the 1-minute load average exceeds this × CPUs (fastgemma's bench used 0.35)
 _LAYER = re.compile(r"l(\d+)\.")
 
@@ -293,7 +297,8 @@ def run(args) -> int:
     rng = np.random.default_rng(0)
 
     weight_only = any(w["f32"] for w in linears)  # q8g GEMMs on f32 activations: their limit is the f32 FMA peak
-    probes = {"peak_tops": [], "dram_gbs": [], **({"peak_f32_gflops": []} if weight_only else {})}
+    probes = {"peak_tops": [], "dram_gbs": [], "file_gbs": [],
+              **({"peak_f32_gflops": []} if weight_only else {})}
     # The bandwidth probe reads at least what the largest decode step streams, so that no cache holds a useful
     # part of it and the reading is for the same kind of pass as the figure it is compared with.
     prefill_weights = model.weights
@@ -305,6 +310,8 @@ def run(args) -> int:
     model.weights = prefill_weights
     dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, decode_weights, b, model.max_rows)
                                          for b in args.batches])
+    file_pages = np.memmap(args.model, np.uint8, "r")  # the weights where the page cache holds them
+    K.read_bandwidth(file_pages.size, threads, 1, of=file_pages)  # untimed: maps every page into this process
 
     def probe() -> None:
         say(f"measuring the {backend} int8 peak{', f32 FMA peak' if weight_only else ''} and DRAM read bandwidth "
@@ -314,6 +321,7 @@ def run(args) -> int:
             if weight_only:
                 probes["peak_f32_gflops"].append(K.peak_f32_gflops(threads, 0.2, backend=backend))
         probes["dram_gbs"] += K.read_bandwidth(dram_bytes, threads, DRAM_PASSES)
+        probes["file_gbs"] += K.read_bandwidth(file_pages.size, threads, DRAM_PASSES, of=file_pages)
 
     probe()
     watch.check("the probes")
@@ -402,6 +410,8 @@ def run(args) -> int:
                    **({f"{backend}_f32_gflops": f32_peak} if weight_only else {})},
         "dram_probe": {"bytes": dram_bytes, "passes": len(probes["dram_gbs"]),
                        "range_gbs": [min(probes["dram_gbs"]), max(probes["dram_gbs"])]},
+        "file_probe": {"bytes": int(file_pages.size), "read_gbs": statistics.median(probes["file_gbs"]),
+                       "range_gbs": [min(probes["file_gbs"]), max(probes["file_gbs"])]},
         "limit_readings": probes,  # peaks: 3 before the figures, 3 after; DRAM: DRAM_PASSES passes before, as many after
         "prefill": prefill, "decode": decode, "load": watch.summary(), "anchors": ANCHORS,
     }
@@ -442,6 +452,10 @@ def render(r: dict) -> str:
         ([f"f32 FMA peak {f32_peak:.1f} GFLOP/s"] if f32_peak else []) + \
         [f"DRAM read {lim['dram_read_gbs']:.1f} GB/s (median of {dp['passes']} passes over {_size(dp['bytes'])}, "
          f"range {lo:.1f}–{hi:.1f})"]
+    fp = r.get("file_probe")
+    if fp:
+        limits.append(f"the model file's pages {fp['read_gbs']:.1f} GB/s (the same over all "
+                      f"{_size(fp['bytes'])} of them, range {fp['range_gbs'][0]:.1f}–{fp['range_gbs'][1]:.1f})")
     load = r["load"]
     out = [f"splitgemma bench  {r['model']}  ({r['file_bytes'] / 1e9:.2f} GB, {r['layers']} layers)  {r['date']}",
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
@@ -452,7 +466,13 @@ def render(r: dict) -> str:
            f"limits, measured in this run: {', '.join(limits)}"
            f"; page cache warmed in {r['page_cache_read_s']:.1f} s",
            f"load average: {load['start']:.2f} at start (limit {load['limit']:.2f}), {load['max']:.2f} max (limit "
-           f"{load['limit_while_running']:.2f} with this benchmark's threads)", ""]
+           f"{load['limit_while_running']:.2f} with this benchmark's threads)"]
+    if fp and fp["read_gbs"] < FILE_PAGES_SLOW * lim["dram_read_gbs"]:
+        out.append(f"note: the model file's pages read at {fp['read_gbs'] / lim['dram_read_gbs']:.0%} of fresh "
+                   f"memory: decode streams them, so its fractions of DRAM below are low by as much (page cache "
+                   f"filled from the block device on a VM: rewriting the file, e.g. cp then mv, gave full speed "
+                   f"back; docs/benchmarks.md)")
+    out.append("")
     rows = [["test", "tok/s", "range", "load", "vs limit", "published / floor"]]
     for p in r["prefill"]:
         vs = [f"{p['int8_tops']:.3f} TOPS = {p['ratio_to_peak']:.0%} of peak"] if p["gemm_macs"] else []
