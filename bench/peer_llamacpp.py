@@ -401,7 +401,7 @@ def splitgemma_arm(arm: Arm, fgm: str, threads: int, repeats: int, context: int,
     figures.update({f"decode_b{d['batch']}" + ("_copies" if d["batch"] > 1 and not d["shared_prefix"] else ""):
                     d["tok_s"] for d in r["decode"]})
     return {"figures": figures, "runs": [meta], "backend": r["backend"], "weights": r["weights"],
-            "limits": r["limits"]}
+            "limits": r["limits"], "file_probe": r.get("file_probe")}
 
 
 def _loaded(run: dict) -> bool:

@@ -91,11 +91,19 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds) {
   return run_peak(peak_loop_for(b), pool, seconds) / 1e12;
 }
 
-std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPool* pool, int passes) {
+namespace {
+// Each thread's share of `bytes`, in whole pages; checks the arguments of both probes.
+size_t bandwidth_slice(size_t bytes, int threads, int passes) {
   if (passes < 1) throw std::invalid_argument("read_bandwidth_gbs: passes must be at least 1");
-  const int n = pool ? pool->size() : 1;
-  const size_t slice = (bytes / n) / 4096 * 4096;
+  const size_t slice = (bytes / threads) / 4096 * 4096;
   if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
+  return slice;
+}
+}  // namespace
+
+std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPool* pool, int passes) {
+  const int n = pool ? pool->size() : 1;
+  const size_t slice = bandwidth_slice(bytes, n, passes);
   const uint8_t* base = static_cast<const uint8_t*>(data);
   uint64_t sink[64] = {};
   auto read = [&](int t, int) {
@@ -125,8 +133,7 @@ std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPoo
 
 std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes) {
   const int n = pool ? pool->size() : 1;
-  const size_t slice = (bytes / n) / 4096 * 4096;
-  if (slice == 0) throw std::invalid_argument("read_bandwidth_gbs: buffer too small");
+  const size_t slice = bandwidth_slice(bytes, n, passes);
   std::unique_ptr<uint8_t, void (*)(void*)> buf(static_cast<uint8_t*>(std::aligned_alloc(4096, slice * n)), std::free);
   if (!buf) throw std::bad_alloc();
   // Touch every page on the thread that will read it (first-touch placement).
