@@ -3,8 +3,8 @@
 //
 // Bit-identical to the ymm quantiser: the Hadamard butterflies run in the same stage order (strides 1, 2, ..., 64,
 // the 1/√128 folded into the last stage) and every output element is the same chain of f32 adds and subtracts;
-// the codes are the same integers of the f32 division by the scale (quotient_codes.h), clamped to ±127; max and the integer code sums
-// do not depend on the order they are taken in.
+// the codes are the same integers of the f32 division by the scale (quotient_codes.h), clamped to ±127; max and the
+// integer code sums do not depend on the order they are taken in.
 #include <immintrin.h>
 
 #include <cstring>

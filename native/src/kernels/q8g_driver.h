@@ -1,6 +1,7 @@
 // The q8g GEMM's walk over panels and rows, shared by its AVX2 and AVX-512 kernels (gemm_q8g.cpp,
-// gemm_q8g_avx512.cpp; the AMX kernel, gemm_q8g_amx.cpp, walks its own way and takes PrefetchTrickle). Plain C++, but with internal linkage on purpose: each ISA's translation unit compiles its own
-// copy with its own flags, so the linker can never hand the AVX-512 copy to a caller on an AVX2-only CPU.
+// gemm_q8g_avx512.cpp; the AMX kernel, gemm_q8g_amx.cpp, walks its own way and takes PrefetchTrickle). Plain C++,
+// but with internal linkage on purpose: each ISA's translation unit compiles its own copy with its own flags, so the
+// linker can never hand the AVX-512 copy to a caller on an AVX2-only CPU.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // The activation quantisers' codes, round-half-even(fl(x / s)) (gemm.h defines them by the f32 division), without a
-// division per element: vdivps was the whole cost of quantising a row (act_quant was 17% of an E2B prefill on the
-// AMX host, session 20), where a multiply by fl(1/s) costs what an add does.
+// division per element: a multiply by fl(1/s) instead of a vdivps per register. The quantiser alone took 0.90-0.93x
+// the time (zmm, 1024 rows, K=1536); in the model its Hadamard butterflies are the larger cost, and E2B prefill's
+// act_quant moved 2-3% (docs/benchmarks.md, session 20).
 //
 // Why the multiply gives the same integers: the quantisers divide values |x| <= amax by s = fl(amax / 127), so
 // |x / s| < 128. There fl(1/s) is within 2^-24 (relative) of 1/s, so x · fl(1/s) is within 128 · 2^-24 = 2^-17 of

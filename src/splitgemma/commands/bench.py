@@ -20,9 +20,9 @@ limits measured in the same run.
   Because the bandwidth a shared host gives moves by 1.4x from one minute to the next, every decode repeat is also
   bracketed by a pass of the probe just before and just after it, and a decode row's fraction of DRAM is the median
   over its repeats of the repeat's GB/s over the mean of its two brackets. Beside it, the same reading of the model
-  file's own mapped pages (all of them), which is what decode streams: on
-  a VM whose page cache was filled from the block device these read up to 1.4x slower than freshly written memory
-  (docs/benchmarks.md, session 20), and decode with them; the header shows both and says so when they part.
+  file's own mapped pages (all of them), which is what decode streams: on a VM whose page cache was filled from the
+  block device these read up to 1.4x slower than freshly written memory (docs/benchmarks.md, session 20), and decode
+  with them; the header shows both and says so when they part.
 
 Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
 multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
