@@ -117,9 +117,50 @@ def test_bad_arguments_are_refused():
         N.attention_rows(q, k, k, kernel="amx")
 
 
+AMX_CASES = CASES + [(256, 8, 32, 70, 0, 128), (512, 8, 25, 40, 48, 80)]
+
+
+@pytest.mark.skipif(not N.kernels.cpu_supports("amx") or not N.kernels.amx_bf16_tiles_usable(),
+                    reason="needs AMX-BF16 tiles whose state holds (the amx backend's f16 attention)")
+@pytest.mark.parametrize("hd,nq,rows,p0,window,cap", AMX_CASES)
+def test_amx_bf16_tiles_match_attend(hd, nq, rows, p0, window, cap):
+    """f16 K/V on bf16 tiles (each dot product as five exact bf16 products, docs/engine-api.md): the f32 tolerance
+    against the ymm attend(), as the zmm tile kernel; and not the zmm kernel's bits (the tiles did run)."""
+    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
+    cache, _, q_scale = make_cache(rng, cap, 1, hd, "f16")
+    q = (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
+    args = dict(kv_head=0, p0=p0, window=window)
+    amx = N.attention_rows(q, **cache, **args, kernel="tiles_amx")
+    ymm = N.attention_rows(q, **cache, **args, kernel="ymm")
+    assert np.isfinite(amx).all()
+    err = rel_err(amx, ymm)
+    assert err.max() <= FLOAT_TOL, (err.max(), np.unravel_index(err.argmax(), err.shape))
+    per = max(1, 64 // nq)
+    zmm = np.concatenate([N.attention_rows(q[r:r + per], **cache, kv_head=0, p0=p0 + r, window=window, kernel="tiles")
+                          for r in range(0, rows, per)])
+    assert not np.array_equal(amx, zmm)
+
+
+@pytest.mark.skipif(not N.kernels.cpu_supports("amx") or not N.kernels.amx_bf16_tiles_usable(),
+                    reason="needs AMX-BF16 tiles whose state holds (the amx backend's f16 attention)")
+def test_amx_bf16_tiles_peaked_softmax_and_head_offset():
+    """Scores near ±100 (near one-hot softmaxes) and the second KV head, as test_kv_head_offset_and_peaked_softmax:
+    the queries' and weights' three bf16 parts keep them to the f32 path's 10x tolerance there."""
+    rng = np.random.default_rng(7)
+    cap, nkv, hd, rows, nq, p0 = 96, 2, 256, 8, 8, 50
+    k = rng.standard_normal((cap, nkv, hd)).astype(np.float16)
+    v = rng.standard_normal((cap, nkv, hd)).astype(np.float16)
+    q = (rng.standard_normal((rows, nq, hd)) * 30 / np.sqrt(hd)).astype(np.float32)
+    for g in range(nkv):
+        args = dict(kv_head=g, p0=p0, window=20)
+        amx = N.attention_rows(q, k, v, **args, kernel="tiles_amx")
+        ymm = N.attention_rows(q, k, v, **args, kernel="ymm")
+        assert rel_err(amx, ymm).max() <= 10 * FLOAT_TOL
+
+
 @pytest.mark.skipif(not N.kernels.cpu_supports("amx") or not N.kernels.amx_tiles_usable(),
                     reason="needs AMX tiles whose state holds (the amx backend's attention)")
-@pytest.mark.parametrize("hd,nq,rows,p0,window,cap", CASES + [(256, 8, 32, 70, 0, 128), (512, 8, 25, 40, 48, 80)])
+@pytest.mark.parametrize("hd,nq,rows,p0,window,cap", AMX_CASES)
 def test_amx_tiles_equal_zmm_tiles(hd, nq, rows, p0, window, cap):
     """The int8 path's dot products on AMX tiles give the vpdpbusd loops' exact int32 sums: the same output bits,
     including blocks of more vectors than the zmm kernel takes (kAttendRowsVectorsAmx; a vector's result does not

@@ -9,7 +9,9 @@
 //     weight against the V codes (vt[position/4][dim]: 4 positions a dword); the normaliser Σp is summed in f32 from
 //     the unrounded p. The int32 sums are exact: the error is the query's and the weights' rounding.
 //   * f16/f32 K/V (f32 FMA): the tile converted to f32 once (kt[d][position], vt[position][d]); only the order of the
-//     f32 additions differs from attend(), as in attend_avx512.
+//     f32 additions differs from attend(), as in attend_avx512. With amx_tiles on a CPU with AMX-BF16, f16 K/V go to
+//     bf16 tiles instead (attend_rows_amx.h): the tile as exact hi + lo bf16 pairs (kt[d/2][position],
+//     vt[position/2][d]), the queries and weights as exact hi + mid + lo, five tile products a dot product.
 // docs/engine-api.md states the tolerance (tests/test_attention.py). Compiled with -mavx512f/bw/vl/vnni; the Model
 // calls it only on the vnni and amx backends (whose CPUs have AVX-512 VNNI). With amx_tiles the int8 path's two dot
 // products run on AMX tiles (attend_rows_amx.cpp), 16 vectors at a time: the same exact int32 sums, so the same bits.
@@ -23,6 +25,7 @@
 
 #include "attend_rows_amx.h"
 #include "exp_avx512.h"
+#include "gemm.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -32,8 +35,8 @@ namespace {
 constexpr int kTile = 64;  // cached positions per K/V tile
 constexpr int kNB = kTile / 16;  // zmm of scores per query vector and tile
 
-// The scratch areas, each 64-byte aligned, carved from the caller's floats in this order. qc and wt have rows for nv
-// rounded up to 16 (the AMX tiles' 16 vectors; the padding rows stay zero).
+// The scratch areas, each 64-byte aligned, carved from the caller's floats in this order. qc, st, wt, qb and wb have
+// rows for nv rounded up to 16 (the AMX tiles' 16 vectors; the padding rows of the tiles' inputs stay zero).
 struct Scratch {
   uint32_t* qc;    // nv × hd dwords: the query codes (int8: hd/4 dwords used) or f32 values
   float* qscale;   // nv
@@ -48,6 +51,9 @@ struct Scratch {
   float* st;        // nv × kTile scores
   uint32_t* wt;     // nv × kTile dwords: f32 weights, or u8 weight quads (int8: the first kTile/4)
   float* o;         // nv × hd output accumulators
+  uint16_t* qb;     // the f16 path on bf16 tiles: the queries' three bf16 planes of nv × hd
+  uint16_t* wb;     // and the weights' three bf16 planes of nv × kTile
+  size_t qb_plane, wb_plane;
 };
 
 inline size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
@@ -75,9 +81,13 @@ Scratch carve_scratch(float* base, int nv, int hd) {
   s.vt = carve<uint32_t>(p, size_t(kTile) * hd);
   s.ks = carve<float>(p, kTile);
   s.vs = carve<float>(p, kTile);
-  s.st = carve<float>(p, size_t(nv) * kTile);
+  s.st = carve<float>(p, size_t(round16(nv)) * kTile);
   s.wt = carve<uint32_t>(p, size_t(round16(nv)) * kTile);
   s.o = carve<float>(p, size_t(nv) * hd);
+  s.qb_plane = size_t(round16(nv)) * hd;
+  s.wb_plane = size_t(round16(nv)) * kTile;
+  s.qb = carve<uint16_t>(p, 3 * s.qb_plane / 2);
+  s.wb = carve<uint16_t>(p, 3 * s.wb_plane / 2);
   return s;
 }
 
@@ -177,6 +187,62 @@ void pack_tile(const AttnCache& c, int hd, int t0, int tn, int first, Scratch& s
       const uint8_t* v = vb + off[j];
       float* out = reinterpret_cast<float*>(s.vt) + size_t(j) * hd;
       for (int d = 0; d < hd; d += 16) _mm512_store_ps(out + d, load16<E>(v + E * d));
+    }
+  }
+}
+
+// The f16 path on bf16 tiles (attend_rows_amx.h). x's f32 bits truncated to their top 16: the bf16 hi part, exactly
+// an f32 again, and x - hi exactly the rest.
+inline __m512 bf16_hi(__m512 x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)))); }
+// Dwords of bf16 pairs: a's element in the low half, b's in the high (both exact bf16 values held as f32).
+inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16), _mm512_castps_si512(b));
+}
+// 32 f32 (a then b) as the three exact bf16 planes hi, mid, lo (32 each, `plane` elements apart): the top halves
+// packed two registers at once (vpackusdw interleaves their 128-bit lanes, vpermq puts them back in order), one
+// 64-byte store a plane.
+inline void store_bf16_planes3(__m512 a, __m512 b, uint16_t* out, size_t plane) {
+  const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
+  __m512 x[2] = {a, b}, part[2][3];
+  for (int h = 0; h < 2; ++h) {
+    const __m512 hi = bf16_hi(x[h]), r = _mm512_sub_ps(x[h], hi), mid = bf16_hi(r);
+    part[h][0] = hi, part[h][1] = mid, part[h][2] = _mm512_sub_ps(r, mid);
+  }
+  for (int i = 0; i < 3; ++i) {
+    const __m512i top = _mm512_packus_epi32(_mm512_srli_epi32(_mm512_castps_si512(part[0][i]), 16),
+                                            _mm512_srli_epi32(_mm512_castps_si512(part[1][i]), 16));
+    _mm512_store_si512(out + i * plane, _mm512_permutexvar_epi64(order, top));
+  }
+}
+
+// One tile's f16 K and V (as pack_tile) as the two bf16 planes each of the tiles' layouts: s.kt hi then lo
+// (hd/2 × kTile dwords each), s.vt hi then lo (kTile/2 × hd dwords each). All kTile positions are packed (past tn
+// they repeat `first`, as pack_tile's padding): the tiles multiply them all, with weights of zero.
+void pack_tile_bf16(const AttnCache& c, int hd, int t0, int tn, int first, Scratch& s) {
+  int32_t off[kTile];
+  for (int j = 0; j < kTile; ++j)
+    off[j] = int32_t((((j < tn && t0 + j >= first) ? t0 + j : first) % c.cap) * int64_t(c.row_bytes));
+  // K: the f16 pairs of dims d, d + 1 as dwords, transposed to kt[d/2][j], then split in place into hi and lo.
+  const size_t kplane = size_t(hd / 2) * kTile;
+  transpose_dwords(c.k + c.head_off, off, hd / 2, 0, s.kt);
+  for (size_t i = 0; i < kplane; i += 16) {
+    const __m512i x = _mm512_load_si512(s.kt + i);
+    const __m512 e0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)), e1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+    const __m512 h0 = bf16_hi(e0), h1 = bf16_hi(e1);
+    _mm512_store_si512(s.kt + i, bf16_pairs(h0, h1));
+    _mm512_store_si512(s.kt + kplane + i, bf16_pairs(_mm512_sub_ps(e0, h0), _mm512_sub_ps(e1, h1)));
+  }
+  // V: positions 2p and 2p + 1 paired at each dim.
+  const size_t vplane = size_t(kTile / 2) * hd;
+  const uint8_t* vb = c.v + c.head_off;
+  for (int p = 0; p < kTile / 2; ++p) {
+    const uint8_t *r0 = vb + off[2 * p], *r1 = vb + off[2 * p + 1];
+    uint32_t* out = s.vt + size_t(p) * hd;
+    for (int d = 0; d < hd; d += 16) {
+      const __m512 a = load16<2>(r0 + 2 * d), b = load16<2>(r1 + 2 * d);
+      const __m512 ha = bf16_hi(a), hb = bf16_hi(b);
+      _mm512_store_si512(out + d, bf16_pairs(ha, hb));
+      _mm512_store_si512(out + vplane + d, bf16_pairs(_mm512_sub_ps(a, ha), _mm512_sub_ps(b, hb)));
     }
   }
 }
@@ -311,6 +377,18 @@ void amx_pv(int nv, int hd, Scratch& s) {
                    std::min(16, nv - v0), s.wscale + v0, s.alpha + v0, s.o + size_t(v0) * hd, hd);
 }
 
+void amx_scores_bf16(int nv, int hd, Scratch& s) {
+  for (int v0 = 0; v0 < nv; v0 += 16)
+    amx_attend::scores_bf16(s.qb + size_t(v0) * hd, long(s.qb_plane), s.kt, long(hd / 2) * kTile, hd,
+                            s.st + size_t(v0) * kTile, kTile);
+}
+
+void amx_pv_bf16(int nv, int hd, Scratch& s) {
+  for (int v0 = 0; v0 < nv; v0 += 16)
+    amx_attend::pv_bf16(s.wb + size_t(v0) * kTile, long(s.wb_plane), s.vt, long(kTile / 2) * hd, hd,
+                        std::min(16, nv - v0), s.alpha + v0, s.o + size_t(v0) * hd, hd);
+}
+
 // Row r attends [rows[r].lo, rows[r].hi] (ops.h AttnSpanRow).
 template <int E>
 void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
@@ -319,11 +397,17 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
   const int nv = n_rows * nq;
   Scratch s = carve_scratch(scratch, nv, hd);
   const bool amx = I8 && amx_tiles && hd % 64 == 0;
+  const bool bf16 = E == 2 && amx_tiles && hd % 64 == 0 && amx_bf16_tiles_usable();
   if (amx) {
     std::memset(s.qc + size_t(nv) * hd, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * hd);
     std::memset(s.wt + size_t(nv) * kTile, 0, sizeof(uint32_t) * size_t(round16(nv) - nv) * kTile);
-    amx_attend::begin();
   }
+  if (bf16)
+    for (int i = 0; i < 3; ++i) {
+      std::memset(s.qb + i * s.qb_plane + size_t(nv) * hd, 0, sizeof(uint16_t) * size_t(round16(nv) - nv) * hd);
+      std::memset(s.wb + i * s.wb_plane + size_t(nv) * kTile, 0, sizeof(uint16_t) * size_t(round16(nv) - nv) * kTile);
+    }
+  if (amx || bf16) amx_attend::begin();
   // The query vectors (v = row · nq + head) in the dot-product format.
   for (int v = 0; v < nv; ++v) {
     const float* qv = rows[v / nq].q + size_t(v % nq) * hd;
@@ -334,6 +418,9 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
       int sum = 0;
       for (int d = 0; d < hd; ++d) sum += codes[d];
       s.qcorr[v] = 128 * sum;
+    } else if (bf16) {
+      for (int d = 0; d < hd; d += 32)
+        store_bf16_planes3(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(qv + d + 16), s.qb + size_t(v) * hd + d, s.qb_plane);
     } else {
       std::memcpy(qc, qv, sizeof(float) * hd);
     }
@@ -350,9 +437,14 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
   // depend on the batch, decode() with prefixes).
   for (int t0 = first / kTile * kTile; t0 <= last; t0 += kTile) {
     const int tn = std::min(kTile, last - t0 + 1);
-    pack_tile<E>(c, hd, t0, tn, first, s);
-    if (amx) amx_scores(nv, hd, s);
-    else all_scores<I8>(nv, hd, s);
+    if (bf16) {
+      pack_tile_bf16(c, hd, t0, tn, first, s);
+      amx_scores_bf16(nv, hd, s);
+    } else {
+      pack_tile<E>(c, hd, t0, tn, first, s);
+      if (amx) amx_scores(nv, hd, s);
+      else all_scores<I8>(nv, hd, s);
+    }
     // Online softmax: each vector's valid positions in this tile are [a, b] (its row's span).
     for (int v = 0; v < nv; ++v) {
       const AttnSpanRow& r = rows[v / nq];
@@ -362,6 +454,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
         s.alpha[v] = 1.0f;
         s.wscale[v] = 0.0f;
         std::memset(w, 0, sizeof(uint32_t) * kTile);
+        if (bf16)
+          for (int i = 0; i < 3; ++i) std::memset(s.wb + i * s.wb_plane + size_t(v) * kTile, 0, sizeof(uint16_t) * kTile);
         continue;
       }
       const uint64_t valid = (b >= 63 ? ~uint64_t(0) : (uint64_t(2) << b) - 1) & ~((uint64_t(1) << a) - 1);
@@ -393,16 +487,19 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
         for (int i = 0; i < kNB; ++i)
           _mm_store_si128(reinterpret_cast<__m128i*>(w) + i,
                           _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(sb[i], inv))));
+      } else if (bf16) {
+        for (int i = 0; i < kNB; i += 2) store_bf16_planes3(sb[i], sb[i + 1], s.wb + size_t(v) * kTile + 16 * i, s.wb_plane);
       } else {
         for (int i = 0; i < kNB; ++i) _mm512_store_ps(reinterpret_cast<float*>(w) + 16 * i, sb[i]);
       }
     }
     const int ns = I8 ? (tn + 3) / 4 : tn;
     if (amx) amx_pv(nv, hd, s);  // all 16 quads: past ns the weights are zero
+    else if (bf16) amx_pv_bf16(nv, hd, s);  // all kTile positions, likewise
     else if (hd % 64 == 0) all_pv<4, I8>(nv, hd, ns, s);
     else all_pv<2, I8>(nv, hd, ns, s);
   }
-  if (amx) amx_attend::end();
+  if (amx || bf16) amx_attend::end();
   for (int v = 0; v < nv; ++v) {
     if (float* st = rows[v / nq].stats) {
       st[2 * (v % nq)] = s.m[v];
@@ -420,7 +517,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
 size_t attend_rows_scratch_floats(int nv, int hd) {
   const size_t per[] = {size_t(round16(nv)) * hd, size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv),
                         size_t(kTile) * hd, size_t(kTile) * hd, size_t(kTile) * hd, kTile, kTile,
-                        size_t(nv) * kTile, size_t(round16(nv)) * kTile, size_t(nv) * hd};
+                        size_t(round16(nv)) * kTile, size_t(round16(nv)) * kTile, size_t(nv) * hd,
+                        3 * size_t(round16(nv)) * hd / 2, 3 * size_t(round16(nv)) * kTile / 2};
   size_t n = 16;  // the 64-byte alignment of the base
   for (size_t x : per) n += align16(x);
   return n;
@@ -430,7 +528,7 @@ void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, co
                          bool amx_tiles) {
   if (c.ks) attend_rows<1>(rows, n_rows, nq, hd, c, scratch, amx_tiles);
   else if (c.f32) attend_rows<4>(rows, n_rows, nq, hd, c, scratch, false);
-  else attend_rows<2>(rows, n_rows, nq, hd, c, scratch, false);
+  else attend_rows<2>(rows, n_rows, nq, hd, c, scratch, amx_tiles);
 }
 
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,

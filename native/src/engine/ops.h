@@ -125,7 +125,8 @@ void attend_merge_parts(const float* parts, const float* stats, int n_parts, int
 // rows * nq <= kAttendRowsVectors (kAttendRowsVectorsAmx with amx_tiles), cap * row_bytes < 2^31, and a CPU with
 // AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
 // amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0; the same bits), where
-// sg::amx_tiles_usable() said yes.
+// sg::amx_tiles_usable() said yes; an f16 cache's on bf16 tiles (hd % 64 == 0, within the f32 path's tolerance),
+// where sg::amx_bf16_tiles_usable() says yes too.
 //
 // attend_spans_avx512 is the same kernel for query rows of different sequences: row r reads its nq heads' queries at
 // rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with

@@ -70,6 +70,12 @@ template <int C, int A, int B>
 inline void tile_dp_us() {
   asm volatile("tdpbusd %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
 }
+// tmm[C] += tmm[A] · tmm[B] in f32 from bf16 pairs (tdpbf16ps, AMX-BF16): each pair's two products, exact in f32,
+// fused into C in turn with round-to-nearest-even, denormal inputs and outputs flushed to zero.
+template <int C, int A, int B>
+inline void tile_dp_bf16() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
+}
 
 }  // namespace sg::amx
 

@@ -50,6 +50,7 @@ struct CpuFeatures {
   bool avx512 = false;  // F + BW + VL, with the OS saving zmm/opmask state
   bool vnni = false;    // AVX512_VNNI
   bool amx = false;     // AMX-TILE + AMX-INT8 (permission still to be requested)
+  bool amx_bf16 = false;  // and AMX-BF16
 };
 
 uint64_t xgetbv0() {
@@ -73,6 +74,7 @@ CpuFeatures detect() {
   f.vnni = f.avx512 && (c & (1u << 11));
   // AMX implies AVX-512 VNNI (every AMX CPU has it): the engine's zmm kernels run on both the vnni and amx backends.
   f.amx = f.vnni && (d & (1u << 24)) && (d & (1u << 25));
+  f.amx_bf16 = f.amx && (d & (1u << 22));
   return f;
 }
 
@@ -173,6 +175,7 @@ TileGuardStatus amx_tile_guard_status() {
 }
 
 bool amx_tiles_usable() { return cpu_supports(Backend::Amx) && detail::amx_guard_off(); }
+bool amx_bf16_tiles_usable() { return features().amx_bf16 && amx_tiles_usable(); }
 
 void backend_thread_init() {
   if (amx_usable()) detail::amx_request_permission();

@@ -145,6 +145,8 @@ void bind_kernels(py::module_& parent) {
   m.def("amx_tiles_usable", &sg::amx_tiles_usable,
         "Whether AMX tiles may be used beside the GEMMs (the amx backend's prefill attention): AMX here and the "
         "tile-state guard off.");
+  m.def("amx_bf16_tiles_usable", &sg::amx_bf16_tiles_usable,
+        "amx_tiles_usable() and the CPU has AMX-BF16: the amx backend's f16 K/V attention then runs on bf16 tiles.");
   m.def(
       "active_backend", [] { return std::string(sg::backend_name(sg::active_backend())); },
       "The backend gemm() uses by default (FGM_BACKEND or the best the CPU has).");

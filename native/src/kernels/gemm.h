@@ -51,6 +51,8 @@ void backend_thread_init();
 // AMX backend, the thread holds the tile permission, and the tile-state guard (below) is off. A host that loses tile
 // state keeps AMX to the guarded GEMMs.
 bool amx_tiles_usable();
+// The same, and the CPU has AMX-BF16 (tdpbf16ps: the f16 K/V attention's dot products, attend_rows_amx.h).
+bool amx_bf16_tiles_usable();
 
 // The AMX tile-state guard (see gemm_amx.cpp): enabled is -1 until the first AMX GEMM decided
 // it (FGM_TILE_GUARD=on|off, else a probe), then 0/1; recoveries counts blocks recomputed
