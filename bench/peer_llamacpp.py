@@ -253,6 +253,7 @@ def prepare_gemma3(bins: Path) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     ggufs = quantize(bins, gguf, d, "gemma-3-270m", requantize=True)
     # The peer's own copy (equal_pages may rewrite it; a server's workers watch the original).
+    fgm = Path(fgm)
     own = d / fgm.name
     if not own.exists() or own.stat().st_size != fgm.stat().st_size or own.stat().st_mtime < fgm.stat().st_mtime:
         shutil.copyfile(fgm, own.with_suffix(".partial"))
