@@ -672,8 +672,9 @@ void bind_engine(py::module_& m) {
       "Attention of rows consecutive query rows at positions p0.. (q [rows, nq, head_dim]) against a ring cache "
       "k, v [cap, kv_heads, head_dim] (int8 codes with per-row scales ks, vs; or float16/float32), position p in row "
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
-      "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits), 'zmm' / 'ymm' attend() per row; 'zmm' with split=True attends each part of a row's positions on "
-      "its own and merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
+      "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits; f16 ones on AMX-BF16 tiles where "
+      "kernels.amx_bf16_tiles_usable(), within the f32 tolerance), 'zmm' / 'ymm' attend() per row; 'zmm' with "
+      "split=True attends each part of a row's positions on its own and merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
 
   m.def(
       "sample",
