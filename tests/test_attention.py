@@ -51,6 +51,21 @@ def rel_err(o, r):
     return np.linalg.norm(o - r, axis=-1) / np.linalg.norm(r, axis=-1)
 
 
+def case_inputs(dtype, hd, nq, rows, p0, cap):
+    """A case's cache (make_cache), the f32 values it holds and its queries, from a seed of the case's shape."""
+    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
+    cache, kv, q_scale = make_cache(rng, cap, 1, hd, dtype)
+    return cache, kv, (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
+
+
+def zmm_tiles_in_slices(q, cache, p0, window):
+    """The zmm tile kernel over q's rows in slices of at most kAttendRowsVectors vectors (a vector's result does not
+    depend on the block it shares), to set beside the AMX kernels' blocks of up to 256."""
+    per = max(1, 64 // q.shape[1])
+    return np.concatenate([N.attention_rows(q[r:r + per], **cache, kv_head=0, p0=p0 + r, window=window, kernel="tiles")
+                           for r in range(0, len(q), per)])
+
+
 CASES = [
     # (head_dim, nq, rows, p0, window, cap): global causal from position 0 (row 0 sees itself only), rows not dividing
     # the 32-position tile, a window that wraps the ring (cap = window + chunk), chunks starting off the tile grid.
@@ -70,9 +85,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", ["int8", "f16", "f32"])
 @pytest.mark.parametrize("hd,nq,rows,p0,window,cap", CASES)
 def test_tiles_match_attend(dtype, hd, nq, rows, p0, window, cap):
-    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
-    cache, (k, v), q_scale = make_cache(rng, cap, 1, hd, dtype)
-    q = (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
+    cache, (k, v), q = case_inputs(dtype, hd, nq, rows, p0, cap)
     args = dict(kv_head=0, p0=p0, window=window)
     tiles = N.attention_rows(q, **cache, **args, kernel="tiles")
     ymm = N.attention_rows(q, **cache, **args, kernel="ymm")
@@ -126,19 +139,13 @@ AMX_CASES = CASES + [(256, 8, 32, 70, 0, 128), (512, 8, 25, 40, 48, 80)]
 def test_amx_bf16_tiles_match_attend(hd, nq, rows, p0, window, cap):
     """f16 K/V on bf16 tiles (each dot product as five exact bf16 products, docs/engine-api.md): the f32 tolerance
     against the ymm attend(), as the zmm tile kernel; and not the zmm kernel's bits (the tiles did run)."""
-    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
-    cache, _, q_scale = make_cache(rng, cap, 1, hd, "f16")
-    q = (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
-    args = dict(kv_head=0, p0=p0, window=window)
-    amx = N.attention_rows(q, **cache, **args, kernel="tiles_amx")
-    ymm = N.attention_rows(q, **cache, **args, kernel="ymm")
+    cache, _, q = case_inputs("f16", hd, nq, rows, p0, cap)
+    amx = N.attention_rows(q, **cache, kv_head=0, p0=p0, window=window, kernel="tiles_amx")
+    ymm = N.attention_rows(q, **cache, kv_head=0, p0=p0, window=window, kernel="ymm")
     assert np.isfinite(amx).all()
     err = rel_err(amx, ymm)
     assert err.max() <= FLOAT_TOL, (err.max(), np.unravel_index(err.argmax(), err.shape))
-    per = max(1, 64 // nq)
-    zmm = np.concatenate([N.attention_rows(q[r:r + per], **cache, kv_head=0, p0=p0 + r, window=window, kernel="tiles")
-                          for r in range(0, rows, per)])
-    assert not np.array_equal(amx, zmm)
+    assert not np.array_equal(amx, zmm_tiles_in_slices(q, cache, p0, window))
 
 
 @pytest.mark.skipif(not N.kernels.cpu_supports("amx") or not N.kernels.amx_bf16_tiles_usable(),
@@ -166,11 +173,6 @@ def test_amx_tiles_equal_zmm_tiles(hd, nq, rows, p0, window, cap):
     including blocks of more vectors than the zmm kernel takes (kAttendRowsVectorsAmx; a vector's result does not
     depend on the block it shares, so the zmm side runs the rows in slices) and vector counts that are not a multiple
     of the tiles' 16."""
-    rng = np.random.default_rng(hd * 1000 + nq * 100 + rows + p0)
-    cache, _, q_scale = make_cache(rng, cap, 1, hd, "int8")
-    q = (rng.standard_normal((rows, nq, hd)) * q_scale).astype(np.float32)
+    cache, _, q = case_inputs("int8", hd, nq, rows, p0, cap)
     amx = N.attention_rows(q, **cache, kv_head=0, p0=p0, window=window, kernel="tiles_amx")
-    per = max(1, 64 // nq)
-    zmm = np.concatenate([N.attention_rows(q[r:r + per], **cache, kv_head=0, p0=p0 + r, window=window, kernel="tiles")
-                          for r in range(0, rows, per)])
-    np.testing.assert_array_equal(amx, zmm)
+    np.testing.assert_array_equal(amx, zmm_tiles_in_slices(q, cache, p0, window))
