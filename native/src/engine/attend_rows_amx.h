@@ -39,22 +39,22 @@ void pv(const uint8_t* w, long w_stride, const uint32_t* vt, int hd, int nv, con
 // The f16 K/V path on AMX-BF16 tiles (sg::amx_bf16_tiles_usable()). A bf16 has 8 significant bits: an f16 K or V
 // element (11) is the exact sum of two, hi + lo (hi its f32 bits truncated to the top 16, lo the rest), and an f32
 // query element or softmax weight (24) of three, hi + mid + lo. Each dot product is then the sum of five bf16 dot
-// products, (hi, hi) + (hi, lo) + (mid, hi) + (mid, lo) + (lo, hi) of (query or weight, K or V), every product exact
-// in f32; only lo · lo (below 2^-24 of the element products) is left out. tdpbf16ps sums them in f32 in its own order:
-// the results are the f32 path's within the tolerance docs/engine-api.md states for it.
+// products, (lo, hi) + (mid, lo) + (mid, hi) + (hi, lo) + (hi, hi) of (query or weight, K or V), the smallest first,
+// every product exact in f32; only lo · lo (below 2^-24 of the element products) is left out. tdpbf16ps sums them
+// in f32 in its own order: the results are the f32 path's within the tolerance docs/engine-api.md states for it.
 // Planes: `plane` elements apart, in the order hi, mid, lo (three for the query and the weights) or hi, lo (two for
 // K and V).
 constexpr int kBf16Terms = 5;
 
 // st[v][j] (f32, 64 a row, `st_stride` floats apart) = Σ_d q[v][d] · K[j][d] for 16 query vectors × the tile's 64
-// positions: q holds three planes of 16 rows of hd bf16 (row r at r·hd), kt two planes of the packed K tile (kt[d/2][j]:
-// hd/2 rows of 64 dwords, the bf16 pair of dims d, d + 1 of position j, low half first). hd % 32 == 0.
+// positions: q holds three planes of 16 rows of hd bf16 (row r at r·hd), kt two planes of the packed K tile
+// (kt[d/2][j]: hd/2 rows of 64 dwords, the bf16 pair of dims d, d + 1 of position j, low half first). hd % 32 == 0.
 void scores_bf16(const uint16_t* q, long q_plane, const uint32_t* kt, long kt_plane, int hd, float* st, int st_stride);
 
-// o[v][d] = o[v][d] · alpha[v] + Σ_j w[v][j] · V[j][d] (one fused multiply-add) for the first nv (≤ 16) of 16 vectors
-// × hd dims over the tile's 64 positions: w holds three planes of 16 rows of 64 bf16 weights (row r at r·64), vt two
-// planes of the packed V tile (vt[j/2][d]: 32 rows of hd dwords, the bf16 pair of positions j, j + 1 at dim d); o rows
-// are `o_stride` floats apart. hd % 64 == 0.
+// o[v][d] = o[v][d] · alpha[v] + Σ_j w[v][j] · V[j][d] (one fused multiply-add) for the first nv (≤ 16) of 16
+// vectors × hd dims over the tile's 64 positions: w holds three planes of 16 rows of 64 bf16 weights (row r at
+// r·64), vt two planes of the packed V tile (vt[j/2][d]: 32 rows of hd dwords, the bf16 pair of positions j, j + 1
+// at dim d); o rows are `o_stride` floats apart. hd % 64 == 0.
 void pv_bf16(const uint16_t* w, long w_plane, const uint32_t* vt, long vt_plane, int hd, int nv, const float* alpha,
              float* o, int o_stride);
 

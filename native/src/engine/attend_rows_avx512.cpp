@@ -193,7 +193,9 @@ void pack_tile(const AttnCache& c, int hd, int t0, int tn, int first, Scratch& s
 
 // The f16 path on bf16 tiles (attend_rows_amx.h). x's f32 bits truncated to their top 16: the bf16 hi part, exactly
 // an f32 again, and x - hi exactly the rest.
-inline __m512 bf16_hi(__m512 x) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u)))); }
+inline __m512 bf16_hi(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int(0xFFFF0000u))));
+}
 // Dwords of bf16 pairs: a's element in the low half, b's in the high (both exact bf16 values held as f32).
 inline __m512i bf16_pairs(__m512 a, __m512 b) {
   return _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(a), 16), _mm512_castps_si512(b));
@@ -227,7 +229,8 @@ void pack_tile_bf16(const AttnCache& c, int hd, int t0, int tn, int first, Scrat
   transpose_dwords(c.k + c.head_off, off, hd / 2, 0, s.kt);
   for (size_t i = 0; i < kplane; i += 16) {
     const __m512i x = _mm512_load_si512(s.kt + i);
-    const __m512 e0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)), e1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
+    const __m512 e0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)),
+                 e1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16)));
     const __m512 h0 = bf16_hi(e0), h1 = bf16_hi(e1);
     _mm512_store_si512(s.kt + i, bf16_pairs(h0, h1));
     _mm512_store_si512(s.kt + kplane + i, bf16_pairs(_mm512_sub_ps(e0, h0), _mm512_sub_ps(e1, h1)));
@@ -420,7 +423,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
       s.qcorr[v] = 128 * sum;
     } else if (bf16) {
       for (int d = 0; d < hd; d += 32)
-        store_bf16_planes3(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(qv + d + 16), s.qb + size_t(v) * hd + d, s.qb_plane);
+        store_bf16_planes3(_mm512_loadu_ps(qv + d), _mm512_loadu_ps(qv + d + 16), s.qb + size_t(v) * hd + d,
+                           s.qb_plane);
     } else {
       std::memcpy(qc, qv, sizeof(float) * hd);
     }
@@ -455,7 +459,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
         s.wscale[v] = 0.0f;
         std::memset(w, 0, sizeof(uint32_t) * kTile);
         if (bf16)
-          for (int i = 0; i < 3; ++i) std::memset(s.wb + i * s.wb_plane + size_t(v) * kTile, 0, sizeof(uint16_t) * kTile);
+          for (int i = 0; i < 3; ++i)
+            std::memset(s.wb + i * s.wb_plane + size_t(v) * kTile, 0, sizeof(uint16_t) * kTile);
         continue;
       }
       const uint64_t valid = (b >= 63 ? ~uint64_t(0) : (uint64_t(2) << b) - 1) & ~((uint64_t(1) << a) - 1);
@@ -488,7 +493,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
           _mm_store_si128(reinterpret_cast<__m128i*>(w) + i,
                           _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(sb[i], inv))));
       } else if (bf16) {
-        for (int i = 0; i < kNB; i += 2) store_bf16_planes3(sb[i], sb[i + 1], s.wb + size_t(v) * kTile + 16 * i, s.wb_plane);
+        for (int i = 0; i < kNB; i += 2)
+          store_bf16_planes3(sb[i], sb[i + 1], s.wb + size_t(v) * kTile + 16 * i, s.wb_plane);
       } else {
         for (int i = 0; i < kNB; ++i) _mm512_store_ps(reinterpret_cast<float*>(w) + 16 * i, sb[i]);
       }
