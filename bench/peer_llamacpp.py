@@ -324,16 +324,12 @@ def prepare_e2b(bins: Path, tree: Path) -> dict:
 # 3. the benchmark
 
 
-FILE_PAGES_SLOW = 0.85  # as splitgemma bench: below this fraction of fresh memory's rate a file's pages read slow
-
-
 def page_rates(path: str, threads: int) -> tuple[float, float]:
     """GB/s of the file's page-cache pages (all of them, median of 3 passes after an untimed one that maps them)
     and of a fresh buffer as large (at most 1 GB), on `threads` threads: splitgemma bench's probes."""
-    import numpy as np
     from splitgemma._native import kernels as K
-    pages = np.memmap(path, dtype=np.uint8, mode="r")
-    K.read_bandwidth(pages.size, threads, 1, of=pages)
+    from splitgemma.commands.bench import mapped_pages
+    pages = mapped_pages(path, threads)
     file_gbs = statistics.median(K.read_bandwidth(pages.size, threads, 3, of=pages))
     fresh_gbs = statistics.median(K.read_bandwidth(min(pages.size, 1 << 30), threads, 3))
     del pages
@@ -342,7 +338,8 @@ def page_rates(path: str, threads: int) -> tuple[float, float]:
 
 def equal_pages(paths: list[str], threads: int) -> list[dict]:
     """Every file's pages read as fast as fresh memory before the arms run (the module docstring, step 3): a file
-    below FILE_PAGES_SLOW of it is rewritten through the CPU and measured again."""
+    below splitgemma bench's FILE_PAGES_SLOW of it is rewritten through the CPU and measured again."""
+    from splitgemma.commands.bench import FILE_PAGES_SLOW
     out = []
     for path in paths:
         file_gbs, fresh_gbs = page_rates(path, threads)

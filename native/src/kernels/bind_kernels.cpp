@@ -341,7 +341,8 @@ void bind_kernels(py::module_& parent) {
         }
         py::gil_scoped_release nogil;
         sg::ThreadPool pool(threads);
-        return info ? sg::read_bandwidth_gbs(info->ptr, bytes, &pool, passes) : sg::read_bandwidth_gbs(bytes, &pool, passes);
+        return info ? sg::read_bandwidth_gbs(info->ptr, bytes, &pool, passes)
+                    : sg::read_bandwidth_gbs(bytes, &pool, passes);
       },
       py::arg("bytes"), py::arg("threads") = 1, py::arg("passes") = 3, py::arg("of") = py::none(),
       "Streaming read bandwidth in GB/s (1e9 B/s) of `threads` threads reading a fresh `bytes`-long buffer, or the "
