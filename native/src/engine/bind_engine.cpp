@@ -674,7 +674,8 @@ void bind_engine(py::module_& m) {
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
       "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits; f16 ones on AMX-BF16 tiles where "
       "kernels.amx_bf16_tiles_usable(), within the f32 tolerance), 'zmm' / 'ymm' attend() per row; 'zmm' with "
-      "split=True attends each part of a row's positions on its own and merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
+      "split=True attends each part of a row's positions on its own and merges them, as single-stream decode does "
+      "(the bits of split=False). For tests (docs/engine-api.md).");
 
   m.def(
       "sample",
