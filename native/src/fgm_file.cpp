@@ -185,6 +185,13 @@ FgmFile::FgmFile(const std::string& path) : path_(path) {
     fail(std::string("mmap failed: ") + std::strerror(e));
   }
   base_ = static_cast<uint8_t*>(p);
+  // Ask for 2 MB pages: pages of the file the page cache does not hold yet are then read in as 2 MB folios, each
+  // mapped by one PMD (FileHugePages, FilePmdMapped in /proc/meminfo), however the faults come (Linux 6.18's
+  // readahead reached them for sequential reads without the advice too). Decode streams the weights at the bandwidth
+  // limit and pays for every TLB miss: on a 2-core Xeon KVM guest a single-stream E2B step took 61-62 ms on 2 MB
+  // folios against 77-79 ms on the small pages the cache had held since before (docs/benchmarks.md, session 23).
+  // Pages already cached stay as they are; a kernel without THP for files refuses, which costs nothing.
+  madvise(p, size_, MADV_HUGEPAGE);
   guard_mapping(base_, size_, path_);
   try {
     parse_header();

@@ -27,7 +27,7 @@ def open_arena(model: Model, n_slots: int, path: str | os.PathLike | None = None
         raise ValueError(f"n_slots must be at least 1, got {n_slots}")
     size = n_slots * model.kv_slot_bytes
     if path is None:
-        return KvArena(model, mmap.mmap(-1, size), n_slots)
+        return KvArena(model, advise_huge_pages(anonymous_memory(size)), n_slots)
     fd = os.open(os.fspath(path), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         if os.fstat(fd).st_size < size:
@@ -35,7 +35,51 @@ def open_arena(model: Model, n_slots: int, path: str | os.PathLike | None = None
         buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return KvArena(model, buf, n_slots)
+    return KvArena(model, advise_huge_pages(buf), n_slots)
+
+
+def anonymous_memory(size: int) -> mmap.mmap:
+    """size bytes of private anonymous memory. Not mmap.mmap(-1, size): that is MAP_SHARED, i.e. shared memory,
+    which takes huge pages only under the host's shmem_enabled setting (often "never"), whatever it is advised."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def huge_mapped_bytes(buf: mmap.mmap) -> int | None:
+    """Bytes of buf's mapping this process maps with 2 MB pages now (AnonHugePages + ShmemPmdMapped + FilePmdMapped of
+    its entry in /proc/self/smaps; pages not touched yet are not mapped), or None where smaps cannot tell."""
+    import numpy as np
+    at = np.frombuffer(buf, np.uint8, count=1).ctypes.data
+    try:
+        with open("/proc/self/smaps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    total = 0
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            if inside:
+                break
+            inside = int(lo, 16) <= at < int(hi, 16)
+        elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
+            total += int(line.split()[1]) * 1024
+    return total if inside else None
+
+
+def advise_huge_pages(buf: mmap.mmap) -> mmap.mmap:
+    """buf, advised MADV_HUGEPAGE: the pages it has not touched yet come as transparent huge pages where the kernel
+    gives them (anonymous memory under THP "madvise", shared memory under shmem_enabled "advise", a file's pages read
+    into the page cache through it as 2 MB folios; pages already there stay as they are). Decode reads the weights
+    and every sequence's K/V each step: on a KVM guest each 4 KB page costs a page walk (docs/benchmarks.md, session
+    23). A kernel without THP: unchanged."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fgm_file.h"
+#include "huge_pages.h"
 #include "kernels/gemm.h"
 #include "kv_layout.h"
 #include "threadpool.h"
@@ -38,16 +39,17 @@ struct Elementwise;  // ops.h
 // A vector whose data starts on a cache line: the engine's scratch rows are read and written 64 bytes at a time
 // (zmm), and a plain vector's large blocks start 16 bytes into a page, so every such access would straddle two
 // lines; the GEMMs' streaming stores (kernels_impl.h) need aligned rows outright, and the packed activations
-// aligned tile loads. (Gemma rows are multiples of 16
-// floats, so each row starts on a line too.)
+// aligned tile loads. (Gemma rows are multiples of 16 floats, so each row starts on a line too.) Blocks of 2 MB and
+// more (a prefill chunk's activations, the RoPE table) are stream_alloc's (huge_pages.h): on transparent huge pages
+// where the kernel gives them.
 template <class T>
 struct CacheLineAllocator {
   using value_type = T;
   CacheLineAllocator() = default;
   template <class U>
   CacheLineAllocator(const CacheLineAllocator<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  T* allocate(size_t n) { return static_cast<T*>(stream_alloc(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { stream_free(p, n * sizeof(T)); }
   bool operator==(const CacheLineAllocator&) const { return true; }
   bool operator!=(const CacheLineAllocator&) const { return false; }
 };

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "huge_pages.h"
 #include "kernels_impl.h"
 
 namespace sg {
@@ -134,8 +135,12 @@ std::vector<double> read_bandwidth_gbs(const void* data, size_t bytes, ThreadPoo
 std::vector<double> read_bandwidth_gbs(size_t bytes, ThreadPool* pool, int passes) {
   const int n = pool ? pool->size() : 1;
   const size_t slice = bandwidth_slice(bytes, n, passes);
-  std::unique_ptr<uint8_t, void (*)(void*)> buf(static_cast<uint8_t*>(std::aligned_alloc(4096, slice * n)), std::free);
-  if (!buf) throw std::bad_alloc();
+  // On huge pages where the kernel gives them (huge_pages.h), as the weights the decode steps stream are mapped:
+  // on 4 KB pages this probe read 1.5x slower than the model file's 2 MB folios on a KVM guest, and understated
+  // the limit decode is compared with.
+  const size_t bytes_all = slice * n;
+  const auto release = [bytes_all](uint8_t* p) { stream_free(p, bytes_all); };
+  std::unique_ptr<uint8_t, decltype(release)> buf(static_cast<uint8_t*>(stream_alloc(bytes_all)), release);
   // Touch every page on the thread that will read it (first-touch placement).
   auto touch = [&](int t, int) { std::memset(buf.get() + slice * t, t + 1, slice); };
   detail::run_tasks(pool, n, touch);

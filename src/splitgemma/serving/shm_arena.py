@@ -55,7 +55,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from splitgemma.engine import KvArena, Model
+from splitgemma.engine import KvArena, Model, huge_mapped_bytes
 
 PREFIX = "splitgemma-kv-"
 OWNER_SUFFIX = ".owner"
@@ -283,6 +283,15 @@ def free_bytes(directory: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _huge_pages(buf: mmap.mmap) -> bool | None:
+    """Whether the arena's memory comes in 2 MB pages (None: cannot tell). Its first page is read to map it: a
+    tmpfs gives an arena huge pages when mounted huge=within_size|always, or under the host's shmem_enabled "force";
+    /dev/shm rarely is."""
+    buf[0]  # noqa: B018 (a read maps the page)
+    huge = huge_mapped_bytes(buf)
+    return None if huge is None else huge > 0
+
+
 def _space_message(directory: str, need: int, free: int, n_slots: int, slot_bytes: int) -> str:
     return (f"not enough shared memory for the KV arena in {directory}: {need:,} bytes required "
             f"({n_slots} slots × {slot_bytes:,} bytes), {free:,} bytes free. Use fewer --slots, a smaller "
@@ -372,8 +381,13 @@ class ShmArena:
             _unlink_quietly(owner)
             os.close(owner_fd)
             raise
+        huge = _huge_pages(buf)
         log.info("created KV arena", extra={"path": path, "slots": n_slots, "slot_bytes": slot_bytes,
-                                            "bytes": size})
+                                            "bytes": size, "huge_pages": huge})
+        if huge is False:
+            log.info(f"the KV arena is on 4 KB pages: decode reads every sequence's K/V from it each step, and on 2 MB "
+                     f"pages a KVM guest read them up to 2x faster (docs/benchmarks.md, session 23); for those, "
+                     f"give --shm-dir a tmpfs mounted with huge=within_size (now {directory})")
         # The owner lock stays on owner_fd; fd carries the slots' writer locks (SlotLocks).
         return cls(path, worker_id, n_slots, slot_bytes, buf, arena, owner_fd, SlotLocks(fd, slot_bytes))
 
