@@ -31,13 +31,13 @@ What it does, in order (every step is cached and skipped when its output exists)
                                  runs today: the table's "on copies" rows, against the same llama.cpp figure)
            Before the passes, every model file the arms read has the read rate of its page-cache pages measured
            beside that of fresh memory (the same probe as `splitgemma bench`'s header); a file whose pages read
-           below 0.85 of it is rewritten through the CPU (copied beside itself and renamed over), for every arm
-           alike, and measured again. On this project's Firecracker VMs, pages the page cache filled from the block
-           device can stream 25% slower than memory the CPU wrote, for minutes or hours (docs/benchmarks.md,
-           sessions 20-21): every decode figure of both engines moves with it, ours more (it streams at the
-           bandwidth limit). The default model's .fgm is not rewritten in place (a running server's workers watch
-           it): the run reads the peer's own copy of it in <cache>/peer/models/gemma-3-270m/. Both readings are
-           recorded ("page_probe").
+           below 0.85 of it is dropped from the page cache and read back through a mapping that asks for 2 MB
+           pages (MADV_HUGEPAGE, as splitgemma's engine maps its weights; the pages then serve both engines'
+           mappings), for every arm alike, and measured again. On this project's Firecracker VMs, pages the page
+           cache holds as small pages stream 25-40% slower than 2 MB ones (docs/benchmarks.md, sessions 20-23):
+           every decode figure of both engines moves with it, ours more (it streams at the bandwidth limit). The
+           default model's .fgm itself is left alone (a running server's workers map it): the run reads the peer's
+           own copy of it in <cache>/peer/models/gemma-3-270m/. Both readings are recorded ("page_probe").
            Each figure is the median over the passes that were not loaded. Before every arm the 1-minute load
            average is checked: above 0.5 × CPUs the script waits up to --settle seconds for it to drop, then runs
            anyway. The load average cannot tell others' work from our previous arm's (it decays for minutes), so
@@ -252,7 +252,7 @@ def prepare_gemma3(bins: Path) -> dict:
     d = cache_root() / "models" / "gemma-3-270m"
     d.mkdir(parents=True, exist_ok=True)
     ggufs = quantize(bins, gguf, d, "gemma-3-270m", requantize=True)
-    # The peer's own copy (equal_pages may rewrite it; a server's workers watch the original).
+    # The peer's own copy (equal_pages may drop its pages from the cache; a server's workers map the original).
     fgm = Path(fgm)
     own = d / fgm.name
     if not own.exists() or own.stat().st_size != fgm.stat().st_size or own.stat().st_mtime < fgm.stat().st_mtime:
@@ -338,18 +338,19 @@ def page_rates(path: str, threads: int) -> tuple[float, float]:
 
 def equal_pages(paths: list[str], threads: int) -> list[dict]:
     """Every file's pages read as fast as fresh memory before the arms run (the module docstring, step 3): a file
-    below splitgemma bench's FILE_PAGES_SLOW of it is rewritten through the CPU and measured again."""
-    from splitgemma.commands.bench import FILE_PAGES_SLOW
+    below splitgemma bench's FILE_PAGES_SLOW of it is dropped from the page cache and read back through a mapping
+    that asks for 2 MB pages (as splitgemma's engine maps its weights; the pages then serve llama.cpp's mappings
+    alike), and measured again. (Rewriting such a file, as this script did before, gave buffered writes' folios, not
+    2 MB ones: llama.cpp's GGUFs read 21-22 GB/s after it against 29-32 after a re-read, session 23.)"""
+    from splitgemma.commands.bench import FILE_PAGES_SLOW, evict_pages
     out = []
     for path in paths:
         file_gbs, fresh_gbs = page_rates(path, threads)
         rec = {"file": path, "read_gbs": round(file_gbs, 2), "fresh_gbs": round(fresh_gbs, 2)}
         if file_gbs < FILE_PAGES_SLOW * fresh_gbs:
-            tmp = Path(path).with_suffix(".rewrite")
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, path)
+            evict_pages(path)
             after, fresh_after = page_rates(path, threads)
-            rec.update(rewritten=True, read_gbs_after=round(after, 2), fresh_gbs_after=round(fresh_after, 2))
+            rec.update(reread=True, read_gbs_after=round(after, 2), fresh_gbs_after=round(fresh_after, 2))
         log(f"pages of {Path(path).name}: " + ", ".join(f"{k} {v}" for k, v in rec.items() if k != "file"))
         out.append(rec)
     return out
@@ -626,7 +627,7 @@ def print_footer(result: dict) -> None:
         if spec.get("page_probe"):
             print(f"{m}: page-cache pages, GB/s (the file / fresh memory): " + "; ".join(
                 f"{Path(r['file']).name} {r['read_gbs']}/{r['fresh_gbs']}"
-                + (f", rewritten: {r['read_gbs_after']}/{r['fresh_gbs_after']}" if r.get("rewritten") else "")
+                + (f", read again: {r['read_gbs_after']}/{r['fresh_gbs_after']}" if "read_gbs_after" in r else "")
                 for r in spec["page_probe"]))
     for n in result["notes"]:
         print("note:", n)

@@ -127,6 +127,9 @@ def main() -> None:
     ap.add_argument("--shared-prefix", action="store_true",
                     help="decode batches of two or more read the context from one prefix slot (as `splitgemma bench` "
                          "does by default, --decode-prefix shared), instead of each from its own copy")
+    ap.add_argument("--arena-dir", default=None, metavar="DIR",
+                    help="decode: the KV arena as a file under DIR (e.g. /dev/shm), mapped shared as the decode "
+                         "worker maps its arena, instead of private anonymous memory; removed after")
     ap.add_argument("--peak", action="store_true",
                     help="decode: each GEMM phase's int8 TOPS against the peak probe read around every step")
     a = ap.parse_args()
@@ -160,7 +163,10 @@ def main() -> None:
             print(f"prefill {n}: {dt:.3f} s, {n / dt:.1f} tok/s")
             print("   " + _phases(m.profile(), 1, "ms"))
     if batches:
-        ar = open_arena(m, max(batches) + 1)
+        arena_file = os.path.join(a.arena_dir, f"profile-phases-{os.getpid()}.arena") if a.arena_dir else None
+        ar = open_arena(m, max(batches) + 1, arena_file)
+        if arena_file:
+            os.unlink(arena_file)  # the mapping keeps the pages until the arena goes
         pristine = max(batches)
         m.prefill(ar, pristine, ids(a.context))
         for b in batches:

@@ -14,15 +14,17 @@ limits measured in the same run.
 * Limits: int8 peak TOPS of the backend's multiply-accumulate instruction and streaming DRAM read bandwidth, on the
   model's threads (splitgemma._native.kernels probes), measured before and after the figures. The peak: the best
   reading counts, since other work can only lower it. The bandwidth: a buffer at least the weight bytes of the
-  largest decode step read DRAM_PASSES times each time; the median of the passes counts and their range is printed
+  largest decode step (on huge pages, as the weights' mapping asks for) read DRAM_PASSES times each time; the median
+  of the passes counts and their range is printed
   (a best-of over a buffer smaller than a step, as before, overstated it by up to 2x). Prefill is compared with the
   peak (the model's GEMM multiply-adds per prompt), decode with the bandwidth (the weight bytes one step streams).
   Because the bandwidth a shared host gives moves by 1.4x from one minute to the next, every decode repeat is also
   bracketed by a pass of the probe just before and just after it, and a decode row's fraction of DRAM is the median
   over its repeats of the repeat's GB/s over the mean of its two brackets. Beside it, the same reading of the model
-  file's own mapped pages (all of them), which is what decode streams: on a VM whose page cache was filled from the
-  block device these read up to 1.4x slower than freshly written memory (docs/benchmarks.md, session 20), and decode
-  with them; the header shows both and says so when they part.
+  file's own mapped pages (all of them), which is what decode streams: where the page cache holds them as small
+  pages (read in before a mapping asked for 2 MB ones, as the engine's does) they read up to 1.6x slower than
+  freshly written memory on a KVM guest (docs/benchmarks.md, sessions 20 and 23), and decode with them; the header
+  shows both and says so when they part.
 
 Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
 multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
@@ -49,14 +51,46 @@ _LAYER = re.compile(r"l(\d+)\.")
 
 
 def mapped_pages(path, threads: int):
-    """The file's bytes where the page cache holds them (a read-only memmap), every page already mapped into this
-    process by one untimed pass of the bandwidth probe, so that timed passes read pages, not page faults."""
+    """The file's bytes where the page cache holds them (a read-only mapping as a uint8 array), every page already
+    mapped into this process by one untimed pass of the bandwidth probe, so that timed passes read pages, not page
+    faults. Mapped with MADV_HUGEPAGE, as the engine maps its weights (native/src/fgm_file.cpp): pages the cache does
+    not hold yet come in as the 2 MB folios the engine's own faults would bring."""
+    import mmap
+
     import numpy as np
 
     from splitgemma._native import kernels as K
-    pages = np.memmap(path, np.uint8, "r")
+    from splitgemma.engine import advise_huge_pages
+    with open(path, "rb") as f:
+        pages = np.frombuffer(advise_huge_pages(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)), np.uint8)
     K.read_bandwidth(pages.size, threads, 1, of=pages)
     return pages
+
+
+def fresh_memory(nbytes: int):
+    """The DRAM probe's buffer: nbytes of anonymous memory written once, on huge pages where the kernel gives them,
+    as the engine's weights and scratch are (on 4 KB pages the probe read 1.5x slower than the model file's 2 MB
+    folios on a KVM guest, and understated the limit decode is compared with: docs/benchmarks.md, session 23).
+    Allocated once per run: a fresh allocation for every bracket had the kernel assemble gigabytes of huge pages
+    between the decode repeats."""
+    import numpy as np
+
+    from splitgemma.engine import advise_huge_pages, anonymous_memory
+    buf = np.frombuffer(advise_huge_pages(anonymous_memory(nbytes)), np.uint8)
+    buf.fill(1)
+    return buf
+
+
+def evict_pages(path) -> None:
+    """Drop the file's pages from the page cache (those no process maps), so that the next mapping reads them again
+    (posix_fadvise DONTNEED; a no-op where it is not supported)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 # Published figures of the engine we match (fastgemma, reference/fastgemma-notes.md §7) and the issue's floors.
@@ -323,6 +357,7 @@ def run(args) -> int:
     dram_bytes = max([DRAM_MIN_BYTES] + [decode_step_bytes(linears, decode_weights, b, model.max_rows)
                                          for b in args.batches])
     file_pages = mapped_pages(args.model, threads)
+    fresh = fresh_memory(dram_bytes)
 
     def probe() -> None:
         say(f"measuring the {backend} int8 peak{', f32 FMA peak' if weight_only else ''} and DRAM read bandwidth "
@@ -331,7 +366,7 @@ def run(args) -> int:
             probes["peak_tops"].append(K.peak_tops(backend, threads, 0.2))
             if weight_only:
                 probes["peak_f32_gflops"].append(K.peak_f32_gflops(threads, 0.2, backend=backend))
-        probes["dram_gbs"] += K.read_bandwidth(dram_bytes, threads, DRAM_PASSES)
+        probes["dram_gbs"] += K.read_bandwidth(dram_bytes, threads, DRAM_PASSES, of=fresh)
         probes["file_gbs"] += K.read_bandwidth(file_pages.size, threads, DRAM_PASSES, of=file_pages)
 
     probe()
@@ -382,14 +417,14 @@ def run(args) -> int:
         model.decode(arena, slots, steps[0], [args.context] * b, out=logits,  # warm-up (rewound by the next copy)
                      prefixes=prefixes)
         step_bytes = decode_step_bytes(linears, decode_weights, b, model.max_rows)
-        seconds, brackets = [], [K.read_bandwidth(dram_bytes, threads, 1)[0]]
+        seconds, brackets = [], [K.read_bandwidth(dram_bytes, threads, 1, of=fresh)[0]]
         for _ in range(args.repeats):
             start()
             t0 = time.perf_counter()
             for i, toks in enumerate(steps):
                 model.decode(arena, slots, toks, [args.context + i] * b, out=logits, prefixes=prefixes)
             seconds.append(time.perf_counter() - t0)
-            brackets += K.read_bandwidth(dram_bytes, threads, 1)
+            brackets += K.read_bandwidth(dram_bytes, threads, 1, of=fresh)
         r = {"batch": b, "context": args.context, "steps": args.steps, "shared_prefix": shared,
              **_spread(args.steps * b, seconds)}
         r["weight_bytes_per_step"] = step_bytes
@@ -480,9 +515,10 @@ def render(r: dict) -> str:
            f"{load['limit_while_running']:.2f} with this benchmark's threads)"]
     if fp and fp["read_gbs"] < FILE_PAGES_SLOW * lim["dram_read_gbs"]:
         out.append(f"note: the model file's pages read at {fp['read_gbs'] / lim['dram_read_gbs']:.0%} of fresh "
-                   f"memory: decode streams them, so its fractions of DRAM below are low by as much (page cache "
-                   f"filled from the block device on a VM: rewriting the file, e.g. cp then mv, gave full speed "
-                   f"back; docs/benchmarks.md)")
+                   f"memory: decode streams them, so its fractions of DRAM below are low by as much (pages the "
+                   f"page cache read in before the engine mapped the file are small pages; with no process mapping "
+                   f"the file, `dd if=FILE iflag=nocache count=0` drops them and the engine reads them back in 2 MB "
+                   f"pages; docs/benchmarks.md, session 23)")
     out.append("")
     rows = [["test", "tok/s", "range", "load", "vs limit", "published / floor"]]
     for p in r["prefill"]:
