@@ -5,38 +5,22 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import re
 from pathlib import Path
 
 import pytest
 from conftest import fastgemma_fgm
 
 from splitgemma import _native as N
-from splitgemma.engine import advise_huge_pages, anonymous_memory, huge_mapped_bytes
+from splitgemma.engine import advise_huge_pages, anonymous_memory, huge_mapped_bytes, smaps
 
 pytestmark = pytest.mark.skipif(
     not Path("/sys/kernel/mm/transparent_hugepage").is_dir() or not hasattr(mmap, "MADV_HUGEPAGE"),
     reason="this kernel has no transparent huge pages")
 
-_HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
-
-
-def mappings() -> list[dict]:
-    """This process's mappings from /proc/self/smaps: start, end, path and VmFlags of each."""
-    out: list[dict] = []
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = _HEAD.match(line)
-        if head:
-            out.append({"start": int(head[1], 16), "end": int(head[2], 16), "path": head[3], "flags": set()})
-        elif line.startswith("VmFlags:"):
-            out[-1]["flags"] = set(line.split()[1:])
-    return out
-
-
 def test_the_weights_mapping_asks_for_huge_pages():
     path = str(fastgemma_fgm("mini-e2b-tame").resolve())
     model = N.Model(path)
-    of_file = [m for m in mappings() if m["path"] == path]
+    of_file = [m for m in smaps() if m["path"] == path]
     assert of_file, f"no mapping of {path} in /proc/self/smaps"
     assert all("hg" in m["flags"] for m in of_file), of_file
     del model
@@ -49,7 +33,7 @@ def test_advise_huge_pages_marks_the_mapping():
     del view
 
     def flags() -> set[str]:
-        return next(m["flags"] for m in mappings() if m["start"] <= at < m["end"])
+        return next(m["flags"] for m in smaps() if m["start"] <= at < m["end"])
 
     assert "hg" not in flags()
     assert advise_huge_pages(buf) is buf

@@ -21,9 +21,10 @@ constexpr size_t kHugePageBytes = size_t(2) << 20;
 
 // Blocks of at least kHugePageBytes: on transparent huge pages where the kernel gives them (advised MADV_HUGEPAGE; a
 // kernel without THP refuses, which costs nothing), each starting kColourBytes × (a counter mod kColours) past a 2 MB
-// boundary. Without that offset every block would start on the same cache sets and 4 KB alias, and two of them read
-// in step (gate and up, the FFN's two outputs) conflicted: E2B decode B=32's FFN GEMMs took 1.25-1.3x their time on
-// 4 KB pages. Smaller blocks: on a 64-byte line.
+// boundary. Without that offset every block would start at the same cache sets and 4 KB alias, so that two read in
+// step (gate and up, the FFN's two outputs) would meet in them; a precaution, not a measured gain (the B=32 FFN
+// slowdown first suspected of it came with the arena's huge pages: docs/benchmarks.md, session 23). Smaller blocks:
+// on a 64-byte line.
 constexpr size_t kColourBytes = 4096 + 64 * 5;
 constexpr unsigned kColours = 16;
 

@@ -44,28 +44,39 @@ def anonymous_memory(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
-def huge_mapped_bytes(buf: mmap.mmap) -> int | None:
-    """Bytes of buf's mapping this process maps with 2 MB pages now (AnonHugePages + ShmemPmdMapped + FilePmdMapped of
-    its entry in /proc/self/smaps; pages not touched yet are not mapped), or None where smaps cannot tell."""
-    import numpy as np
-    at = np.frombuffer(buf, np.uint8, count=1).ctypes.data
+def smaps() -> list[dict] | None:
+    """This process's mappings from /proc/self/smaps, each as {"start", "end", "path", "fields" (name: kB), "flags"
+    (its VmFlags)}, or None where there is no such file."""
     try:
         with open("/proc/self/smaps") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    inside = False
-    total = 0
+    out: list[dict] = []
     for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
+        head, _, rest = line.partition(" ")
+        if head.endswith(":"):
+            if head == "VmFlags:":
+                out[-1]["flags"] = set(rest.split())
+            else:
+                out[-1]["fields"][head[:-1]] = int(rest.split()[0])
+        else:  # "start-end perms offset dev inode [path]"
             lo, _, hi = head.partition("-")
-            if inside:
-                break
-            inside = int(lo, 16) <= at < int(hi, 16)
-        elif inside and head in ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:"):
-            total += int(line.split()[1]) * 1024
-    return total if inside else None
+            parts = line.split(maxsplit=5)
+            out.append({"start": int(lo, 16), "end": int(hi, 16), "path": parts[5] if len(parts) > 5 else "",
+                        "fields": {}, "flags": set()})
+    return out
+
+
+def huge_mapped_bytes(buf: mmap.mmap) -> int | None:
+    """Bytes of buf's mapping this process maps with 2 MB pages now (AnonHugePages + ShmemPmdMapped + FilePmdMapped of
+    its entry in /proc/self/smaps; pages not touched yet are not mapped), or None where smaps cannot tell."""
+    import numpy as np
+    at = np.frombuffer(buf, np.uint8, count=1).ctypes.data
+    entry = next((m for m in smaps() or [] if m["start"] <= at < m["end"]), None)
+    if entry is None:
+        return None
+    return 1024 * sum(entry["fields"].get(k, 0) for k in ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped"))
 
 
 def advise_huge_pages(buf: mmap.mmap) -> mmap.mmap:
