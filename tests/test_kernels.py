@@ -705,3 +705,16 @@ def test_read_bandwidth_gives_one_reading_per_pass():
         K.read_bandwidth(buf.size + 1, 1, 1, of=buf)
     with pytest.raises(ValueError, match="contiguous"):
         K.read_bandwidth(4096, 1, 1, of=buf.reshape(3, -1)[:, ::2])
+
+
+def test_amx_tile_loop_probe_runs_where_amx_is_and_refuses_elsewhere():
+    """bench/bench_amx_tiles.py's probe of the AMX kernel's tile loop: one positive TOPS reading for each placement of
+    its operands on an AMX host, a RuntimeError naming AMX on any other; an unknown placement is refused by name."""
+    with pytest.raises(ValueError, match="in_l1"):
+        K.amx_tile_loop_tops("l3")
+    if not K.cpu_supports("amx"):
+        with pytest.raises(RuntimeError, match="amx"):
+            K.amx_tile_loop_tops("both")
+        return
+    for in_l1 in ("none", "activations", "weights", "both"):
+        assert K.amx_tile_loop_tops(in_l1, 2, 0.02) > 0

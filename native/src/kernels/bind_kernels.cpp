@@ -315,6 +315,25 @@ void bind_kernels(py::module_& parent) {
       "int8 TOPS of the backend's multiply-accumulate instruction back to back on `threads` threads.");
 
   m.def(
+      "amx_tile_loop_tops",
+      [](const std::string& in_l1, int threads, double seconds) {
+        static const char* names[] = {"none", "activations", "weights", "both"};
+        int which = -1;
+        for (int i = 0; i < 4; ++i)
+          if (in_l1 == names[i]) which = i;
+        if (which < 0)
+          throw std::invalid_argument("amx_tile_loop_tops: in_l1 must be none, activations, weights or both, got '" +
+                                      in_l1 + "'");
+        py::gil_scoped_release nogil;
+        sg::ThreadPool pool(threads, sg::backend_thread_init);
+        return sg::amx_tile_loop_tops(which, &pool, seconds);
+      },
+      py::arg("in_l1"), py::arg("threads") = 1, py::arg("seconds") = 0.2,
+      "int8 TOPS of the AMX q8c kernel's 2x2 tile loop alone (a 256-row chunk against one task's 64 columns at "
+      "K=1536, no epilogue) on `threads` threads, its operands from L2 except those in_l1 names: 'none', "
+      "'activations', 'weights' or 'both'. RuntimeError without AMX.");
+
+  m.def(
       "peak_f32_gflops",
       [](int threads, double seconds, const std::optional<std::string>& backend) {
         const sg::Backend b = pick_backend(backend);

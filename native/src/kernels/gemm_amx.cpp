@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -355,6 +356,50 @@ void gemm_amx(const QAct& a, const QLinear& w, float* y, int ldy, int nb0, int n
   if (stream) _mm_sfence();
   tile_release();
 }
+
+// The q8c kernel's 2×2 tile loop alone, without its epilogue or the K slices' accumulator round trips: 16 row blocks
+// (a 256-row chunk) × 4 column blocks (one task) over 24 k-blocks (K = 1536, the FFN gate's), in the kernel's own
+// operand layouts, 384 KB of activations and 96 KB of weights per thread, both in L2 after the first pass. FixedA /
+// FixedB read every k-block's activation / weight tiles from the first k-block's address, so those stay in L1: the
+// four variants bound the loop by where its operands come from (docs/benchmarks.md, session 24). One iteration is one
+// pass; returns the int8 operations done (2 per multiply-add).
+template <bool FixedA, bool FixedB>
+uint64_t tile_loop_amx(uint64_t iters) {
+  constexpr int MB = 16, NB = 4, KB = 24;
+  amx_thread_permission();
+  load_tile_config();
+  struct alignas(64) Operands {
+    int8_t a[MB * KB * 1024], b[NB * KB * 1024];
+    int32_t out[4][256];
+  };
+  const auto ops = std::make_unique<Operands>();
+  std::memset(ops->a, 1, sizeof ops->a);  // values do not change the speed
+  std::memset(ops->b, 1, sizeof ops->b);
+  for (uint64_t it = 0; it < iters; ++it)
+    for (int nb = 0; nb < NB; nb += 2)
+      for (int mb = 0; mb < MB; mb += 2) {
+        unroll<4>([](auto c) { tile_zero<decltype(c)::value>(); });
+        const int8_t* a0 = ops->a + (size_t)mb * KB * 1024;
+        const int8_t* b0 = ops->b + (size_t)nb * KB * 1024;
+        for (int kb = 0; kb < KB; ++kb) {
+          const size_t ka = FixedA ? 0 : (size_t)kb * 1024, kw = FixedB ? 0 : (size_t)kb * 1024;
+          tile_load<4>(a0 + ka);
+          tile_load<5>(a0 + (size_t)KB * 1024 + ka);
+          tile_load<6>(b0 + kw);
+          tile_dp<0, 4, 6>();
+          tile_dp<2, 5, 6>();
+          tile_load<7>(b0 + (size_t)KB * 1024 + kw);
+          tile_dp<1, 4, 7>();
+          tile_dp<3, 5, 7>();
+        }
+        unroll<4>([&](auto c) { tile_store<decltype(c)::value>(ops->out[decltype(c)::value]); });
+      }
+  tile_release();
+  return iters * (MB / 2) * (NB / 2) * KB * 4 * (16ull * 16 * 64) * 2;
+}
+
+uint64_t (*const tile_loop_amx_fns[4])(uint64_t) = {tile_loop_amx<false, false>, tile_loop_amx<true, false>,
+                                                     tile_loop_amx<false, true>, tile_loop_amx<true, true>};
 
 uint64_t peak_loop_amx(uint64_t iters) {
   amx_thread_permission();

@@ -89,6 +89,9 @@ inline int q8g_amx_padded_rows(int m) { return (m + 15) / 16 * 16; }
 uint64_t peak_loop_avx2(uint64_t iters);
 uint64_t peak_loop_vnni(uint64_t iters);
 uint64_t peak_loop_amx(uint64_t iters);
+// The AMX q8c kernel's 2×2 tile loop on L2-resident operands (gemm_amx.cpp), indexed by which stay in L1: 0 neither,
+// 1 the activations, 2 the weights, 3 both; for amx_tile_loop_tops().
+extern uint64_t (*const tile_loop_amx_fns[4])(uint64_t);
 // f32 FMAs back to back, 2 flops each: ymm (probes.cpp) and zmm (gemm_q8g_avx512.cpp), the q8g kernels' limits.
 uint64_t peak_loop_fma(uint64_t iters);
 uint64_t peak_loop_fma512(uint64_t iters);

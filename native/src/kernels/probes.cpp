@@ -92,6 +92,14 @@ double peak_tops(Backend b, ThreadPool* pool, double seconds) {
   return run_peak(peak_loop_for(b), pool, seconds) / 1e12;
 }
 
+double amx_tile_loop_tops(int in_l1, ThreadPool* pool, double seconds) {
+  if (!cpu_supports(Backend::Amx)) throw std::runtime_error("amx_tile_loop_tops: this CPU cannot run the amx backend");
+  if (in_l1 < 0 || in_l1 > 3)
+    throw std::invalid_argument("amx_tile_loop_tops: in_l1 must be 0-3, got " + std::to_string(in_l1));
+  backend_thread_init();
+  return run_peak(detail::tile_loop_amx_fns[in_l1], pool, seconds) / 1e12;
+}
+
 namespace {
 // Each thread's share of `bytes`, in whole pages; checks the arguments of both probes.
 size_t bandwidth_slice(size_t bytes, int threads, int passes) {

@@ -14,6 +14,12 @@ namespace sg {
 // `seconds`. Throws std::runtime_error when the CPU cannot run the backend.
 double peak_tops(Backend b, ThreadPool* pool, double seconds = 0.2);
 
+// int8 TOPS of the AMX q8c kernel's 2×2 tile loop alone (gemm_amx.cpp: a 256-row chunk against one task's 64
+// columns at K = 1536, no epilogue) on every pool thread at once, its operands from L2 except those `in_l1` names:
+// 0 none, 1 the activations, 2 the weights, 3 both. Throws std::runtime_error without AMX, std::invalid_argument for
+// another in_l1.
+double amx_tile_loop_tops(int in_l1, ThreadPool* pool, double seconds = 0.2);
+
 // f32 GFLOP/s (2 per fused multiply-add) of the backend's FMAs (ymm on avx2, zmm on vnni/amx) back to back on every
 // pool thread at once, over about `seconds`: the limit of the weight-only q8g GEMM (gemm_q8g), which runs one such
 // FMA per weight and row.
