@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
     not Path("/sys/kernel/mm/transparent_hugepage").is_dir() or not hasattr(mmap, "MADV_HUGEPAGE"),
     reason="this kernel has no transparent huge pages")
 
+
 def test_the_weights_mapping_asks_for_huge_pages():
     path = str(fastgemma_fgm("mini-e2b-tame").resolve())
     model = N.Model(path)

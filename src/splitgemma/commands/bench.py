@@ -15,9 +15,9 @@ limits measured in the same run.
   model's threads (splitgemma._native.kernels probes), measured before and after the figures. The peak: the best
   reading counts, since other work can only lower it. The bandwidth: a buffer at least the weight bytes of the
   largest decode step (on huge pages, as the weights' mapping asks for) read DRAM_PASSES times each time; the median
-  of the passes counts and their range is printed
-  (a best-of over a buffer smaller than a step, as before, overstated it by up to 2x). Prefill is compared with the
-  peak (the model's GEMM multiply-adds per prompt), decode with the bandwidth (the weight bytes one step streams).
+  of the passes counts and their range is printed (a best-of over a buffer smaller than a step, as before,
+  overstated it by up to 2x). Prefill is compared with the peak (the model's GEMM multiply-adds per prompt), decode
+  with the bandwidth (the weight bytes one step streams).
   Because the bandwidth a shared host gives moves by 1.4x from one minute to the next, every decode repeat is also
   bracketed by a pass of the probe just before and just after it, and a decode row's fraction of DRAM is the median
   over its repeats of the repeat's GB/s over the mean of its two brackets. Beside it, the same reading of the model
