@@ -528,7 +528,8 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
     """With int8 activations every row count (the register blocks of 1-12 rows, the 6-row prefill blocks past 32
     rows, and the activations laid out in those blocks) and every backend gives exactly gemm.h's integers and
     roundings: the rows' results do not depend on what they were batched with, and AVX2 (vpmaddwd on int16 codes)
-    equals VNNI (vpdpbusd on flipped weight codes with a bias). Extreme codes (±127, -128 from Q8_0 blocks) and
+    equals VNNI (vpdpbusd on flipped weight codes with a bias) and AMX (9-16 rows: one stream over the panels; more:
+    a walk per panel and row block). Extreme codes (±127, -128 from Q8_0 blocks) and
     an all-zero input block (scale 1) included."""
     rng = np.random.default_rng(n * 131 + k * 7 + group + with_offsets)
     q = rng.integers(-128, 128, (n, k))
@@ -536,7 +537,7 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
     scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
     offsets = rng.standard_normal((k // group, n)).astype(np.float32) if with_offsets else None
     blob = q8g_panels(q)
-    for m in (1, 2, 5, 7, 8, 12, 13, 25, 32, 33, 40, 70):
+    for m in (1, 2, 5, 7, 8, 9, 12, 13, 16, 25, 32, 33, 40, 70):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
         x[0, :32] = 0
         y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2, offsets=offsets,

@@ -28,15 +28,16 @@ struct alignas(64) TileConfig {
 };
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads exactly 64 bytes");
 
-// Palette 1 with k_bytes inputs a product (4 to 64, a multiple of 4): tmm0-3 (the int32 sums) 16 rows × 64 bytes,
-// tmm4-5 (A) 16 rows × k_bytes, tmm6-7 (B) k_bytes / 4 rows × 64 bytes. The default: every tile 16 rows × 64 bytes.
-inline void load_tile_config(int k_bytes = 64) {
+// Palette 1 with k_bytes inputs a product (4 to 64, a multiple of 4) and m_rows rows (1 to 16): tmm0-3 (the int32
+// sums) m_rows rows × 64 bytes, tmm4-5 (A) m_rows rows × k_bytes, tmm6-7 (B) k_bytes / 4 rows × 64 bytes. The
+// default: every tile 16 rows × 64 bytes. Fewer rows, fewer bytes moved and multiplied (a decode batch of 8).
+inline void load_tile_config(int k_bytes = 64, int m_rows = 16) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = i == 4 || i == 5 ? k_bytes : 64;
-    cfg.rows[i] = i >= 6 ? k_bytes / 4 : 16;
+    cfg.rows[i] = i >= 6 ? k_bytes / 4 : m_rows;
   }
   asm volatile("" ::: "memory");
   asm volatile("ldtilecfg %0" ::"m"(cfg));

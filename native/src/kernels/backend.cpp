@@ -72,8 +72,9 @@ CpuFeatures detect() {
   f.avx2 = os_ymm && fma && f16c && (b & (1u << 5));
   f.avx512 = f.avx2 && os_zmm && (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));
   f.vnni = f.avx512 && (c & (1u << 11));
-  // AMX implies AVX-512 VNNI (every AMX CPU has it): the engine's zmm kernels run on both the vnni and amx backends.
-  f.amx = f.vnni && (d & (1u << 24)) && (d & (1u << 25));
+  // AMX implies AVX-512 VNNI and VBMI (every AMX CPU has both; a hypervisor that masks one gets no AMX backend): the
+  // engine's zmm kernels run on both the vnni and amx backends, and the AMX q8g kernel permutes bytes with vpermb.
+  f.amx = f.vnni && (c & (1u << 1)) && (d & (1u << 24)) && (d & (1u << 25));
   f.amx_bf16 = f.amx && (d & (1u << 22));
   return f;
 }

@@ -71,16 +71,17 @@ void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float
 void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,
                                  int p0, int p1);
 // The same on AMX tiles (gemm_q8g_amx.cpp), bit-identical to both: for the AMX backend where the tile state holds
-// (amx_tiles_usable: no guard) and the call has at least kQ8gAmxMinRows rows. It reads the activations of 16 rows
-// at a time as one tile, so `a` must be laid out with block_rows = 1 (row i's codes at i·k: rows one after another)
+// (amx_tiles_usable: no guard) and the call has at least kQ8gAmxMinRows rows. It reads the activations of up to 16
+// rows at a time as one tile, so `a` must be laid out with block_rows = 1 (row i's codes at i·k: rows one after another)
 // and its codes buffer must hold q8g_amx_padded_rows(m) rows (the rows past m are read, never used).
 void gemm_q8g_int8_panels_amx(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                               int p1);
-// From 24 rows: the tiles always multiply 16 rows, and below one and a half tiles the VNNI kernel, which does only
-// the rows there are, was as fast or faster. 2 threads, Gemma 3 270M's shapes (N×K 2048×640, 640×2048, 1024×640, the
-// LM head 262144×640), amx time over vnni on a Xeon (docs/benchmarks.md, session 19): 8 rows 1.18-1.50, 12 rows
-// 1.03-1.16, 16 rows 0.90-1.08, 20 rows 0.99-1.12, 24 rows 0.88-0.99, 32 rows 0.68-0.89, 256 rows 0.72-0.99.
-constexpr int kQ8gAmxMinRows = 24;
+// From 9 rows: below, the VNNI kernel was as fast (at 1-4 rows both stream the weights at the memory's rate). 2
+// threads, Gemma 3 270M's shapes (N×K 2048×640, 640×2048, 1024×640, the LM head 262144×640), amx time over vnni on
+// a Xeon (docs/benchmarks.md, session 25; one row block walks its panels as one stream, the tiles configured for
+// its rows): 8 rows 0.92-1.04, 9 rows 0.74-0.89, 10-12 rows 0.80-0.90, 16 rows 0.73-0.81, 24 rows 0.85-0.95,
+// 32 rows 0.71-0.84. (Session 19, each panel walked on its own: 8 rows 1.18-1.50, 16 rows 0.90-1.08.)
+constexpr int kQ8gAmxMinRows = 9;
 inline int q8g_amx_padded_rows(int m) { return (m + 15) / 16 * 16; }
 
 // Peak-throughput loops: run the backend's int8 multiply-accumulate instruction back to back

@@ -1,6 +1,6 @@
-// zmm pieces of the q8g GEMM shared by its VNNI kernels (gemm_q8g_avx512.cpp) and its AMX kernel (gemm_q8g_amx.cpp):
-// the panel transposition both multiply instructions want and the offsets' epilogue (q8ga). Internal linkage on
-// purpose, as q8g_driver.h: each translation unit compiles its own copy with its own ISA flags.
+// zmm pieces of the q8g GEMM: the panel transposition its VNNI kernels (gemm_q8g_avx512.cpp) want (the AMX kernel,
+// gemm_q8g_amx.cpp, does it in one vpermb) and the offsets' epilogue (q8ga) of both. Internal linkage on purpose, as
+// q8g_driver.h: each translation unit compiles its own copy with its own ISA flags.
 #pragma once
 
 #include <immintrin.h>
@@ -12,8 +12,9 @@ namespace sg::detail {
 namespace {
 
 // One 64-byte load of a panel holds 4 inputs (k .. k+3) × its 16 columns, input-major; vpdpbusd and tdpbssd both
-// want each column's 4 inputs in one dword (a tile row of B: 16 columns × 4 inputs). vpermd gathers into 128-bit lane
-// L the dwords of columns 4L .. 4L+3 of each input, vpshufb then transposes each lane's 4 × 4 bytes (AVX-512 F/BW).
+// want each column's 4 inputs in one dword (a tile row of B: 16 columns × 4 inputs). In two shuffles, since the VNNI
+// backend runs on CPUs without AVX512-VBMI (Cascade Lake): vpermd gathers into 128-bit lane L the dwords of columns
+// 4L .. 4L+3 of each input, vpshufb then transposes each lane's 4 × 4 bytes (AVX-512 F/BW).
 alignas(64) constexpr int32_t kAcrossLanes[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 alignas(64) constexpr int8_t kWithinLane[64] = {0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                 0, 4, 8,  12, 1, 5, 9,  13, 2, 6, 10, 14, 3, 7, 11, 15,

@@ -25,11 +25,11 @@ inline long emulated_loss_every() {
   return every;
 }
 
-inline void load_tile_config(int k_bytes = 64) {
+inline void load_tile_config(int k_bytes = 64, int m_rows = 16) {
   g_emu_configured = true;
   for (int i = 0; i < 8; ++i) {
     g_emu_colsb[i] = i == 4 || i == 5 ? k_bytes : 64;
-    g_emu_rows[i] = i >= 6 ? k_bytes / 4 : 16;
+    g_emu_rows[i] = i >= 6 ? k_bytes / 4 : m_rows;
   }
   std::memset(g_emu_tiles, 0, sizeof g_emu_tiles);  // ldtilecfg zeroes the tiles
 }

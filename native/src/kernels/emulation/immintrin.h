@@ -1,5 +1,5 @@
-// Scalar stand-ins for the AVX-512 intrinsics that gemm_vnni.cpp, gemm_amx.cpp and gemm_q8g_avx512.cpp use, so the
-// two backends' logic (blocking, biases, corrections, epilogues, tile guard) runs and is
+// Scalar stand-ins for the AVX-512 intrinsics that gemm_vnni.cpp, gemm_amx.cpp, gemm_q8g_avx512.cpp and
+// gemm_q8g_amx.cpp use, so the two backends' logic (blocking, biases, corrections, epilogues, tile guard) runs and is
 // checked bit for bit against the AVX2 backend on a CPU without AVX-512/AMX. Only for the
 // emulated test build (emulation/harness.cpp, driven by tests/test_kernels.py): it shadows
 // <immintrin.h> through the include path, pulls in the real header, then renames the 512-bit
@@ -47,6 +47,7 @@ inline V512 dpbusd_epi32(V512 src, V512 a, V512 b) {
   return src;
 }
 inline V512 permutexvar_epi32(V512 idx, V512 a) { V512 v; for (int i = 0; i < 16; ++i) si(v, i, gi(a, gi(idx, i) & 15)); return v; }
+inline V512 permutexvar_epi8(V512 idx, V512 a) { V512 v; for (int i = 0; i < 64; ++i) v.b[i] = a.b[idx.b[i] & 63]; return v; }
 inline V512 shuffle_epi8(V512 a, V512 b) {
   V512 v;
   for (int i = 0; i < 64; ++i) v.b[i] = b.b[i] & 0x80 ? 0 : a.b[(i & ~15) + (b.b[i] & 15)];
@@ -86,6 +87,7 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_reduce_add_epi32 emu::reduce_add_epi32
 #define _mm512_permutexvar_epi32 emu::permutexvar_epi32
 #define _mm512_shuffle_epi8 emu::shuffle_epi8
+#define _mm512_permutexvar_epi8 emu::permutexvar_epi8
 #define _mm512_setzero_ps emu::setzero_ps
 #define _mm512_set1_ps emu::set1_ps
 #define _mm512_cvtepi32_ps emu::cvtepi32_ps
