@@ -212,8 +212,8 @@ constexpr std::array<StreamRowsFn, 17> stream_table(std::integer_sequence<int, I
 template <int U, bool OFF>
 constexpr auto kStreams = stream_table<U, OFF>(std::make_integer_sequence<int, 16>{});
 
-// Panels transposed and walked together: one for decode batches (1-2 row blocks), whose next panel streams in while
-// it is walked; four for more rows, so that a row's outputs are written 256 bytes at a time, not 64 (the LM head's
+// More rows: panels transposed and walked together, each by every row block in turn: one for decode batches of two
+// row blocks, whose next panel streams in while it is walked; four for more rows, so that a row's outputs are written 256 bytes at a time, not 64 (the LM head's
 // rows lie 1 MB apart: a page each). 2 threads, amx time over vnni: the LM head at 256 rows 0.98-0.99 in blocks of
 // four, 1.19-1.20 one by one; at 32 rows 0.98-1.00 in blocks of four, 0.87 one by one; the FFN shapes alike.
 constexpr int kPrefillPanelBlock = 4;
@@ -224,15 +224,15 @@ void panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float*
   const float* scales = static_cast<const float*>(w.scales);
   const bool off = w.offsets != nullptr;
   const int ng = w.k / w.group, panels_total = w.n / 16, row_blocks = (m + 15) / 16;
+  if (row_blocks == 1) {
+    (off ? kStreams<U, true> : kStreams<U, false>)[m](a, w, xsum, y, ldy, p0, p1);
+    return;
+  }
   const size_t panel_bytes = size_t(w.k) * 16;
   thread_local std::vector<int8_t> scratch;  // a block of panels' codes in B's layout
   const int block = row_blocks > 2 ? kPrefillPanelBlock : 1;
   scratch.resize(size_t(block) * panel_bytes + 64);
   int8_t* bt = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
-  if (row_blocks == 1) {
-    (off ? kStreams<U, true> : kStreams<U, false>)[m](a, w, xsum, y, ldy, p0, p1);
-    return;
-  }
   const auto& fns = off ? kRows<U, true> : kRows<U, false>;
   for (int pb = p0; pb < p1; pb += block) {
     const int pe = std::min(pb + block, p1);
