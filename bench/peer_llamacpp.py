@@ -474,6 +474,10 @@ def summarise(passes: list[dict]) -> dict:
     return out
 
 
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def rows(prompt_lens, batches, context: int) -> list[tuple[str, str]]:
     out = [(f"prefill {n}", f"prefill_{n}") for n in prompt_lens]
     out.append((f"decode B=1 @{context} (llama-bench tg)", "decode_b1_bench"))
@@ -643,8 +647,9 @@ def main(argv=None) -> int:
                     help="repetitions inside one llama-bench / splitgemma bench run (default: 3)")
     ap.add_argument("--context", type=int, default=1024, help="decode context (default: 1024)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed (default: 32)")
-    ap.add_argument("--prompt-lens", default="512,1024")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt-lens", help="prompt lengths of the prefill rows (default 512,1024; with --from-json: "
+                                          "the saved run's)")
+    ap.add_argument("--batches", help="decode batch sizes (default 1,8,32; with --from-json: the saved run's)")
     ap.add_argument("--settle", type=float, default=120,
                     help="seconds to wait before an arm for the load average to drop below 0.5 × CPUs (default: "
                          "120); the arm then runs anyway and is flagged")
@@ -659,16 +664,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
+        # runs saved before the lists were recorded ran the defaults
+        prompt_lens = parse_ints(args.prompt_lens) if args.prompt_lens else saved.get("prompt_lens", [512, 1024])
+        batches = parse_ints(args.batches) if args.batches else saved.get("batches", [1, 8, 32])
         for m, spec in saved["models"].items():
             spec["summary"] = summarise(spec["passes"])
-            print(table(m, spec["summary"], saved["threads"], saved["context"],
-                        [int(x) for x in args.prompt_lens.split(",")], [int(x) for x in args.batches.split(",")]))
+            print(table(m, spec["summary"], saved["threads"], saved["context"], prompt_lens, batches))
             print()
         print_footer(saved)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    prompt_lens = [int(x) for x in args.prompt_lens.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    prompt_lens = parse_ints(args.prompt_lens or "512,1024")
+    batches = parse_ints(args.batches or "1,8,32")
 
     tree = source_tree(args.version)
     # the smoke test needs a GGUF: the default model's, which needs no llama.cpp tool
@@ -686,7 +693,8 @@ def main(argv=None) -> int:
             log(notes[-1])
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
               "llama_cpp": {"variant": variant, **build_info(args.version, variant)}, "notes": notes,
-              "threads": args.threads, "context": args.context, "steps": args.steps, "models": {}}
+              "threads": args.threads, "context": args.context, "steps": args.steps, "prompt_lens": prompt_lens,
+              "batches": batches, "models": {}}
     if args.prepare_only:
         build(args.version, variant, server=True)
         result["models"] = prepared
