@@ -137,9 +137,9 @@ __attribute__((always_inline)) inline void transpose_panels(const int8_t* codes,
 // before its product into a ring of four. A per-panel walk pays the pipeline's fill and drain every 20 units
 // (Gemma 3 270M's K) and the transposition as a pass of its own, where the weights' first loads wait on memory. The
 // codes are prefetched a unit a step, kPrefetchUnits ahead; a panel's scales (and offsets) when its products start,
-// two panels ahead. Xeon with AMX, 2 threads (docs/benchmarks.md session 25): the LM head at 16 rows 0.78x the time
-// of per-panel walks, at 8 rows 0.93x; in a standalone loop a unit's product, store and fold take 13 ns at 8 rows,
-// 17.5 with its transposition.
+// two panels ahead. Xeon with AMX, 2 threads (docs/benchmarks.md session 25): with the weights in the L3 0.87x the
+// time of per-panel walks at 8 and 16 rows, the LM head streamed 0.93x; in a standalone loop a unit's product, store
+// and fold take 13 ns at 8 rows, 17.5 with its transposition.
 constexpr long kPrefetchUnits = 40;
 
 template <int MR, int U, bool OFF>
@@ -213,9 +213,10 @@ template <int U, bool OFF>
 constexpr auto kStreams = stream_table<U, OFF>(std::make_integer_sequence<int, 16>{});
 
 // More rows: panels transposed and walked together, each by every row block in turn: one for decode batches of two
-// row blocks, whose next panel streams in while it is walked; four for more rows, so that a row's outputs are written 256 bytes at a time, not 64 (the LM head's
-// rows lie 1 MB apart: a page each). 2 threads, amx time over vnni: the LM head at 256 rows 0.98-0.99 in blocks of
-// four, 1.19-1.20 one by one; at 32 rows 0.98-1.00 in blocks of four, 0.87 one by one; the FFN shapes alike.
+// row blocks, whose next panel streams in while it is walked; four for more rows, so that a row's outputs are written
+// 256 bytes at a time, not 64 (the LM head's rows lie 1 MB apart: a page each). 2 threads, amx time over vnni: the LM
+// head at 256 rows 0.98-0.99 in blocks of four, 1.19-1.20 one by one; at 32 rows 0.98-1.00 in blocks of four, 0.87
+// one by one; the FFN shapes alike (session 19). The stream of one row block, tried for these too, was slower.
 constexpr int kPrefillPanelBlock = 4;
 
 template <int U>

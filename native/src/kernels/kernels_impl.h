@@ -72,8 +72,8 @@ void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, cons
                                  int p0, int p1);
 // The same on AMX tiles (gemm_q8g_amx.cpp), bit-identical to both: for the AMX backend where the tile state holds
 // (amx_tiles_usable: no guard) and the call has at least kQ8gAmxMinRows rows. It reads the activations of up to 16
-// rows at a time as one tile, so `a` must be laid out with block_rows = 1 (row i's codes at i·k: rows one after another)
-// and its codes buffer must hold q8g_amx_padded_rows(m) rows (the rows past m are read, never used).
+// rows at a time as one tile, so `a` must be laid out with block_rows = 1 (row i's codes at i·k: rows one after
+// another) and its codes buffer must hold q8g_amx_padded_rows(m) rows (the rows past m are read, never used).
 void gemm_q8g_int8_panels_amx(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                               int p1);
 // From 9 rows: below, the VNNI kernel was as fast (at 1-4 rows both stream the weights at the memory's rate). 2
