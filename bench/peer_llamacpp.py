@@ -408,10 +408,23 @@ class Arm:
         return out, meta
 
 
+# The rows a run measures unless told otherwise (and what runs saved before the lists were recorded measured).
+DEFAULT_PROMPT_LENS = [512, 1024]
+DEFAULT_BATCHES = [1, 8, 32]
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def ints_text(values: list[int]) -> str:
+    return ",".join(map(str, values))
+
+
 def llama_arm(arm: Arm, bins: Path, gguf: str, threads: int, repeats: int, context: int, steps: int,
               prompt_lens, batches) -> dict:
     figures, metas = {}, []
-    out, meta = arm([bins / "llama-bench", "-m", gguf, "-t", threads, "-p", ",".join(map(str, prompt_lens)),
+    out, meta = arm([bins / "llama-bench", "-m", gguf, "-t", threads, "-p", ints_text(prompt_lens),
                      "-n", "0", "-r", repeats, "-o", "json"])
     metas.append(meta)
     for row in json.loads(out):
@@ -425,7 +438,7 @@ def llama_arm(arm: Arm, bins: Path, gguf: str, threads: int, repeats: int, conte
                                        "model_type", "model_size", "model_n_params")}
     n_ctx = context + max(batches) * steps + 256
     out, meta = arm([bins / "llama-batched-bench", "-m", gguf, "-t", threads, "-tb", threads, "-c", n_ctx,
-                     "-b", 2048, "-ub", 512, "-npp", context, "-ntg", steps, "-npl", ",".join(map(str, batches)),
+                     "-b", 2048, "-ub", 512, "-npp", context, "-ntg", steps, "-npl", ints_text(batches),
                      "-pps", "-kvu", "--output-format", "jsonl"])
     metas.append(meta)
     for line in out.splitlines():
@@ -439,7 +452,7 @@ def llama_arm(arm: Arm, bins: Path, gguf: str, threads: int, repeats: int, conte
 def splitgemma_arm(arm: Arm, fgm: str, threads: int, repeats: int, context: int, steps: int,
                    prompt_lens, batches) -> dict:
     out, meta = arm([sys.executable, "-m", "splitgemma", "bench", "--model", fgm, "--threads", threads,
-                     "--prompt-lens", ",".join(map(str, prompt_lens)), "--batches", ",".join(map(str, batches)),
+                     "--prompt-lens", ints_text(prompt_lens), "--batches", ints_text(batches),
                      "--context", context, "--steps", steps, "--repeats", repeats, "--decode-prefix", "both",
                      "--ignore-load", "--json"])
     r = json.loads(out)
@@ -472,10 +485,6 @@ def summarise(passes: list[dict]) -> dict:
                      "range": {k: [min(p["figures"][k] for p in use if k in p["figures"]),
                                    max(p["figures"][k] for p in use if k in p["figures"])] for k in keys}}
     return out
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def rows(prompt_lens, batches, context: int) -> list[tuple[str, str]]:
@@ -647,9 +656,10 @@ def main(argv=None) -> int:
                     help="repetitions inside one llama-bench / splitgemma bench run (default: 3)")
     ap.add_argument("--context", type=int, default=1024, help="decode context (default: 1024)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed (default: 32)")
-    ap.add_argument("--prompt-lens", help="prompt lengths of the prefill rows (default 512,1024; with --from-json: "
-                                          "the saved run's)")
-    ap.add_argument("--batches", help="decode batch sizes (default 1,8,32; with --from-json: the saved run's)")
+    ap.add_argument("--prompt-lens", help="prompt lengths of the prefill rows (default "
+                                          f"{ints_text(DEFAULT_PROMPT_LENS)}; with --from-json: the saved run's)")
+    ap.add_argument("--batches", help=f"decode batch sizes (default {ints_text(DEFAULT_BATCHES)}; with --from-json: "
+                                      "the saved run's)")
     ap.add_argument("--settle", type=float, default=120,
                     help="seconds to wait before an arm for the load average to drop below 0.5 × CPUs (default: "
                          "120); the arm then runs anyway and is flagged")
@@ -664,9 +674,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        # runs saved before the lists were recorded ran the defaults
-        prompt_lens = parse_ints(args.prompt_lens) if args.prompt_lens else saved.get("prompt_lens", [512, 1024])
-        batches = parse_ints(args.batches) if args.batches else saved.get("batches", [1, 8, 32])
+        prompt_lens = (parse_ints(args.prompt_lens) if args.prompt_lens
+                       else saved.get("prompt_lens", DEFAULT_PROMPT_LENS))
+        batches = parse_ints(args.batches) if args.batches else saved.get("batches", DEFAULT_BATCHES)
         for m, spec in saved["models"].items():
             spec["summary"] = summarise(spec["passes"])
             print(table(m, spec["summary"], saved["threads"], saved["context"], prompt_lens, batches))
@@ -674,8 +684,8 @@ def main(argv=None) -> int:
         print_footer(saved)
         return 0
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    prompt_lens = parse_ints(args.prompt_lens or "512,1024")
-    batches = parse_ints(args.batches or "1,8,32")
+    prompt_lens = parse_ints(args.prompt_lens) if args.prompt_lens else DEFAULT_PROMPT_LENS
+    batches = parse_ints(args.batches) if args.batches else DEFAULT_BATCHES
 
     tree = source_tree(args.version)
     # the smoke test needs a GGUF: the default model's, which needs no llama.cpp tool
