@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "attend_rows_amx.h"
+#include "attend_rows_scratch.h"
 #include "exp_avx512.h"
 #include "gemm.h"
 #include "ops.h"
@@ -32,64 +33,7 @@ namespace sg::ops {
 
 namespace {
 
-constexpr int kTile = 64;  // cached positions per K/V tile
 constexpr int kNB = kTile / 16;  // zmm of scores per query vector and tile
-
-// The scratch areas, each 64-byte aligned, carved from the caller's floats in this order. qc, st, wt, qb and wb have
-// rows for nv rounded up to 16 (the AMX tiles' 16 vectors; the padding rows of the tiles' inputs stay zero).
-struct Scratch {
-  uint32_t* qc;    // nv × hd dwords: the query codes (int8: hd/4 dwords used) or f32 values
-  float* qscale;   // nv
-  int32_t* qcorr;  // nv: 128·Σ codes
-  float *m, *l, *alpha;
-  float* wscale;  // nv: int8 V, the weight codes' scale (tile maximum / 255)
-  float* krows;     // kTile × hd: f16 K rows as f32 before the transpose
-  uint32_t* kt;     // hd × kTile dwords (int8: hd/4 × kTile)
-  uint32_t* vt;     // kTile × hd dwords (int8: kTile/4 × hd)
-  float* ks;        // kTile: per-position K scale (int8)
-  float* vs;        // kTile: per-position V scale (int8)
-  float* st;        // nv × kTile scores
-  uint32_t* wt;     // nv × kTile dwords: f32 weights, or u8 weight quads (int8: the first kTile/4)
-  float* o;         // nv × hd output accumulators
-  uint16_t* qb;     // the f16 path on bf16 tiles: the queries' three bf16 planes of nv × hd
-  uint16_t* wb;     // and the weights' three bf16 planes of nv × kTile
-  size_t qb_plane, wb_plane;
-};
-
-inline size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
-inline int round16(int n) { return (n + 15) & ~15; }
-
-template <class T>
-T* carve(float*& p, size_t floats) {
-  T* r = reinterpret_cast<T*>(p);
-  p += align16(floats);
-  return r;
-}
-
-Scratch carve_scratch(float* base, int nv, int hd) {
-  float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t(63));
-  Scratch s;
-  s.qc = carve<uint32_t>(p, size_t(round16(nv)) * hd);
-  s.qscale = carve<float>(p, nv);
-  s.qcorr = carve<int32_t>(p, nv);
-  s.m = carve<float>(p, nv);
-  s.l = carve<float>(p, nv);
-  s.alpha = carve<float>(p, nv);
-  s.wscale = carve<float>(p, nv);
-  s.krows = carve<float>(p, size_t(kTile) * hd);
-  s.kt = carve<uint32_t>(p, size_t(kTile) * hd);
-  s.vt = carve<uint32_t>(p, size_t(kTile) * hd);
-  s.ks = carve<float>(p, kTile);
-  s.vs = carve<float>(p, kTile);
-  s.st = carve<float>(p, size_t(round16(nv)) * kTile);
-  s.wt = carve<uint32_t>(p, size_t(round16(nv)) * kTile);
-  s.o = carve<float>(p, size_t(nv) * hd);
-  s.qb_plane = size_t(round16(nv)) * hd;
-  s.wb_plane = size_t(round16(nv)) * kTile;
-  s.qb = carve<uint16_t>(p, 3 * s.qb_plane / 2);
-  s.wb = carve<uint16_t>(p, 3 * s.wb_plane / 2);
-  return s;
-}
 
 // 16 cached elements of E bytes as f32 (int8 codes unscaled).
 template <int E>
@@ -519,16 +463,6 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
 }
 
 }  // namespace
-
-size_t attend_rows_scratch_floats(int nv, int hd) {
-  const size_t per[] = {size_t(round16(nv)) * hd, size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv), size_t(nv),
-                        size_t(kTile) * hd, size_t(kTile) * hd, size_t(kTile) * hd, kTile, kTile,
-                        size_t(round16(nv)) * kTile, size_t(round16(nv)) * kTile, size_t(nv) * hd,
-                        3 * size_t(round16(nv)) * hd / 2, 3 * size_t(round16(nv)) * kTile / 2};
-  size_t n = 16;  // the 64-byte alignment of the base
-  for (size_t x : per) n += align16(x);
-  return n;
-}
 
 void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
                          bool amx_tiles) {

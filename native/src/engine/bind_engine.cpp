@@ -15,6 +15,7 @@
 
 #include "kv_layout.h"
 #include "model.h"
+#include "attend_rows_scratch.h"
 #include "ops.h"
 #include "row_sampler.h"
 #include "sampling.h"
@@ -653,7 +654,7 @@ void bind_engine(py::module_& m) {
                                             sg::ops::attend_part_start(lo, span, p + 1) - 1,
                                             parts.data() + size_t(p) * nq * hd, hd, scratch.data(),
                                             stats + size_t(p) * nq * 2);
-              sg::ops::attend_merge_parts(parts.data(), stats, np, nq, hd, o + size_t(r) * nq * hd, hd);
+              sg::ops::attend_merge_parts_avx512(parts.data(), stats, np, nq, hd, o + size_t(r) * nq * hd, hd);
             }
           } else {
             std::vector<float> scratch(std::max(size_t(nq) * (p0 + rows), sg::ops::attend_avx512_scratch_floats(nq, hd)));

@@ -102,7 +102,7 @@ void attend_avx512(const float* q, int q_stride, int nq, int hd, const AttnCache
 // single-stream decode can hand them to different threads (each reads and widens its share of the K/V once for all
 // the group's heads) and give the bits of one attend_avx512 call: attend_avx512_part attends one part [lo, hi] (at
 // most kAttendPartPositions positions, as its scratch holds) and stores head h's largest score and sum of
-// exp(score - largest) in stats[2 h], stats[2 h + 1]; attend_merge_parts folds n_parts of them in order,
+// exp(score - largest) in stats[2 h], stats[2 h + 1]; attend_merge_parts_avx512 folds n_parts of them in order,
 // parts[p * nq * hd ..] the nq heads' outputs of part p (hd floats a head) and stats[p * nq * 2 ..] its stats, into
 // out[h * out_stride ..]. hd % 16 == 0 for both.
 constexpr int kAttendPartPositions = 256;
@@ -114,7 +114,7 @@ inline size_t attend_avx512_scratch_floats(int nq, int hd) {
 }
 void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
                         float* out, int out_stride, float* scratch, float* stats);
-void attend_merge_parts(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+void attend_merge_parts_avx512(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
                         int out_stride);
 
 // Prefill attention of `rows` consecutive query rows of one sequence (positions p0 .. p0 + rows - 1, all of them
@@ -123,14 +123,15 @@ void attend_merge_parts(const float* parts, const float* stats, int n_parts, int
 // head h reads q[r * q_row_stride + h * hd .. + hd) and writes out[r * out_row_stride + h * hd ..); row r attends
 // [lo, p0 + r] with lo = max(0, p0 + r - window + 1) for window > 0, else 0. Requires hd % 32 == 0,
 // rows * nq <= kAttendRowsVectors (kAttendRowsVectorsAmx with amx_tiles), cap * row_bytes < 2^31, and a CPU with
-// AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats.
+// AVX-512 VNNI (the vnni and amx backends'); scratch holds attend_rows_scratch_floats(rows * nq, hd) floats
+// (attend_rows_scratch.h).
 // amx_tiles: an int8 cache's dot products on AMX tiles (hd % 64 == 0; the same bits), where
 // sg::amx_tiles_usable() said yes; an f16 cache's on bf16 tiles (hd % 64 == 0, within the f32 path's tolerance),
 // where sg::amx_bf16_tiles_usable() says yes too.
 //
 // attend_spans_avx512 is the same kernel for query rows of different sequences: row r reads its nq heads' queries at
 // rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with
-// rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts folds the
+// rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts_avx512 folds the
 // result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on the absolute
 // grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
 // way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and packed once per block
@@ -145,7 +146,6 @@ constexpr int kAttendRowsVectors = 64;
 // With amx_tiles the dot products cost little beside each K/V tile's packing, which a larger block shares among more
 // vectors (xeon-amx-2c, E2B prefill 8192: attention 2.03 s at 64 vectors, 1.72 s at 256, 1.72 s at 512).
 constexpr int kAttendRowsVectorsAmx = 256;
-size_t attend_rows_scratch_floats(int nv, int hd);
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                         int window, float* out, int out_row_stride, float* scratch, bool amx_tiles = false);
 void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,

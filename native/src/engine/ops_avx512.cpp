@@ -419,7 +419,7 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
 
 // Folds a part (its nq heads' outputs, hd floats a head, and stats, ops.h) into the running result of the parts
 // before it: out (normalised so far) and run (per head: the largest score so far and the sum of exponentials
-// relative to it). attend_avx512 and attend_merge_parts both fold through here, so they give the same bits.
+// relative to it). attend_avx512 and attend_merge_parts_avx512 both fold through here, so they give the same bits.
 inline void attend_fold_part(float* out, int out_stride, float* run, const float* part, const float* stats, int nq,
                              int hd) {
   for (int h = 0; h < nq; ++h) {
@@ -469,7 +469,7 @@ void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const Attn
   attend_in_blocks<ZmmBlock>(q, q_stride, nq, hd, c, lo, hi, out, out_stride, scratch, stats);
 }
 
-void attend_merge_parts(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+void attend_merge_parts_avx512(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
                         int out_stride) {
   for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
   float run[2 * 8];
