@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "attend_rows_scratch.h"
 #include "kv_layout.h"
 #include "model.h"
-#include "attend_rows_scratch.h"
 #include "ops.h"
 #include "row_sampler.h"
 #include "sampling.h"

@@ -573,7 +573,8 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
     const int r = it / nkv, g = it % nkv;
     const PrefixSpan& sp = prefix_spans_[r];
     float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
-    ops::attend_merge_parts_avx512(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + sp.own_parts, group, hd, out, hd);
+    ops::attend_merge_parts_avx512(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + sp.own_parts, group, hd, out,
+                                   hd);
     ew_->fwht_blocks(out, group * hd, rot);
   });
 }
@@ -697,8 +698,8 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
           const int r = item / nkv, g = item % nkv;
           const float* at = &attn_parts_[item * item_floats];
           float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
-          ops::attend_merge_parts_avx512(at, at + parts * part_floats, ops::attend_parts(span_of(r, &lo)), group, hd, out,
-                                  hd);
+          ops::attend_merge_parts_avx512(at, at + parts * part_floats, ops::attend_parts(span_of(r, &lo)), group, hd,
+                                         out, hd);
           ew_->fwht_blocks(out, group * hd, rot);
         }
       } else {

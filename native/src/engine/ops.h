@@ -115,7 +115,7 @@ inline size_t attend_avx512_scratch_floats(int nq, int hd) {
 void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi,
                         float* out, int out_stride, float* scratch, float* stats);
 void attend_merge_parts_avx512(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
-                        int out_stride);
+                               int out_stride);
 
 // Prefill attention of `rows` consecutive query rows of one sequence (positions p0 .. p0 + rows - 1, all of them
 // already in the cache) × nq query heads sharing one KV head, against tiles of cached positions with an online
@@ -131,8 +131,8 @@ void attend_merge_parts_avx512(const float* parts, const float* stats, int n_par
 //
 // attend_spans_avx512 is the same kernel for query rows of different sequences: row r reads its nq heads' queries at
 // rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with
-// rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts_avx512 folds the
-// result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on the absolute
+// rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts_avx512
+// folds the result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on the absolute
 // grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
 // way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and packed once per block
 // instead of once per row (Model::attend_prefixed).

@@ -470,7 +470,7 @@ void attend_avx512_part(const float* q, int q_stride, int nq, int hd, const Attn
 }
 
 void attend_merge_parts_avx512(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
-                        int out_stride) {
+                               int out_stride) {
   for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
   float run[2 * 8];
   // The fold is per head: 8 heads at a time, as run holds.
