@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="amx, vnni or avx2 (default: the best this CPU runs)")
     ap.add_argument("--kv-dtype", default=None, help="int8, f16 or f32 (default: the file's)")
     ap.add_argument("--q8g-input", default=None, help="int8 or f32: the q8g GEMMs' activations (default: the "
-                                                      "engine's: FGM_Q8G_INPUT, else int8 on vnni/amx, f32 on avx2)")
+                                                      "engine's: FGM_Q8G_INPUT, else int8)")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--shared-prefix", action="store_true",
                     help="decode batches of two or more read the context from one prefix slot (as `splitgemma bench` "

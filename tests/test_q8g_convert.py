@@ -526,16 +526,16 @@ def test_engine_runs_int8g(tiny_int8g, report):
     assert err[("f16", "int8")][0] <= 3e-3 and err[("f16", "int8")][1] <= 0.25, err
 
 
-def test_q8g_input_defaults_by_backend(tiny_int8g, monkeypatch):
-    """int8 activations by default where the backend has an int8 product faster than its f32 FMAs (vnni, amx), f32
-    on avx2; FGM_Q8G_INPUT and the argument override it; a bad name is refused by name."""
+def test_q8g_input_defaults_to_int8(tiny_int8g, monkeypatch):
+    """int8 activations by default on every backend (each has an int8 product faster than its f32 FMAs);
+    FGM_Q8G_INPUT and the argument override it; a bad name is refused by name."""
     monkeypatch.delenv("FGM_Q8G_INPUT", raising=False)
     backends = [b for b in ("avx2", "vnni", "amx") if N.kernels.cpu_supports(b)]
     for b in backends:
-        assert N.Model(str(tiny_int8g), max_context=32, threads=1, backend=b).q8g_input == \
-            ("f32" if b == "avx2" else "int8")
-    monkeypatch.setenv("FGM_Q8G_INPUT", "int8")
-    assert N.Model(str(tiny_int8g), max_context=32, threads=1, backend="avx2").q8g_input == "int8"
+        assert N.Model(str(tiny_int8g), max_context=32, threads=1, backend=b).q8g_input == "int8"
+    monkeypatch.setenv("FGM_Q8G_INPUT", "f32")
+    assert N.Model(str(tiny_int8g), max_context=32, threads=1, backend="avx2").q8g_input == "f32"
+    monkeypatch.delenv("FGM_Q8G_INPUT")
     assert N.Model(str(tiny_int8g), max_context=32, threads=1, q8g_input="f32").q8g_input == "f32"
     with pytest.raises(ValueError, match="q8g activations must be 'int8' or 'f32', got 'bf16'"):
         N.Model(str(tiny_int8g), max_context=32, threads=1, q8g_input="bf16")

@@ -135,11 +135,10 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   quantize_ = zmm ? quantize_activations_avx512 : static_cast<decltype(quantize_)>(quantize_activations);
   quantize_from_ = zmm ? quantize_activations_from_avx512 : quantize_activations_from;
   policy_ = WeightPolicy::parse(opt.weights.empty() ? env_or("FGM_WEIGHTS", "auto:16") : opt.weights);
-  // q8g GEMMs on int8 activations where the backend multiplies int8 faster than f32 (VNNI, AMX: 4x); AVX2 has no
-  // such instruction that is exact on these operands (its int8 kernel, vpmaddwd on int16, measured 1.07-1.33x the
-  // f32 kernel's time), so there the default stays f32, which is also exact to the source (gemm.h).
-  const char* by_backend = backend_ == Backend::Avx2 ? "f32" : "int8";
-  q8g_input_ = q8g_input_from_name(opt.q8g_input.empty() ? env_or("FGM_Q8G_INPUT", by_backend) : opt.q8g_input);
+  // q8g GEMMs on int8 activations by default: every backend multiplies int8 faster than f32 (VNNI, AMX: 4x; AVX2's
+  // sign-trick kernel measured 1.2x the f32 kernel alone on Zen 3, ~10% of a 32-row step), at llama.cpp's fidelity.
+  // f32 (weight-only, exact to the source: gemm.h) stays an option for fidelity checks.
+  q8g_input_ = q8g_input_from_name(opt.q8g_input.empty() ? env_or("FGM_Q8G_INPUT", "int8") : opt.q8g_input);
   if (opt.max_context < 1) throw std::invalid_argument("max_context must be at least 1");
   if (opt.chunk < 1) throw std::invalid_argument("chunk must be at least 1");
   if (opt.max_batch < 1) throw std::invalid_argument("max_batch must be at least 1");

@@ -303,7 +303,6 @@ namespace {
 // largest call and are then reused: nothing is allocated per step.
 struct Q8gActStore {
   std::vector<int8_t> codes;
-  std::vector<int16_t> wide;
   std::vector<float> scale;
   std::vector<int32_t> bias16, bias32;
 };
@@ -311,20 +310,18 @@ struct Q8gActStore {
 // amx: laid out for the AMX kernel (gemm_q8g_int8_panels_amx: rows one after another, padded to whole tiles).
 detail::Q8gActs quantize_q8g_input(const float* x, int ldx, int m, int k, Backend b, ThreadPool* pool, bool amx) {
   thread_local Q8gActStore st;
-  const bool wide = b == Backend::Avx2;
+  const bool zmm = b != Backend::Avx2;
   const size_t mk = size_t(m) * k;
   st.codes.resize(amx ? size_t(detail::q8g_amx_padded_rows(m)) * k : mk);
-  st.wide.resize(wide ? mk : 0);
   st.scale.resize(mk / 32);
   st.bias32.resize(mk / 32);
   st.bias16.resize(mk / 16);
   detail::Q8gActs a;
   a.m = m;
   a.k = k;
-  a.block_rows = amx ? 1 : detail::q8g_rows_per_block(m, detail::q8g_max_rows(!wide, m));
+  a.block_rows = amx ? 1 : detail::q8g_rows_per_block(m, detail::q8g_max_rows(zmm, m));
   // The caller's buffers, by pointer: in a pool thread, `st` would name that thread's own, empty store.
   a.codes = st.codes.data();
-  a.wide = wide ? st.wide.data() : nullptr;
   a.scale = st.scale.data();
   a.bias16 = st.bias16.data();
   a.bias32 = st.bias32.data();

@@ -147,8 +147,8 @@ void gemm_multi(const QAct& a, const GemmTarget* targets, int n, ThreadPool* poo
 // off = fmaf(xs_g, o[g][n], off); y = acc + off (one f32 add). For x = a unit row e_k this returns
 // fl(code · s + o), the stored value of W[n, k].
 //
-// With int8 activations (Q8gInput::Int8, the engine's default on the VNNI and AMX backends: the int8 multiply rate
-// is 4x the f32 FMA rate on an AVX-512 VNNI core; AVX2's exact int16 path is no faster than its FMAs) x is quantised
+// With int8 activations (Q8gInput::Int8, the engine's default on every backend: the int8 multiply rate is 4x the f32
+// FMA rate on an AVX-512 VNNI core, ~2x on AVX2 (vpmaddubsw on the sign trick, exact on these codes)) x is quantised
 // per row in blocks of 32 inputs, as llama.cpp quantises activations against GGUF weights (Q8_0 blocks of 32) and so
 // no coarser:
 //   amax = max |x[m, 32b .. 32b+31]|; a[m][b] = amax / 127.0f (f32 division), or 1 when amax = 0;

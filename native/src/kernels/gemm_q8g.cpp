@@ -108,60 +108,79 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
   if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
-// The int8-activation kernel (gemm.h, Q8gInput::Int8) on AVX2, which has no int8 dot product that is exact on
-// these operands (vpmaddubsw saturates): the int16 codes of two inputs (Q8gActs.wide) are broadcast as one dword
-// against the weights' (k, k+1) code pairs of 8 columns, widened to int16, and vpmaddwd adds each pair's two
-// products exactly into int32. Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them:
-// y = fma((float)acc, a·s, y), y kept in memory (read, fma, written once a unit), so both give the same bits. That
-// memory is a tile on the stack, not y: y's rows at a multiple of 4 KB apart (N = 2048, 262144) alias each other's
-// low address bits, and each unit's loads would wait on the other rows' stores (gemm_q8g_avx512.cpp, store_tile).
+// The int8-activation kernel (gemm.h, Q8gInput::Int8) on AVX2, which has no exact signed int8 dot product: the sign
+// trick of the q8c kernel (gemm_avx2.cpp). vpmaddubsw multiplies |w| (unsigned, shared by the block's rows) by
+// sign(a, w) (the code with w's sign), so each product is w·a and a pair's sum is at most 2·127·127 = 32258: never
+// saturated; vpmaddwd with ones then adds a column's two pairs of a 4-input step into int32, exactly. A step's 4 rows
+// of 16 codes are transposed in registers into two ymm of 8 columns × 4 codes, columns {0-3, 8-11} and {4-7, 12-15}
+// (the byte and word unpacks work within 128-bit lanes): the sums and the stack tile keep that order, the scales are
+// loaded in it, and y gets the columns back in order at the end. Per unit (16 or 32 inputs) the exact sums are folded
+// as the VNNI kernel folds them, y = fma((float)acc, a·s, y), so both give the same bits.
 template <int MR, int NP, bool OFF, int U>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
-                    const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t*, size_t) {
+                    const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
+                    size_t pf_bytes) {
   const size_t panel_bytes = size_t(k_total) * 16;
   const Q8gActs& a = *rows.a;
-  const int16_t* xw = a.wide + size_t(rows.m0) * k_total;  // this block's codes: step k/2 at + (k/2)·2·MR
-  const float* as = a.scale + rows.m0;               // block b at + b·m
-  alignas(32) float tile[MR][NP][16];
+  const int8_t* xc = a.codes + size_t(rows.m0) * k_total;  // this block's codes: step k/4 at + (k/4)·4·MR
+  const float* as = a.scale + rows.m0;                      // block b at + b·m
+  const __m256i ones = _mm256_set1_epi16(1);
+  PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
+  alignas(32) float tile[MR][NP][16];  // columns in the order above
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
+    const float* s = scales + size_t(k0 / group) * n_total;
+    if (k0 % group == 0)
+      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
     __m256i acc[MR][NP][2];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_si256();
-#pragma GCC unroll 16
-    for (int kk = 0; kk < U; kk += 2) {
+#pragma GCC unroll 8
+    for (int kk = 0; kk < U; kk += 4) {
       const int k = k0 + kk;
-      const int16_t* xk = xw + size_t(k / 2) * 2 * MR;
+      const int8_t* xk = xc + size_t(k / 4) * 4 * MR;
+      next.step();
+      __m256i w[NP][2], uw[NP][2];
       for (int p = 0; p < NP; ++p) {
         const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
-        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));       // k: 16 columns
-        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16));  // k + 1
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(r0, r1));  // columns 0-7, (k, k+1) each
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(r0, r1));  // columns 8-15
-        for (int i = 0; i < MR; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, xk + 2 * i, 4);
-          const __m256i xb = _mm256_set1_epi32(pair);
-          acc[i][p][0] = _mm256_add_epi32(acc[i][p][0], _mm256_madd_epi16(w0, xb));
-          acc[i][p][1] = _mm256_add_epi32(acc[i][p][1], _mm256_madd_epi16(w1, xb));
+        const __m256i r01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));       // rows k, k+1
+        const __m256i r23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));  // rows k+2, k+3
+        const __m256i r02 = _mm256_permute2x128_si256(r01, r23, 0x20), r13 = _mm256_permute2x128_si256(r01, r23, 0x31);
+        const __m256i lo = _mm256_unpacklo_epi8(r02, r13), hi = _mm256_unpackhi_epi8(r02, r13);  // (k,k+1 | k+2,k+3)
+        const __m256i p01 = _mm256_permute2x128_si256(lo, hi, 0x20), p23 = _mm256_permute2x128_si256(lo, hi, 0x31);
+        w[p][0] = _mm256_unpacklo_epi16(p01, p23);  // columns 0-3 | 8-11, 4 codes each
+        w[p][1] = _mm256_unpackhi_epi16(p01, p23);  // columns 4-7 | 12-15
+        uw[p][0] = _mm256_abs_epi8(w[p][0]);
+        uw[p][1] = _mm256_abs_epi8(w[p][1]);
+      }
+      for (int i = 0; i < MR; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xk + 4 * i, 4);
+        const __m256i xb = _mm256_set1_epi32(quad);
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h)
+            acc[i][p][h] = _mm256_add_epi32(
+                acc[i][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h])), ones));
+      }
+    }
+    for (int p = 0; p < NP; ++p) {
+      const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
+      const __m256 sv[2] = {_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)};
+      for (int i = 0; i < MR; ++i) {
+        const __m256 ai = _mm256_broadcast_ss(as + size_t(k0 / 32) * a.m + i);
+        for (int h = 0; h < 2; ++h) {
+          float* t = tile[i][p] + 8 * h;
+          const __m256 prev = u == 0 ? _mm256_setzero_ps() : _mm256_load_ps(t);
+          _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][p][h]), _mm256_mul_ps(sv[h], ai), prev));
         }
       }
     }
-    const float* s = scales + size_t(k0 / group) * n_total;
-    for (int p = 0; p < NP; ++p)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 sv = _mm256_loadu_ps(s + 16 * p + 8 * h);
-        for (int i = 0; i < MR; ++i) {
-          const __m256 sc = _mm256_mul_ps(sv, _mm256_broadcast_ss(as + size_t(k0 / 32) * a.m + i));
-          float* t = tile[i][p] + 8 * h;
-          const __m256 prev = u == 0 ? _mm256_setzero_ps() : _mm256_load_ps(t);
-          _mm256_store_ps(t, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][p][h]), sc, prev));
-        }
-      }
   }
   for (int i = 0; i < MR; ++i)
-    for (int p = 0; p < NP; ++p)
-      for (int h = 0; h < 2; ++h)
-        _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8 * h, _mm256_load_ps(tile[i][p] + 8 * h));
+    for (int p = 0; p < NP; ++p) {
+      const __m256 t0 = _mm256_load_ps(tile[i][p]), t1 = _mm256_load_ps(tile[i][p] + 8);
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p, _mm256_permute2f128_ps(t0, t1, 0x20));
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8, _mm256_permute2f128_ps(t0, t1, 0x31));
+    }
   if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
 
@@ -169,7 +188,9 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
 // panel range). Measured on Zen 3 (bench/bench_gemm.py, LM head N=262144 at M=1): 3 panels for one row beat 1 (too
 // few FMA chains) and 6 (spills, and six weight streams at once); 2 for two rows.
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 3, 2, 1, 1, 1, 1};
-// The int8 kernel's registers are the same count (MR·NP·2 int32 sums, two weight vectors, one broadcast).
+// The int8 kernel holds MR·NP·2 int32 sums, NP·2 weight vectors signed and unsigned, a broadcast and the ones: one
+// row takes 2 panels within the 16 ymm.
+constexpr int kPanelsForInt8[kMaxRows + 1] = {0, 2, 1, 1, 1, 1, 1};
 template <bool OFF>
 constexpr Q8gBlockFn<F32Rows> kWide[kMaxRows + 1] = {nullptr,
                                                      q8g_block<1, 3, OFF>, q8g_block<2, 2, OFF>, q8g_block<3, 1, OFF>,
@@ -180,7 +201,7 @@ constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {nullptr,
                                                     q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
 template <bool OFF, int U>
 constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
-    nullptr, q8g_int8_block<1, 3, OFF, U>, q8g_int8_block<2, 2, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
+    nullptr, q8g_int8_block<1, 2, OFF, U>, q8g_int8_block<2, 1, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
     q8g_int8_block<4, 1, OFF, U>, q8g_int8_block<5, 1, OFF, U>, q8g_int8_block<6, 1, OFF, U>};
 template <bool OFF, int U>
 constexpr Q8gBlockFn<Int8Rows> kOneInt8[kMaxRows + 1] = {
@@ -218,7 +239,7 @@ namespace {
 template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;
-  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsFor,
+  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsForInt8,
                                  {kWideInt8<false, U>, kOneInt8<false, U>, kWideInt8<true, U>, kOneInt8<true, U>}},
             Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
@@ -245,7 +266,6 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
   for (int i = r0; i < r1; ++i) {
     const int b0 = i / R * R, r = std::min(R, m - b0), ib = i - b0;  // its register block: first row, rows, index
     int8_t* const crow = a.codes + size_t(b0) * k + 4 * ib;           // + (k/4)·4r
-    int16_t* const wrow = a.wide ? a.wide + size_t(b0) * k + 2 * ib : nullptr;  // + (k/2)·2r
     for (int b = 0; b < kb; ++b) {
       const float* v = x + size_t(i) * ldx + 32 * b;
       __m256 f[4];
@@ -268,11 +288,6 @@ void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a
                                                      order));
       for (int j = 0; j < 8; ++j)  // codes 32b + 4j .. +3: step 8b + j
         std::memcpy(crow + size_t(8 * b + j) * 4 * r, c + 4 * j, 4);
-      if (wrow)
-        for (int j = 0; j < 16; ++j) {  // codes 32b + 2j, +1: step 16b + j
-          const int16_t pair[2] = {c[2 * j], c[2 * j + 1]};
-          std::memcpy(wrow + size_t(16 * b + j) * 2 * r, pair, 4);
-        }
       const int32_t s0 = lane_sum(_mm256_add_epi32(q[0], q[1])), s1 = lane_sum(_mm256_add_epi32(q[2], q[3]));
       a.bias16[size_t(2 * b) * m + i] = -128 * s0;
       a.bias16[size_t(2 * b + 1) * m + i] = -128 * s1;

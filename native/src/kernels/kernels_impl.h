@@ -54,8 +54,6 @@ struct Q8gActs {
   int m = 0, k = 0;
   int block_rows = 0;        // R: q8g_rows_per_block(m, the kernel's max_rows)
   int8_t* codes = nullptr;   // [m·k] as above; each in [-127, 127]
-  int16_t* wide = nullptr;   // the same codes as int16, of 2-input steps: row i's codes k, k+1 at bR·k + (k/2)·2r +
-                             // 2i (the AVX2 kernel's operand; else null)
   float* scale = nullptr;    // [k/32][m]: a[i][b] of gemm.h at b·m + i
   // -128 · the sum of the codes of each 16 (32) inputs: the VNNI kernel multiplies code + 128 (vpdpbusd's unsigned
   // operand is the weight's) and starts each unit's int32 sum here, so that it ends exact.
@@ -63,9 +61,9 @@ struct Q8gActs {
   int32_t* bias32 = nullptr;  // [k/32][m]
 };
 // Rows [r0, r1) of x (m rows, k % 32 == 0) into a's buffers (gemm.h's quantiser, plain AVX2, so every
-// backend gets the same codes); a.wide is filled only when non-null.
+// backend gets the same codes).
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a);
-// The int8-activation kernels: AVX2 (vpmaddwd on the int16 codes) and AVX-512 VNNI (vpdpbusd), bit-identical.
+// The int8-activation kernels: AVX2 (vpmaddubsw on the sign trick) and AVX-512 VNNI (vpdpbusd), bit-identical.
 void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                           int p1);
 void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,

@@ -36,8 +36,7 @@ def add_q8g_input_option(p) -> None:
     p.add_argument("--q8g-input", choices=("int8", "f32"), default=None,
                    help="activations of the q8g GEMMs (GGUF models such as the default): int8, quantised per 32 "
                         "inputs (the int8 multiply rate; llama.cpp's fidelity), or f32 (weight-only: float32 "
-                        "fidelity to the GGUF, at the f32 FMA rate) (default: FGM_Q8G_INPUT, else int8 on the vnni "
-                        "and amx backends, f32 on avx2, whose int8 kernel is no faster)")
+                        "fidelity to the GGUF, at the f32 FMA rate) (default: FGM_Q8G_INPUT, else int8)")
 
 
 def add_log_level_option(p) -> None:

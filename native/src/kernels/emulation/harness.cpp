@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
                     sh.group, m);
       }
       if (!q8g_runs_int8(w.k, w.group)) continue;
-      // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddwd), each on the activations laid
+      // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddubsw on the sign trick), each on the activations laid
       // out for its own register blocks, as gemm_q8g_multi quantises them
       // and the AMX kernel (tile products) on its row-after-row layout, padded to whole tiles (without tile-state
       // loss: it runs only where the guard is off)
@@ -155,7 +155,6 @@ int main(int argc, char** argv) {
         if (l == kAmx && (guard || loss)) continue;
         const size_t rows = l == kAmx ? size_t(detail::q8g_amx_padded_rows(m)) : size_t(m);
         std::vector<int8_t> codes8(rows * sh.k);
-        std::vector<int16_t> wide(size_t(m) * sh.k);
         std::vector<float> ascale(size_t(m) * sh.k / 32);
         std::vector<int32_t> b16(size_t(m) * sh.k / 16), b32(size_t(m) * sh.k / 32);
         detail::Q8gActs a;
@@ -163,7 +162,6 @@ int main(int argc, char** argv) {
         a.k = sh.k;
         a.block_rows = l == kAmx ? 1 : detail::q8g_rows_per_block(m, detail::q8g_max_rows(l == kZmm, m));
         a.codes = codes8.data();
-        a.wide = l == kAvx2 ? wide.data() : nullptr;
         a.scale = ascale.data();
         a.bias16 = b16.data();
         a.bias32 = b32.data();
