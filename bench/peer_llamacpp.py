@@ -529,7 +529,8 @@ def machine() -> dict:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
     return {"cpu": name, "cpus": os.cpu_count(),
-            "flags": {k: k in flags for k in ("amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512f")}}
+            # the instruction sets that pick a backend, AVX2 included: the header names an AVX2-only host's too
+            "flags": {k: k in flags for k in ("amx_tile", "amx_int8", "amx_bf16", "avx512_vnni", "avx512f", "avx2")}}
 
 
 # ---------------------------------------------------------------------------------------------------------------
