@@ -132,8 +132,8 @@ void attend_merge_parts_avx512(const float* parts, const float* stats, int n_par
 // attend_spans_avx512 is the same kernel for query rows of different sequences: row r reads its nq heads' queries at
 // rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with
 // rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts_avx512
-// folds the result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on the absolute
-// grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
+// folds the result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on
+// the absolute grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
 // way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and packed once per block
 // instead of once per row (Model::attend_prefixed).
 struct AttnSpanRow {

@@ -74,8 +74,7 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
     __m256 part[MR][NP][2];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) part[i][p][0] = part[i][p][1] = _mm256_setzero_ps();
-    for (int p = 0; p < NP; ++p)
-      _mm_prefetch(reinterpret_cast<const char*>(scales + size_t(k0 / group) * n_total + 16 * (NP + p)), _MM_HINT_T1);
+    prefetch_next_scales<NP>(scales + size_t(k0 / group) * n_total);
     for (int k = k0; k < k0 + group; ++k) {
       next.step();
       for (int p = 0; p < NP; ++p) {
@@ -115,7 +114,9 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // of 16 codes are transposed in registers into two ymm of 8 columns × 4 codes, columns {0-3, 8-11} and {4-7, 12-15}
 // (the byte and word unpacks work within 128-bit lanes): the sums and the stack tile keep that order, the scales are
 // loaded in it, and y gets the columns back in order at the end. Per unit (16 or 32 inputs) the exact sums are folded
-// as the VNNI kernel folds them, y = fma((float)acc, a·s, y), so both give the same bits.
+// as the VNNI kernel folds them, y = fma((float)acc, a·s, y), so both give the same bits. That y is a tile on the
+// stack until the end: y's rows at a multiple of 4 KB apart (N = 2048, 262144) alias each other's low address bits,
+// and each unit's loads would wait on the other rows' stores (gemm_q8g_avx512.cpp, store_tile).
 template <int MR, int NP, bool OFF, int U>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
@@ -129,8 +130,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
   alignas(32) float tile[MR][NP][16];  // columns in the order above
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     const float* s = scales + size_t(k0 / group) * n_total;
-    if (k0 % group == 0)
-      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+    if (k0 % group == 0) prefetch_next_scales<NP>(s);
     __m256i acc[MR][NP][2];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) acc[i][p][0] = acc[i][p][1] = _mm256_setzero_si256();

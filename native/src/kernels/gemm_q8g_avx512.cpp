@@ -52,7 +52,7 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
   alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, g = 0; k0 < k_total; k0 += group, ++g) {
     const float* s = scales + size_t(g) * n_total;
-    for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+    prefetch_next_scales<NP>(s);
     __m512 part[MR][NP];
     for (int i = 0; i < MR; ++i)
       for (int p = 0; p < NP; ++p) part[i][p] = _mm512_setzero_ps();
@@ -118,8 +118,7 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
   alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     const float* s = scales + size_t(k0 / group) * n_total;
-    if (k0 % group == 0)
-      for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+    if (k0 % group == 0) prefetch_next_scales<NP>(s);
     __m512i acc[MR][NP];
     for (int i = 0; i < MR; ++i) {
       const __m512i b = _mm512_set1_epi32(bias[size_t(u) * a.m + i]);

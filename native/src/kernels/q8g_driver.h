@@ -52,6 +52,13 @@ class PrefetchTrickle {
   size_t lines_, steps_, acc_ = 0;
 };
 
+// A group's scales of the NP panels after a register block's own (the next block's), into L2 one block ahead.
+// s: the group's scales of the block's first panel.
+template <int NP>
+inline void prefetch_next_scales(const float* s) {
+  for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+}
+
 template <class Rows>
 struct Q8gFns {
   const Q8gBlockFn<Rows>* wide;      // [mr]: the kernel for mr rows × panels_for[mr] panels

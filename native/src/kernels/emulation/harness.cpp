@@ -145,8 +145,8 @@ int main(int argc, char** argv) {
                     sh.group, m);
       }
       if (!q8g_runs_int8(w.k, w.group)) continue;
-      // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddubsw on the sign trick), each on the activations laid
-      // out for its own register blocks, as gemm_q8g_multi quantises them
+      // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddubsw on the sign trick), each on
+      // the activations laid out for its own register blocks, as gemm_q8g_multi quantises them
       // and the AMX kernel (tile products) on its row-after-row layout, padded to whole tiles (without tile-state
       // loss: it runs only where the guard is off)
       enum Layout { kAvx2, kZmm, kAmx };
