@@ -527,10 +527,10 @@ Q8G_INT8_SHAPES = [(16, 64, 32), (48, 640, 32), (32, 64, 16), (272, 640, 16), (6
 def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, with_offsets):
     """With int8 activations every row count (the register blocks of 1-12 rows, the 6-row prefill blocks past 32
     rows, and the activations laid out in those blocks) and every backend gives exactly gemm.h's integers and
-    roundings: the rows' results do not depend on what they were batched with, and AVX2 (vpmaddwd on int16 codes)
-    equals VNNI (vpdpbusd on flipped weight codes with a bias) and AMX (9-16 rows: one stream over the panels; more:
-    a walk per panel and row block). Extreme codes (±127, -128 from Q8_0 blocks) and
-    an all-zero input block (scale 1) included."""
+    roundings: the rows' results do not depend on what they were batched with, and AVX2 (vpmaddubsw on the sign
+    trick; past 4 rows on panels the driver transposed once into its scratch) equals VNNI (vpdpbusd on flipped
+    weight codes with a bias) and AMX (9-16 rows: one stream over the panels; more: a walk per panel and row block).
+    Extreme codes (±127, -128 from Q8_0 blocks) and an all-zero input block (scale 1) included."""
     rng = np.random.default_rng(n * 131 + k * 7 + group + with_offsets)
     q = rng.integers(-128, 128, (n, k))
     q[1], q[2], q[3] = 0, 127, -128

@@ -22,11 +22,11 @@
 namespace sg::detail {
 namespace {
 
-// Register blocks: MR activation rows × NP panels (16 columns each) keep MR·NP·2 accumulators; with the two weight
-// vectors and one broadcast that must fit the 16 ymm registers. Each accumulator is one FMA chain (k ascending, the
-// format's order), so few rows need several panels in flight to hide the FMA latency: decode (1-3 rows) is bound
-// by that latency otherwise, prefill by the FMA ports.
-constexpr int kMaxRows = kQ8gYmmRows;
+// The f32-input kernels' register blocks: MR activation rows × NP panels (16 columns each) keep MR·NP·2 accumulators;
+// with the two weight vectors and one broadcast that must fit the 16 ymm registers. Each accumulator is one FMA chain
+// (k ascending, the format's order), so few rows need several panels in flight to hide the FMA latency: decode (1-3
+// rows) is bound by that latency otherwise, prefill by the FMA ports. (The int8 kernels' blocks: kQ8gYmmRows.)
+constexpr int kMaxRows = 6;
 
 // y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga): off = fma(Σx over group g, o[g], off) over g, then one
 // add; outside the kernels' hot loops, whose registers it would otherwise crowd.
@@ -110,14 +110,16 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // The int8-activation kernel (gemm.h, Q8gInput::Int8) on AVX2, which has no exact signed int8 dot product: the sign
 // trick of the q8c kernel (gemm_avx2.cpp). vpmaddubsw multiplies |w| (unsigned, shared by the block's rows) by
 // sign(a, w) (the code with w's sign), so each product is w·a and a pair's sum is at most 2·127·127 = 32258: never
-// saturated; vpmaddwd with ones then adds a column's two pairs of a 4-input step into int32, exactly. A step's 4 rows
-// of 16 codes are transposed in registers into two ymm of 8 columns × 4 codes, columns {0-3, 8-11} and {4-7, 12-15}
-// (the byte and word unpacks work within 128-bit lanes): the sums and the stack tile keep that order, the scales are
-// loaded in it, and y gets the columns back in order at the end. Per unit (16 or 32 inputs) the exact sums are folded
-// as the VNNI kernel folds them, y = fma((float)acc, a·s, y), so both give the same bits. That y is a tile on the
-// stack until the end: y's rows at a multiple of 4 KB apart (N = 2048, 262144) alias each other's low address bits,
-// and each unit's loads would wait on the other rows' stores (gemm_q8g_avx512.cpp, store_tile).
-template <int MR, int NP, bool OFF, int U>
+// saturated; vpmaddwd with ones then adds a column's two pairs of a 4-input step into int32, exactly. The kernel wants
+// a step's codes as two ymm of 8 columns × 4 codes. Read from the weight (TILED false), a step's 4 rows of 16 codes
+// are transposed in registers into columns {0-3, 8-11} and {4-7, 12-15} (the byte and word unpacks work within
+// 128-bit lanes): the sums and the stack tile keep that order, the scales are loaded in it, and y gets the columns
+// back in order at the end. Read from the driver's scratch (TILED, repack_tiles below), they are in order already.
+// Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them, y = fma((float)acc, a·s, y),
+// so both give the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
+// (N = 2048, 262144) alias each other's low address bits, and each unit's loads would wait on the other rows' stores
+// (gemm_q8g_avx512.cpp, store_tile).
+template <int MR, int NP, bool OFF, int U, bool TILED>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                     size_t pf_bytes) {
@@ -142,13 +144,19 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
       __m256i w[NP][2], uw[NP][2];
       for (int p = 0; p < NP; ++p) {
         const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
-        const __m256i r01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));       // rows k, k+1
-        const __m256i r23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));  // rows k+2, k+3
-        const __m256i r02 = _mm256_permute2x128_si256(r01, r23, 0x20), r13 = _mm256_permute2x128_si256(r01, r23, 0x31);
-        const __m256i lo = _mm256_unpacklo_epi8(r02, r13), hi = _mm256_unpackhi_epi8(r02, r13);  // (k,k+1 | k+2,k+3)
-        const __m256i p01 = _mm256_permute2x128_si256(lo, hi, 0x20), p23 = _mm256_permute2x128_si256(lo, hi, 0x31);
-        w[p][0] = _mm256_unpacklo_epi16(p01, p23);  // columns 0-3 | 8-11, 4 codes each
-        w[p][1] = _mm256_unpackhi_epi16(p01, p23);  // columns 4-7 | 12-15
+        const __m256i r01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));       // rows k, k+1 (TILED:
+        const __m256i r23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));  // columns 0-7, 8-15)
+        if constexpr (TILED) {
+          w[p][0] = r01;
+          w[p][1] = r23;
+        } else {
+          const __m256i r02 = _mm256_permute2x128_si256(r01, r23, 0x20);
+          const __m256i r13 = _mm256_permute2x128_si256(r01, r23, 0x31);
+          const __m256i lo = _mm256_unpacklo_epi8(r02, r13), hi = _mm256_unpackhi_epi8(r02, r13);  // (k,k+1 | k+2,k+3)
+          const __m256i p01 = _mm256_permute2x128_si256(lo, hi, 0x20), p23 = _mm256_permute2x128_si256(lo, hi, 0x31);
+          w[p][0] = _mm256_unpacklo_epi16(p01, p23);  // columns 0-3 | 8-11, 4 codes each
+          w[p][1] = _mm256_unpackhi_epi16(p01, p23);  // columns 4-7 | 12-15
+        }
         uw[p][0] = _mm256_abs_epi8(w[p][0]);
         uw[p][1] = _mm256_abs_epi8(w[p][1]);
       }
@@ -157,14 +165,19 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
         std::memcpy(&quad, xk + 4 * i, 4);
         const __m256i xb = _mm256_set1_epi32(quad);
         for (int p = 0; p < NP; ++p)
-          for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < 2; ++h) {
             acc[i][p][h] = _mm256_add_epi32(
                 acc[i][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h])), ones));
+            // Pinned to its register: otherwise GCC adds the steps' products together first and parks the sums on
+            // the stack (as in gemm_avx2.cpp's q4g kernel).
+            asm("" : "+x"(acc[i][p][h]));
+          }
       }
     }
     for (int p = 0; p < NP; ++p) {
       const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
-      const __m256 sv[2] = {_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)};
+      const __m256 sv[2] = {TILED ? s0 : _mm256_permute2f128_ps(s0, s1, 0x20),
+                            TILED ? s1 : _mm256_permute2f128_ps(s0, s1, 0x31)};
       for (int i = 0; i < MR; ++i) {
         const __m256 ai = _mm256_broadcast_ss(as + size_t(k0 / 32) * a.m + i);
         for (int h = 0; h < 2; ++h) {
@@ -178,8 +191,8 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
   for (int i = 0; i < MR; ++i)
     for (int p = 0; p < NP; ++p) {
       const __m256 t0 = _mm256_load_ps(tile[i][p]), t1 = _mm256_load_ps(tile[i][p] + 8);
-      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p, _mm256_permute2f128_ps(t0, t1, 0x20));
-      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8, _mm256_permute2f128_ps(t0, t1, 0x31));
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p, TILED ? t0 : _mm256_permute2f128_ps(t0, t1, 0x20));
+      _mm256_storeu_ps(y + size_t(i) * ldy + 16 * p + 8, TILED ? t1 : _mm256_permute2f128_ps(t0, t1, 0x31));
     }
   if constexpr (OFF) add_offsets<MR, NP>(offsets, xsum, n_total, k_total, group, y, ldy);
 }
@@ -190,7 +203,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
 constexpr int kPanelsFor[kMaxRows + 1] = {0, 3, 2, 1, 1, 1, 1};
 // The int8 kernel holds MR·NP·2 int32 sums, NP·2 weight vectors signed and unsigned, a broadcast and the ones: one
 // row takes 2 panels within the 16 ymm.
-constexpr int kPanelsForInt8[kMaxRows + 1] = {0, 2, 1, 1, 1, 1, 1};
+constexpr int kPanelsForInt8[kQ8gYmmRows + 1] = {0, 2, 1, 1, 1};
 template <bool OFF>
 constexpr Q8gBlockFn<F32Rows> kWide[kMaxRows + 1] = {nullptr,
                                                      q8g_block<1, 3, OFF>, q8g_block<2, 2, OFF>, q8g_block<3, 1, OFF>,
@@ -199,14 +212,35 @@ template <bool OFF>
 constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {nullptr,
                                                     q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
                                                     q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
-template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kWideInt8[kMaxRows + 1] = {
-    nullptr, q8g_int8_block<1, 2, OFF, U>, q8g_int8_block<2, 1, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
-    q8g_int8_block<4, 1, OFF, U>, q8g_int8_block<5, 1, OFF, U>, q8g_int8_block<6, 1, OFF, U>};
-template <bool OFF, int U>
-constexpr Q8gBlockFn<Int8Rows> kOneInt8[kMaxRows + 1] = {
-    nullptr, q8g_int8_block<1, 1, OFF, U>, q8g_int8_block<2, 1, OFF, U>, q8g_int8_block<3, 1, OFF, U>,
-    q8g_int8_block<4, 1, OFF, U>, q8g_int8_block<5, 1, OFF, U>, q8g_int8_block<6, 1, OFF, U>};
+template <bool OFF, int U, bool TILED>
+constexpr Q8gBlockFn<Int8Rows> kWideInt8[kQ8gYmmRows + 1] = {
+    nullptr, q8g_int8_block<1, 2, OFF, U, TILED>, q8g_int8_block<2, 1, OFF, U, TILED>,
+    q8g_int8_block<3, 1, OFF, U, TILED>, q8g_int8_block<4, 1, OFF, U, TILED>};
+template <bool OFF, int U, bool TILED>
+constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gYmmRows + 1] = {
+    nullptr, q8g_int8_block<1, 1, OFF, U, TILED>, q8g_int8_block<2, 1, OFF, U, TILED>,
+    q8g_int8_block<3, 1, OFF, U, TILED>, q8g_int8_block<4, 1, OFF, U, TILED>};
+
+// Several row blocks (a decode batch past kQ8gYmmRows rows, a prefill chunk) would each transpose the same panels:
+// the driver has each panel block rewritten once into its scratch (q8g_driver.h), a 4-input step's 64 bytes as
+// [columns 0-7 × 4 codes][columns 8-15 × 4 codes], which the TILED kernels read as they are. Gemma 3 270M's shapes
+// (LM head N=262144 K=640, N=2048 K=640, N=640 K=2048), 2 threads, processes alternated on Zen 3: 8-32 rows
+// 0.67-0.75x the time of each 4-row block transposing for itself (that with 6-row blocks, which spilled; the sums'
+// pinning below is part of it); 5 and 6 rows (two blocks) 0.89-0.95x.
+void repack_tiles(const int8_t* codes, size_t bytes, int8_t* out) {
+  for (size_t o = 0; o < bytes; o += 64) {
+    const __m128i* in = reinterpret_cast<const __m128i*>(codes + o);
+    const __m128i r0 = _mm_loadu_si128(in), r1 = _mm_loadu_si128(in + 1);  // inputs k, k+1: 16 columns each
+    const __m128i r2 = _mm_loadu_si128(in + 2), r3 = _mm_loadu_si128(in + 3);
+    const __m128i lo01 = _mm_unpacklo_epi8(r0, r1), hi01 = _mm_unpackhi_epi8(r0, r1);  // columns 0-7, 8-15: (k, k+1)
+    const __m128i lo23 = _mm_unpacklo_epi8(r2, r3), hi23 = _mm_unpackhi_epi8(r2, r3);
+    __m128i* t = reinterpret_cast<__m128i*>(out + o);
+    _mm_store_si128(t, _mm_unpacklo_epi16(lo01, lo23));      // columns 0-3, 4 codes each
+    _mm_store_si128(t + 1, _mm_unpackhi_epi16(lo01, lo23));  // 4-7
+    _mm_store_si128(t + 2, _mm_unpacklo_epi16(hi01, hi23));  // 8-11
+    _mm_store_si128(t + 3, _mm_unpackhi_epi16(hi01, hi23));  // 12-15
+  }
+}
 
 }  // namespace
 
@@ -236,12 +270,19 @@ void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const flo
 }
 
 namespace {
+template <int U, bool TILED>
+constexpr Q8gFns<Int8Rows> kInt8{kWideInt8<false, U, TILED>, kOneInt8<false, U, TILED>, kWideInt8<true, U, TILED>,
+                                 kOneInt8<true, U, TILED>};
+
 template <int U>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;
-  q8g_drive(Q8gKernels<Int8Rows>{kMaxRows, kPanelBlock, kPanelsForInt8,
-                                 {kWideInt8<false, U>, kOneInt8<false, U>, kWideInt8<true, U>, kOneInt8<true, U>}},
-            Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+  if (m > kQ8gYmmRows)
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, true>, repack_tiles},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
+  else
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, false>}, Int8Rows{&a, 0}, m,
+              w, xsum, y, ldy, p0, p1);
 }
 }  // namespace
 

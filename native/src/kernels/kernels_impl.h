@@ -30,11 +30,12 @@ void gemm_q8g_panels_avx512(const float* x, int ldx, int m, const QLinear& w, co
 
 // The q8g kernels' register blocks: rows go in balanced blocks of at most max_rows (8 rows on 6: 4 + 4, not 6 + 2,
 // whose 2-row block would be bound by its few chains). The int8 kernels' largest blocks, which the int8 activations
-// are laid out in: ymm (gemm_q8g.cpp) 6 rows; zmm (gemm_q8g_avx512.cpp) 8 for a decode batch (at most 32 rows), 6
-// for more. (zmm, 32 rows, LM head from DRAM, alternated in one process on Zen 5: 4 blocks of 8 rows × 3 panels took
-// 0.64-0.92x the time of 11 + 11 + 10 rows × 2 panels; 24 rows 0.88x, 12 rows 0.86x. On Zen 4 8 rows × 2 panels
-// beat both: gemm_q8g_avx512.cpp, kPanelsForInt8.)
-constexpr int kQ8gYmmRows = 6, kQ8gZmmDecodeRows = 8, kQ8gZmmPrefillRows = 6, kQ8gZmmDecodeMaxM = 32;
+// are laid out in: ymm (gemm_q8g.cpp) 4 rows (8 int32 sums with the step's 4 weight vectors, a broadcast and the ones
+// fill the 16 registers; 6 rows spilled sums to the stack every step); zmm (gemm_q8g_avx512.cpp) 8 for a decode batch
+// (at most 32 rows), 6 for more. (zmm, 32 rows, LM head from DRAM, alternated in one process on Zen 5: 4 blocks of 8
+// rows × 3 panels took 0.64-0.92x the time of 11 + 11 + 10 rows × 2 panels; 24 rows 0.88x, 12 rows 0.86x. On Zen 4
+// 8 rows × 2 panels beat both: gemm_q8g_avx512.cpp, kPanelsForInt8.)
+constexpr int kQ8gYmmRows = 4, kQ8gZmmDecodeRows = 8, kQ8gZmmPrefillRows = 6, kQ8gZmmDecodeMaxM = 32;
 inline int q8g_max_rows(bool zmm, int m) {
   return !zmm ? kQ8gYmmRows : m > kQ8gZmmDecodeMaxM ? kQ8gZmmPrefillRows : kQ8gZmmDecodeRows;
 }
