@@ -224,9 +224,10 @@ constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gYmmRows + 1] = {
 // Several row blocks (a decode batch past kQ8gYmmRows rows, a prefill chunk) would each transpose the same panels:
 // the driver has each panel block rewritten once into its scratch (q8g_driver.h), a 4-input step's 64 bytes as
 // [columns 0-7 × 4 codes][columns 8-15 × 4 codes], which the TILED kernels read as they are. Gemma 3 270M's shapes
-// (LM head N=262144 K=640, N=2048 K=640, N=640 K=2048), 2 threads, processes alternated on Zen 3: 8-32 rows
-// 0.67-0.75x the time of each 4-row block transposing for itself (that with 6-row blocks, which spilled; the sums'
-// pinning below is part of it); 5 and 6 rows (two blocks) 0.89-0.95x.
+// (LM head N=262144 K=640, N=2048 K=640, N=640 K=2048), 2 threads, processes alternated on Zen 3: 5-8 rows took
+// 0.58-0.80x the time of the same 4-row blocks each transposing for itself; 8-32 rows 0.67-0.75x that of the 6-row
+// blocks before (which spilled sums). One block (2-4 rows) reads the weight as it is: the rewrite took 1.2-1.4x the
+// time on the LM head from DRAM (0.97-1.08x on the small shapes).
 void repack_tiles(const int8_t* codes, size_t bytes, int8_t* out) {
   for (size_t o = 0; o < bytes; o += 64) {
     const __m128i* in = reinterpret_cast<const __m128i*>(codes + o);
