@@ -144,8 +144,9 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
       __m256i w[NP][2], uw[NP][2];
       for (int p = 0; p < NP; ++p) {
         const int8_t* c = codes + p * panel_bytes + size_t(k) * 16;
-        const __m256i r01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));       // rows k, k+1 (TILED:
-        const __m256i r23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));  // columns 0-7, 8-15)
+        // Rows k, k+1 and k+2, k+3; TILED: columns 0-7 and 8-15, 4 codes each.
+        const __m256i r01 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c));
+        const __m256i r23 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32));
         if constexpr (TILED) {
           w[p][0] = r01;
           w[p][1] = r23;
