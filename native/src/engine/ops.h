@@ -133,9 +133,9 @@ void attend_merge_parts_avx512(const float* parts, const float* stats, int n_par
 // rows[r].q (hd floats a head), attends [lo, hi] and writes the heads' normalised outputs to rows[r].out and, with
 // rows[r].stats non-null, their stats there (2 floats a head, as attend_avx512_part), so attend_merge_parts_avx512
 // folds the result with other parts. An empty span (lo > hi) gives zeros and the stats -inf, 0. The tiles stay on
-// the absolute grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a shared prefix this
-// way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and packed once per block
-// instead of once per row (Model::attend_prefixed).
+// the absolute grid, so a row's result depends on its own span only, not on the rows beside it. Decode reads a
+// shared prefix this way: the rows naming one prefix slot attend its positions in blocks, each K/V tile read and
+// packed once per block instead of once per row (Model::attend_prefixed).
 struct AttnSpanRow {
   const float* q;
   float* out;
