@@ -1,14 +1,16 @@
-"""The prefill tile kernel (ops::attend_rows_avx512, docs/engine-api.md "Prefill attention") against the ymm
-attend() of ops_avx2.cpp (the reference the FGM_BACKEND=avx2 engine runs), called one query row at a time on the same
-cache through the test binding _native.attention_rows.
+"""The tile attention kernels (ops::attend_rows_avx512 on AVX-512 VNNI, ops::attend_rows_avx2 on every AVX2 CPU;
+docs/engine-api.md "Prefill attention") against the ymm attend() of ops_avx2.cpp (the reference decode runs),
+called one query row at a time on the same cache through the test binding _native.attention_rows.
 
-Stated tolerance, per (row, head) output vector o of the tile kernel against the ymm one r:
-  * f16 / f32 K/V (f32 arithmetic, only the order of the additions differs): |o - r| / |r| <= 1e-5 (1e-4 with
-    scores near ±100, where the f32 rounding of a score alone is ~1e-5 of its weight).
-  * int8 K/V (int8 query, u8 weights, exact int32 dot products): |o - r| / |r| <= 0.08 for every vector, and over
-    all vectors of a case |tiles - ymm| <= 1.5 × |ymm(int8 cache) - ymm(the f32 values it was quantised from)|: the
-    kernel's own rounding moves the attention about as far as the int8 cache's rounding does (measured on these
-    cases: 0.7-1.3 times; per vector mean 0.6-1.5 %, max 5.2 %, where the cache alone gives max 5.1 %).
+Stated tolerance, per (row, head) output vector o of a tile kernel against the ymm one r:
+  * f16 / f32 K/V, and every cache type on the ymm tile kernel (f32 arithmetic, only the order of the additions
+    differs): |o - r| / |r| <= 1e-5 (1e-4 with scores near ±100, where the f32 rounding of a score alone is ~1e-5
+    of its weight).
+  * int8 K/V on the zmm kernel (int8 query, u8 weights, exact int32 dot products): |o - r| / |r| <= 0.08 for every
+    vector, and over all vectors of a case |tiles - ymm| <= 1.5 × |ymm(int8 cache) - ymm(the f32 values it was
+    quantised from)|: the kernel's own rounding moves the attention about as far as the int8 cache's rounding does
+    (measured on these cases: 0.7-1.3 times; per vector mean 0.6-1.5 %, max 5.2 %, where the cache alone gives max
+    5.1 %).
 The data: rows of unit-variance elements (as the engine's normed, Hadamard-rotated q/k/v), scores of spread ~3, so
 softmaxes run from near-uniform to peaked."""
 from __future__ import annotations
@@ -18,8 +20,10 @@ import pytest
 
 from splitgemma import _native as N
 
-pytestmark = pytest.mark.skipif(not N.kernels.cpu_supports("vnni"),
-                                reason="the tile kernel runs on AVX-512 VNNI+BF16 CPUs (the vnni/amx backends)")
+VNNI = N.kernels.cpu_supports("vnni")
+# The tile kernels: 'tiles_ymm' runs on every host the engine runs on, 'tiles' (zmm) on AVX-512 VNNI CPUs.
+TILE_KERNELS = ["tiles_ymm", pytest.param("tiles", marks=pytest.mark.skipif(
+    not VNNI, reason="the zmm tile kernel runs on AVX-512 VNNI CPUs (the vnni/amx backends)"))]
 
 FLOAT_TOL = 1e-5
 INT8_TOL = 0.08
@@ -82,23 +86,26 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
 @pytest.mark.parametrize("dtype", ["int8", "f16", "f32"])
 @pytest.mark.parametrize("hd,nq,rows,p0,window,cap", CASES)
-def test_tiles_match_attend(dtype, hd, nq, rows, p0, window, cap):
+def test_tiles_match_attend(kernel, dtype, hd, nq, rows, p0, window, cap):
     cache, (k, v), q = case_inputs(dtype, hd, nq, rows, p0, cap)
     args = dict(kv_head=0, p0=p0, window=window)
-    tiles = N.attention_rows(q, **cache, **args, kernel="tiles")
+    tiles = N.attention_rows(q, **cache, **args, kernel=kernel)
     ymm = N.attention_rows(q, **cache, **args, kernel="ymm")
     assert np.isfinite(tiles).all()
     err = rel_err(tiles, ymm)
-    assert err.max() <= (INT8_TOL if dtype == "int8" else FLOAT_TOL), (err.max(), np.unravel_index(err.argmax(), err.shape))
+    int8_codes = dtype == "int8" and kernel == "tiles"
+    assert err.max() <= (INT8_TOL if int8_codes else FLOAT_TOL), (err.max(), np.unravel_index(err.argmax(), err.shape))
     assert not np.array_equal(tiles, ymm)  # the tile kernel did run (its roundings differ)
-    if dtype == "int8":
+    if int8_codes:
         exact = N.attention_rows(q, k, v, **args, kernel="ymm")
         assert np.linalg.norm(tiles - ymm) <= INT8_VS_CACHE * np.linalg.norm(ymm - exact)
 
 
-def test_kv_head_offset_and_peaked_softmax():
+@pytest.mark.parametrize("kernel", TILE_KERNELS)
+def test_kv_head_offset_and_peaked_softmax(kernel):
     """A second KV head (the head offset into a cache row) and scores of spread ~30 (near one-hot softmaxes, where
     the running maximum's rescaling matters most)."""
     rng = np.random.default_rng(7)
@@ -109,7 +116,7 @@ def test_kv_head_offset_and_peaked_softmax():
     for dtype in (np.float16, np.float32):
         for g in range(nkv):
             args = dict(kv_head=g, p0=p0, window=20)
-            tiles = N.attention_rows(q, k.astype(dtype), v.astype(dtype), **args, kernel="tiles")
+            tiles = N.attention_rows(q, k.astype(dtype), v.astype(dtype), **args, kernel=kernel)
             ymm = N.attention_rows(q, k.astype(dtype), v.astype(dtype), **args, kernel="ymm")
             # Scores near ±100: one f32 rounding of a score is ~1e-5 of a softmax weight (attend_avx512 against
             # attend shows up to 1.2e-5 here, the tile kernel 2.2e-5).
@@ -126,6 +133,12 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="rows \\* nq"):
         N.attention_rows(np.zeros((40, 2, 256), np.float32), np.zeros((64, 1, 256), np.float16),
                          np.zeros((64, 1, 256), np.float16))
+    with pytest.raises(ValueError, match="rows \\* nq"):
+        N.attention_rows(np.zeros((40, 2, 256), np.float32), np.zeros((64, 1, 256), np.float16),
+                         np.zeros((64, 1, 256), np.float16), kernel="tiles_ymm")
+    with pytest.raises(ValueError, match="head_dim % 32"):
+        N.attention_rows(np.zeros((4, 2, 48), np.float32), np.zeros((8, 1, 48), np.float16),
+                         np.zeros((8, 1, 48), np.float16), kernel="tiles_ymm")
     with pytest.raises(ValueError, match="kernel must be"):
         N.attention_rows(q, k, k, kernel="amx")
 

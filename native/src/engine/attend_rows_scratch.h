@@ -1,6 +1,7 @@
-// The scratch layout of the tile attention kernel (attend_rows_avx512.cpp): which areas it carves from the caller's
-// floats, and so how many floats the caller must provide. Plain C++ with internal linkage on purpose (an unnamed
-// namespace): the kernel's translation unit is compiled with AVX-512 and the callers' (model.cpp, bind_engine.cpp)
+// The scratch layout of the tile attention kernels (attend_rows_avx512.cpp; attend_rows_avx2.cpp, whose tiles are f32
+// for every cache type, leaves krows and the bf16 planes unused): which areas they carve from the caller's floats,
+// and so how many floats the caller must provide. Plain C++ with internal linkage on purpose (an unnamed namespace):
+// the kernels' translation units are compiled with AVX-512 or AVX2 and the callers' (model.cpp, bind_engine.cpp)
 // are not, and the Model sizes this scratch on every backend. Each file compiles its own copy with its own flags, so
 // the linker can never hand an AVX-512 copy to an AVX2-only CPU (it once did: the sizing function lived in the
 // kernel's file and its vpbroadcastq was the first instruction a Zen 3 host could not run).

@@ -591,7 +591,7 @@ void bind_engine(py::module_& m) {
       "attention_rows",
       [](py::array q, py::array k, py::array v, py::object ks, py::object vs, int kv_head, int p0, int window,
          const std::string& kernel, bool split) {
-        // The attention kernels on caller-made data, for tests: the prefill tile kernel against attend().
+        // The attention kernels on caller-made data, for tests: the prefill tile kernels against attend().
         auto qf = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(q);
         if (!qf || qf.ndim() != 3) throw py::value_error("attention_rows: q must be a [rows, nq, head_dim] array");
         const int rows = int(qf.shape(0)), nq = int(qf.shape(1)), hd = int(qf.shape(2));
@@ -616,15 +616,18 @@ void bind_engine(py::module_& m) {
           if (!ksa || !vsa || ksa.size() != cap || vsa.size() != cap)
             throw py::value_error("attention_rows: ks and vs must hold one scale per cache row");
         }
-        const bool amx = kernel == "tiles_amx", tiles = kernel == "tiles" || amx;
-        if (!tiles && kernel != "ymm" && kernel != "zmm")
-          throw py::value_error("attention_rows: kernel must be 'tiles', 'tiles_amx', 'zmm' or 'ymm'");
+        const bool amx = kernel == "tiles_amx", tiles = kernel == "tiles" || amx, tiles_ymm = kernel == "tiles_ymm";
+        if (!tiles && !tiles_ymm && kernel != "ymm" && kernel != "zmm")
+          throw py::value_error("attention_rows: kernel must be 'tiles', 'tiles_amx', 'tiles_ymm', 'zmm' or 'ymm'");
         if (amx && !sg::amx_tiles_usable())
           throw py::value_error("attention_rows: 'tiles_amx' needs AMX tiles (an AMX CPU whose tile state holds)");
         const int max_vectors = amx ? sg::ops::kAttendRowsVectorsAmx : sg::ops::kAttendRowsVectors;
         if (tiles && (!sg::cpu_supports(sg::Backend::Vnni) || hd % 32 || rows * nq > max_vectors))
           throw py::value_error("attention_rows: the tile kernel needs AVX-512 VNNI, head_dim % 32 == 0 and "
                                 "rows * nq <= " + std::to_string(max_vectors));
+        if (tiles_ymm && (hd % 32 || rows * nq > sg::ops::kAttendRowsVectors))
+          throw py::value_error("attention_rows: the ymm tile kernel needs head_dim % 32 == 0 and rows * nq <= " +
+                                std::to_string(sg::ops::kAttendRowsVectors));
         if (kernel == "zmm" && !sg::cpu_supports(sg::Backend::Vnni))
           throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
         if (split && kernel != "zmm") throw py::value_error("attention_rows: split is for the zmm kernel");
@@ -640,6 +643,9 @@ void bind_engine(py::module_& m) {
           if (tiles) {
             std::vector<float> scratch(sg::ops::attend_rows_scratch_floats(rows * nq, hd));
             sg::ops::attend_rows_avx512(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data(), amx);
+          } else if (tiles_ymm) {
+            std::vector<float> scratch(sg::ops::attend_rows_scratch_floats(rows * nq, hd));
+            sg::ops::attend_rows_avx2(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data());
           } else if (split) {
             // As single-stream decode runs it: each part of the positions on its own, merged after.
             std::vector<float> scratch(sg::ops::attend_avx512_scratch_floats(nq, hd));
@@ -674,7 +680,8 @@ void bind_engine(py::module_& m) {
       "k, v [cap, kv_heads, head_dim] (int8 codes with per-row scales ks, vs; or float16/float32), position p in row "
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
       "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits; f16 ones on AMX-BF16 tiles where "
-      "kernels.amx_bf16_tiles_usable(), within the f32 tolerance), 'zmm' / 'ymm' attend() per row; 'zmm' with "
+      "kernels.amx_bf16_tiles_usable(), within the f32 tolerance; 'tiles_ymm': the tile kernel on AVX2), 'zmm' / "
+      "'ymm' attend() per row; 'zmm' with "
       "split=True attends each part of a row's positions on its own and merges them, as single-stream decode does "
       "(the bits of split=False). For tests (docs/engine-api.md).");
 

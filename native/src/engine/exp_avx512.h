@@ -1,5 +1,5 @@
 // e^x on zmm, shared by the AVX-512 translation units of the engine (ops_avx512.cpp, attend_rows_avx512.cpp,
-// elementwise_avx512.cpp). The polynomial of exp8 in ops_avx2.cpp, operation for operation, so both round alike.
+// elementwise_avx512.cpp). The polynomial of exp8 in ymm_common.h, operation for operation, so both round alike.
 // Internal linkage (an unnamed namespace): include it only from translation units compiled with AVX-512F.
 #pragma once
 
@@ -8,7 +8,7 @@
 namespace sg::ops {
 namespace {
 
-// As exp8 (ops_avx2.cpp): x = n ln2 + r, degree-7 Taylor polynomial of e^r, 2^n in the exponent field.
+// As exp8 (ymm_common.h): x = n ln2 + r, degree-7 Taylor polynomial of e^r, 2^n in the exponent field.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

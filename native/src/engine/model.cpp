@@ -184,7 +184,7 @@ Model::Model(std::shared_ptr<const FgmFile> file, const ModelOptions& opt) : fil
   // one part of the positions, plus a part's outputs (zmm).
   const size_t scores = std::max(size_t(nh / nkv) * size_t(opt.max_context),
                                  ops::attend_avx512_scratch_floats(nh / nkv, hd_max));
-  // The prefill tile kernel (ops::attend_rows_avx512): blocks of attend_vectors() / group rows.
+  // The prefill tile kernel (ops::attend_rows_avx512 / attend_rows_avx2): blocks of attend_vectors() / group rows.
   const int group = nh / nkv, block_rows = std::max(1, attend_vectors() / group);
   // The tile kernel also attends shared prefixes in decode (attend_prefixed): blocks of up to max_rows_ rows.
   const size_t tiles =
@@ -444,10 +444,14 @@ void Model::compute_rope(int m, const RowCtx* rows) {
 }
 
 bool Model::tile_kernel_runs(int group, int head_dim, const KvLayerLayout& src) const {
-  // The tile kernel needs AVX-512 VNNI, which the vnni and amx backends imply; FGM_BACKEND=avx2 keeps the ymm
-  // reference.
-  return backend_ != Backend::Avx2 && head_dim % 32 == 0 && group <= ops::kAttendRowsVectors &&
-         int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+  return head_dim % 32 == 0 && group <= ops::kAttendRowsVectors && int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+}
+
+void Model::attend_spans(const ops::AttnSpanRow* rows, int n, int group, int head_dim, const ops::AttnCache& c,
+                         float* scratch) const {
+  // zmm (AVX-512 VNNI, which the vnni and amx backends imply; AMX tiles for int8 and f16 where they hold) or ymm.
+  if (backend_ == Backend::Avx2) ops::attend_spans_avx2(rows, n, group, head_dim, c, scratch);
+  else ops::attend_spans_avx512(rows, n, group, head_dim, c, scratch, amx_attention_);
 }
 
 bool Model::attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const {
@@ -469,7 +473,7 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
   const int rot = kvt != KvDtype::Int8 ? 1 : ops::kv_rotation_block(hd);
   constexpr int P = ops::kAttendPartPositions;
   // The tile kernel where it runs; else attend_part (ymm) of the prefix and of the rest.
-  const bool tiles = tile_kernel_runs(group, hd, src);
+  const bool tiles = tile_kernel_runs(group, hd, src), zmm = backend_ != Backend::Avx2;
   const auto cache_of = [&](const uint8_t* s, int g) { return head_cache(s, src, kvt, hd, g); };
 
   // Each row's parts: its prefix positions [lo, prefix_len) (on the tile path, the absolute parts of P positions
@@ -554,9 +558,7 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
                                       std::max(sp.lo, item.part * P),
                                       std::min((item.part + 1) * P, rows[r].prefix_len) - 1};
       }
-      if (n)
-        ops::attend_spans_avx512(block, n, group, hd, cache_of(prefix, item.head), worker_scratch(w),
-                                 amx_attention_);
+      if (n) attend_spans(block, n, group, hd, cache_of(prefix, item.head), worker_scratch(w));
       return;
     }
     it -= n_prefix_items;
@@ -564,16 +566,17 @@ void Model::attend_prefixed(int m, const RowCtx* rows, int l, const float* q, fl
     const PrefixSpan& sp = prefix_spans_[r];
     if (p >= sp.own_parts) return;
     const int span = rows[r].pos - sp.own + 1;
-    ops::attend_avx512_part(q + size_t(r) * qw + size_t(g) * part_floats, hd, group, hd, cache_of(rows[r].slot, g),
-                            ops::attend_part_start(sp.own, span, p), ops::attend_part_start(sp.own, span, p + 1) - 1,
-                            part_out(r, g, sp.parts + p), hd, worker_scratch(w), part_stats(r, g, sp.parts + p));
+    (zmm ? ops::attend_avx512_part : ops::attend_part)(
+        q + size_t(r) * qw + size_t(g) * part_floats, hd, group, hd, cache_of(rows[r].slot, g),
+        ops::attend_part_start(sp.own, span, p), ops::attend_part_start(sp.own, span, p + 1) - 1,
+        part_out(r, g, sp.parts + p), hd, worker_scratch(w), part_stats(r, g, sp.parts + p));
   });
   pool_->parallel_for(m * nkv, [&](int it, int) {
     const int r = it / nkv, g = it % nkv;
     const PrefixSpan& sp = prefix_spans_[r];
     float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
-    ops::attend_merge_parts_avx512(part_out(r, g, 0), part_stats(r, g, 0), sp.parts + sp.own_parts, group, hd, out,
-                                   hd);
+    (zmm ? ops::attend_merge_parts_avx512 : ops::attend_merge_parts_ymm)(
+        part_out(r, g, 0), part_stats(r, g, 0), sp.parts + sp.own_parts, group, hd, out, hd);
     ew_->fwht_blocks(out, group * hd, rot);
   });
 }
@@ -665,15 +668,21 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         attend_prefixed(m, rows, l, q, attn);
       } else if (attend_rows_ok(m, rows, group, hd, src)) {
         // Prefill: blocks of R consecutive rows x one KV head's query heads, each K/V tile read once per block
-        // (ops::attend_rows_avx512). The last blocks attend the most positions: they are handed out first.
+        // (ops::attend_rows_avx512, or attend_rows_avx2 on the avx2 backend). The last blocks attend the most
+        // positions: they are handed out first.
         const int R = std::max(1, attend_vectors() / group), nb = (m + R - 1) / R;
         pool_->parallel_for(nb * nkv, [&](int it, int w) {
           it = nb * nkv - 1 - it;
           const int r0 = (it / nkv) * R, g = it % nkv, nr = std::min(R, m - r0);
           const size_t at = size_t(r0) * qw + size_t(g) * group * hd;
-          ops::attend_rows_avx512(q + at, qw, nr, group, hd, cache_of(rows[r0].slot, g), rows[r0].pos,
-                                  ls.sliding ? window : 0, attn + at, qw,
-                                  &row_scratch_[size_t(w) * row_scratch_per_worker_], amx_attention_);
+          const ops::AttnCache cache = cache_of(rows[r0].slot, g);
+          float* const scratch = &row_scratch_[size_t(w) * row_scratch_per_worker_];
+          if (backend_ == Backend::Avx2)
+            ops::attend_rows_avx2(q + at, qw, nr, group, hd, cache, rows[r0].pos, ls.sliding ? window : 0, attn + at,
+                                  qw, scratch);
+          else
+            ops::attend_rows_avx512(q + at, qw, nr, group, hd, cache, rows[r0].pos, ls.sliding ? window : 0,
+                                    attn + at, qw, scratch, amx_attention_);
           for (int r = 0; r < nr; ++r) ew_->fwht_blocks(attn + at + size_t(r) * qw, group * hd, rot);
         });
       } else if (parts > 1) {

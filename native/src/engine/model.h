@@ -34,6 +34,8 @@ struct RowOutcome;  // row_sampler.h
 
 namespace ops {
 struct Elementwise;  // ops.h
+struct AttnCache;    // ops.h
+struct AttnSpanRow;  // ops.h
 }
 
 // A vector whose data starts on a cache line: the engine's scratch rows are read and written 64 bytes at a time
@@ -198,8 +200,12 @@ class Model {
   void run_layers(int l0, int l1, int m, const RowCtx* rows);
   // Whether the chunk's attention takes the tile kernel: prefill rows of one slot at consecutive positions.
   bool attend_rows_ok(int m, const RowCtx* rows, int group, int head_dim, const KvLayerLayout& src) const;
-  // Whether the tile kernel (ops::attend_rows_avx512 / attend_spans_avx512) can attend a layer's heads here.
+  // Whether the tile kernel (ops.h attend_spans_avx512, or attend_spans_avx2 on the avx2 backend) can attend a
+  // layer's heads here.
   bool tile_kernel_runs(int group, int head_dim, const KvLayerLayout& src) const;
+  // The tile kernel of backend_'s instruction set: n rows' spans of one KV head's cache c.
+  void attend_spans(const ops::AttnSpanRow* rows, int n, int group, int head_dim, const ops::AttnCache& c,
+                    float* scratch) const;
   // The attention of a decode pass in which some row reads a shared prefix: every row's positions as parts (the
   // prefix's on the absolute grid of kAttendPartPositions, its own as attend_parts of their span), merged in order.
   void attend_prefixed(int m, const RowCtx* rows, int l, const float* q, float* attn);

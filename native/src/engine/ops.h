@@ -150,6 +150,12 @@ void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int 
                         int window, float* out, int out_row_stride, float* scratch, bool amx_tiles = false);
 void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch,
                          bool amx_tiles = false);
+// The same two on ymm for AVX2 hosts (attend_rows_avx2.cpp): f32 FMAs for every cache type (int8 codes too, scaled
+// as attend() scales them), so within the f32 path's tolerance of attend(); hd % 16 == 0, the other requirements as
+// above, and the same scratch (attend_rows_scratch_floats).
+void attend_rows_avx2(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
+                      int window, float* out, int out_row_stride, float* scratch);
+void attend_spans_avx2(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch);
 
 // Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
 // e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; running (null, or n doubles)
