@@ -1,10 +1,13 @@
 // The ISA-independent half of the attention kernels, shared by ops_avx2.cpp (ymm) and ops_avx512.cpp (zmm): the
 // ring runs of the cached positions, the folding of the softmax normaliser and the V scales into the weights, and
-// the loop over blocks of up to 8 query heads. Everything here has internal linkage (an unnamed namespace), so each
-// of the two files compiles its own copy with its own ISA flags and the linker never hands the AVX-512 copy to the
-// AVX2 path.
+// the loop over blocks of up to 8 query heads; and by the tile kernels (attend_rows_avx2.cpp, attend_rows_avx512.cpp):
+// the spans of a prefill block, their union, the stats a span row asks for. Everything here has internal linkage (an
+// unnamed namespace), so each file compiles its own copy with its own ISA flags and the linker never hands the
+// AVX-512 copy to the AVX2 path.
 #pragma once
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include "ops.h"
@@ -69,6 +72,32 @@ inline void attend_in_blocks(const float* q, int q_stride, int nq, int hd, const
     if (c.ks) attend_heads<Block, 1>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
     else if (c.f32) attend_heads<Block, 4>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
     else attend_heads<Block, 2>(nh, qh, q_stride, hd, c, lo, hi, oh, out_stride, scratch, st);
+  }
+}
+
+// The spans of a prefill block (ops.h attend_rows_avx512 / attend_rows_avx2): row r at position p0 + r attends
+// [p0 + r - window + 1 (window > 0, at least 0), p0 + r].
+inline void prefill_spans(const float* q, int q_row_stride, int rows, int p0, int window, float* out,
+                          int out_row_stride, AttnSpanRow* spans) {
+  for (int r = 0; r < rows; ++r) {
+    const int pos = p0 + r;
+    spans[r] = AttnSpanRow{q + int64_t(r) * q_row_stride, out + int64_t(r) * out_row_stride, nullptr,
+                           window > 0 ? std::max(0, pos - window + 1) : 0, pos};
+  }
+}
+
+// The union [*first, *last] of the rows' non-empty spans (*last = -1 when all are empty): the tiles a block walks.
+inline void spans_union(const AttnSpanRow* rows, int n_rows, int* first, int* last) {
+  *first = INT32_MAX, *last = -1;
+  for (int r = 0; r < n_rows; ++r)
+    if (rows[r].lo <= rows[r].hi) *first = std::min(*first, rows[r].lo), *last = std::max(*last, rows[r].hi);
+}
+
+// Vector v's (row v / nq, head v % nq) largest score m and sum of exponentials l, where its row asks for them.
+inline void store_span_stats(const AttnSpanRow* rows, int nq, int v, float m, float l) {
+  if (float* st = rows[v / nq].stats) {
+    st[2 * (v % nq)] = m;
+    st[2 * (v % nq) + 1] = l;
   }
 }
 

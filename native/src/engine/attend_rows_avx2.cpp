@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "attend_common.h"
 #include "attend_rows_scratch.h"
 #include "ops.h"
 #include "ymm_common.h"
@@ -191,9 +192,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
   }
   std::memset(s.o, 0, sizeof(float) * size_t(nv) * hd);
 
-  int first = INT32_MAX, last = -1;
-  for (int r = 0; r < n_rows; ++r)
-    if (rows[r].lo <= rows[r].hi) first = std::min(first, rows[r].lo), last = std::max(last, rows[r].hi);
+  int first, last;
+  spans_union(rows, n_rows, &first, &last);
   // Tiles on the absolute grid of kTile positions: a vector's arithmetic is then the same whichever rows share its
   // block (attend_rows_avx512.cpp).
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -237,10 +237,7 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
     all_pv(nv, hd, ja, tn, s);
   }
   for (int v = 0; v < nv; ++v) {
-    if (float* st = rows[v / nq].stats) {
-      st[2 * (v % nq)] = s.m[v];
-      st[2 * (v % nq) + 1] = s.l[v];
-    }
+    store_span_stats(rows, nq, v, s.m[v], s.l[v]);
     const __m256 inv = _mm256_set1_ps(s.l[v] > 0 ? 1.0f / s.l[v] : 0.0f);
     float* ov = rows[v / nq].out + size_t(v % nq) * hd;
     const float* o = s.o + size_t(v) * hd;
@@ -259,11 +256,7 @@ void attend_spans_avx2(const AttnSpanRow* rows, int n_rows, int nq, int hd, cons
 void attend_rows_avx2(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                       int window, float* out, int out_row_stride, float* scratch) {
   AttnSpanRow spans[kAttendRowsVectors];  // rows <= the vectors a block holds
-  for (int r = 0; r < rows; ++r) {
-    const int pos = p0 + r;
-    spans[r] = AttnSpanRow{q + size_t(r) * q_row_stride, out + size_t(r) * out_row_stride, nullptr,
-                           window > 0 ? std::max(0, pos - window + 1) : 0, pos};
-  }
+  prefill_spans(q, q_row_stride, rows, p0, window, out, out_row_stride, spans);
   attend_spans_avx2(spans, rows, nq, hd, c, scratch);
 }
 

@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "attend_rows_amx.h"
+#include "attend_common.h"
 #include "attend_rows_scratch.h"
 #include "exp_avx512.h"
 #include "gemm.h"
@@ -377,9 +378,8 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
   }
   std::memset(s.o, 0, sizeof(float) * size_t(nv) * hd);
 
-  int first = INT32_MAX, last = -1;
-  for (int r = 0; r < n_rows; ++r)
-    if (rows[r].lo <= rows[r].hi) first = std::min(first, rows[r].lo), last = std::max(last, rows[r].hi);
+  int first, last;
+  spans_union(rows, n_rows, &first, &last);
   // Tiles on the absolute grid of kTile positions: a vector's arithmetic is then the same whichever rows share its
   // block (prefill results do not depend on the chunking, docs/engine-api.md prefill(); a decode row's do not
   // depend on the batch, decode() with prefixes).
@@ -451,10 +451,7 @@ void attend_rows(const AttnSpanRow* rows, int n_rows, int nq, int hd, const Attn
   }
   if (amx || bf16) amx_attend::end();
   for (int v = 0; v < nv; ++v) {
-    if (float* st = rows[v / nq].stats) {
-      st[2 * (v % nq)] = s.m[v];
-      st[2 * (v % nq) + 1] = s.l[v];
-    }
+    store_span_stats(rows, nq, v, s.m[v], s.l[v]);
     const __m512 inv = _mm512_set1_ps(s.l[v] > 0 ? 1.0f / s.l[v] : 0.0f);
     float* ov = rows[v / nq].out + size_t(v % nq) * hd;
     const float* o = s.o + size_t(v) * hd;
@@ -474,11 +471,7 @@ void attend_spans_avx512(const AttnSpanRow* rows, int n_rows, int nq, int hd, co
 void attend_rows_avx512(const float* q, int q_row_stride, int rows, int nq, int hd, const AttnCache& c, int p0,
                         int window, float* out, int out_row_stride, float* scratch, bool amx_tiles) {
   AttnSpanRow spans[kAttendRowsVectorsAmx];  // rows <= the vectors a block holds
-  for (int r = 0; r < rows; ++r) {
-    const int pos = p0 + r;
-    spans[r] = AttnSpanRow{q + size_t(r) * q_row_stride, out + size_t(r) * out_row_stride, nullptr,
-                           window > 0 ? std::max(0, pos - window + 1) : 0, pos};
-  }
+  prefill_spans(q, q_row_stride, rows, p0, window, out, out_row_stride, spans);
   attend_spans_avx512(spans, rows, nq, hd, c, scratch, amx_tiles);
 }
 

@@ -444,7 +444,8 @@ void Model::compute_rope(int m, const RowCtx* rows) {
 }
 
 bool Model::tile_kernel_runs(int group, int head_dim, const KvLayerLayout& src) const {
-  return head_dim % 32 == 0 && group <= ops::kAttendRowsVectors && int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
+  return head_dim % 32 == 0 && group <= ops::kAttendRowsVectors &&
+         int64_t(src.cap) * src.row_bytes < (int64_t(1) << 31);
 }
 
 void Model::attend_spans(const ops::AttnSpanRow* rows, int n, int group, int head_dim, const ops::AttnCache& c,
