@@ -869,13 +869,43 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
     largest |v|); int8: the queries' int16 rounding (independent, uniform in +-qscale/2) moves score j
     with a standard deviation sigma_j = qscale / sqrt(12) * |k_j|; with every score off by at most 4 max sigma the
     output moves by at most (e^(8 max sigma) - 1) max|v|, and the int16 weights add at most span / 2^16 * max|v|
-    (measured: 7-10% of that bound is used). Both kernels also match the float64 definition (the ring mapping),
-    the ymm one to 1e-5."""
+    (measured: 7-10% of that bound is used). The zmm kernel also matches the float64 definition (the ring mapping)
+    to that bound; the ymm one is held to it by test_attend_row_ymm_matches_float64_and_its_parts."""
     if not N.kernels.cpu_supports("vnni"):
         pytest.skip("the zmm attention needs an AVX-512 VNNI CPU")
+    for q, k, v, args, kh, ref, vmax in _attend_row_cases(kv_dtype):
+        y = N.attention_rows(q[None], k, v, **args, kernel="ymm")[0]
+        bound = 1e-5 * vmax
+        if kv_dtype == "int8":
+            qscale = np.abs(q).max(1) / 16383
+            sigma = (qscale[:, None] / np.sqrt(12) * np.linalg.norm(kh, axis=1)[None, :]).max()
+            bound += (np.expm1(2 * 4 * sigma) + len(kh) / 65536) * vmax
+        z = N.attention_rows(q[None], k, v, **args, kernel="zmm")[0]
+        err = np.abs(z - y).max()
+        assert err <= bound, (args, q.shape, err, bound)
+        np.testing.assert_allclose(z, ref, rtol=0, atol=bound + 1e-5 * vmax)
+        np.testing.assert_array_equal(N.attention_rows(q[None], k, v, **args, kernel="zmm", split=True)[0], z)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_attend_row_ymm_matches_float64_and_its_parts(kv_dtype):
+    """The ymm attention (ops_avx2.cpp, the avx2 backend's decode) on test_attend_row_zmm_matches_ymm's cases against
+    the float64 definition (1e-5 of the largest |v|), and, as the zmm kernel, attending spans of more than 256
+    positions in parts: the parts attended one at a time and merged (attend_part, attend_merge_parts_ymm: how
+    single-stream decode hands them to different threads) give the bits of the whole call."""
+    for q, k, v, args, kh, ref, vmax in _attend_row_cases(kv_dtype):
+        y = N.attention_rows(q[None], k, v, **args, kernel="ymm")[0]
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * vmax)
+        np.testing.assert_array_equal(N.attention_rows(q[None], k, v, **args, kernel="ymm", split=True)[0], y)
+
+
+def _attend_row_cases(kv_dtype):
+    """One query row of 1-8 heads at position hi attending [lo, hi] (a window of hi - lo + 1 positions) for head
+    sizes 64 / 256 / 512 / 48, over a full ring, a window wrapping it (lo % cap > 0, positions past cap) and short odd
+    tails, on either KV head of the row: (q, k, v, attention_rows kwargs, the positions' K as float64 [span, hd], the
+    float64 attention, max|v|)."""
     rng = np.random.default_rng(21)
     for hd in (64, 256, 512, 48):
-        # (cap, lo, hi): a full ring, a window wrapping it (lo % cap > 0, positions past cap), short odd tails.
         for cap, lo, hi in ((300, 0, 299), (96, 203, 290), (40, 9, 11), (64, 70, 70), (33, 40, 72), (800, 0, 799),
                             (600, 637, 1199)):
             k, v, ks, vs, kf, vf = _attend_cache(rng, kv_dtype, cap, hd, 2)
@@ -883,26 +913,12 @@ def test_attend_row_zmm_matches_ymm(kv_dtype):
                 q = (rng.standard_normal((nq, hd)) * (2.0 / np.sqrt(hd) if kv_dtype != "int8" else 0.25))
                 q = q.astype(np.float32)
                 head = int(rng.integers(0, 2))  # the KV head: the second one starts hd elements into the row
-                # One query row at position hi attending [lo, hi]: a window of hi - lo + 1 positions.
-                args = dict(ks=ks, vs=vs, kv_head=head, p0=hi, window=hi - lo + 1)
-                y = N.attention_rows(q[None], k, v, **args, kernel="ymm")[0]
                 rows = np.arange(lo, hi + 1) % cap
                 kh, vh = kf[rows, head * hd:(head + 1) * hd], vf[rows, head * hd:(head + 1) * hd]
                 sc = q.astype(np.float64) @ kh.T
                 p = np.exp(sc - sc.max(1, keepdims=True))
                 ref = (p / p.sum(1, keepdims=True)) @ vh
-                vmax = np.abs(vh).max()
-                np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * vmax)
-                bound = 1e-5 * vmax
-                if kv_dtype == "int8":
-                    qscale = np.abs(q).max(1) / 16383
-                    sigma = (qscale[:, None] / np.sqrt(12) * np.linalg.norm(kh, axis=1)[None, :]).max()
-                    bound += (np.expm1(2 * 4 * sigma) + (hi - lo + 1) / 65536) * vmax
-                z = N.attention_rows(q[None], k, v, **args, kernel="zmm")[0]
-                err = np.abs(z - y).max()
-                assert err <= bound, (hd, cap, lo, hi, nq, err, bound)
-                np.testing.assert_allclose(z, ref, rtol=0, atol=bound + 1e-5 * vmax)
-                np.testing.assert_array_equal(N.attention_rows(q[None], k, v, **args, kernel="zmm", split=True)[0], z)
+                yield q, k, v, dict(ks=ks, vs=vs, kv_head=head, p0=hi, window=hi - lo + 1), kh, ref, np.abs(vh).max()
 
 
 def _ew_cases(rng):

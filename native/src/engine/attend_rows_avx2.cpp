@@ -4,9 +4,10 @@
 // the two dot products and then used by every vector of the block, with an online (flash-style) softmax per vector.
 //   * K as kt[d][position] (8 × 8 blocks of cache rows transposed in registers), so the scores of 16 positions are
 //     two FMA chains against one broadcast query element; V as vt[position][d]. Both in slices of 16 (positions of
-//     K, dims of V), each slice contiguous: the register blocks below read one slice from start to end. (Rows of a
-//     whole tile, 256 B of K or hd·4 B of V apart, fall into a few L1 sets: a slice's 64 lines of V and, at hd = 512,
-//     its 512 of K missed L1 on every pass, and E2B's prefill attention took longer than attend()'s.)
+//     K, dims of V), each slice contiguous: the register blocks below read one slice from start to end. (Laid out
+//     whole, a slice's lines are 256 B (K) or 4·hd B (V) apart and map to 16 (K) or 2-4 (V) of L1's 64 sets, more
+//     lines than their ways hold: E2B's prefill attention took 550-568 ms that way against attend()'s 520-529,
+//     492-501 sliced; Zen 3.)
 //   * Every cache type goes through f32 FMAs: f16 and f32 elements convert exactly, and so do int8 codes, whose
 //     row scales are applied as attend() applies them (K's to the score, V's folded into the weight). Only the order
 //     of the f32 additions differs from attend(): the tolerance of the zmm kernel's f32 path, for int8 caches too.

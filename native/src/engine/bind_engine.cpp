@@ -630,7 +630,8 @@ void bind_engine(py::module_& m) {
                                 std::to_string(sg::ops::kAttendRowsVectors));
         if (kernel == "zmm" && !sg::cpu_supports(sg::Backend::Vnni))
           throw py::value_error("attention_rows: the zmm kernel needs AVX-512");
-        if (split && kernel != "zmm") throw py::value_error("attention_rows: split is for the zmm kernel");
+        if (split && kernel != "zmm" && kernel != "ymm")
+          throw py::value_error("attention_rows: split is for the zmm and ymm kernels");
         const int row_bytes = nkv * hd * E;
         const sg::ops::AttnCache c{static_cast<const uint8_t*>(k.data()), static_cast<const uint8_t*>(v.data()),
                                    E == 1 ? ksa.data() : nullptr, E == 1 ? vsa.data() : nullptr, row_bytes,
@@ -648,6 +649,7 @@ void bind_engine(py::module_& m) {
             sg::ops::attend_rows_avx2(qp, nq * hd, rows, nq, hd, c, p0, window, o, nq * hd, scratch.data());
           } else if (split) {
             // As single-stream decode runs it: each part of the positions on its own, merged after.
+            const bool zmm = kernel == "zmm";
             std::vector<float> scratch(sg::ops::attend_avx512_scratch_floats(nq, hd));
             for (int r = 0; r < rows; ++r) {
               const int pos = p0 + r, lo = window > 0 ? std::max(0, pos - window + 1) : 0, span = pos - lo + 1;
@@ -655,12 +657,12 @@ void bind_engine(py::module_& m) {
               std::vector<float> parts(size_t(np) * nq * (hd + 2));
               float* stats = parts.data() + size_t(np) * nq * hd;
               for (int p = 0; p < np; ++p)
-                sg::ops::attend_avx512_part(qp + size_t(r) * nq * hd, hd, nq, hd, c,
-                                            sg::ops::attend_part_start(lo, span, p),
-                                            sg::ops::attend_part_start(lo, span, p + 1) - 1,
-                                            parts.data() + size_t(p) * nq * hd, hd, scratch.data(),
-                                            stats + size_t(p) * nq * 2);
-              sg::ops::attend_merge_parts_avx512(parts.data(), stats, np, nq, hd, o + size_t(r) * nq * hd, hd);
+                (zmm ? sg::ops::attend_avx512_part : sg::ops::attend_part)(
+                    qp + size_t(r) * nq * hd, hd, nq, hd, c, sg::ops::attend_part_start(lo, span, p),
+                    sg::ops::attend_part_start(lo, span, p + 1) - 1, parts.data() + size_t(p) * nq * hd, hd,
+                    scratch.data(), stats + size_t(p) * nq * 2);
+              (zmm ? sg::ops::attend_merge_parts_avx512 : sg::ops::attend_merge_parts_ymm)(
+                  parts.data(), stats, np, nq, hd, o + size_t(r) * nq * hd, hd);
             }
           } else {
             std::vector<float> scratch(std::max(size_t(nq) * (p0 + rows), sg::ops::attend_avx512_scratch_floats(nq, hd)));
@@ -681,9 +683,8 @@ void bind_engine(py::module_& m) {
       "p % cap, row r attending [max(0, p0 + r - window + 1) (window > 0), p0 + r]: kernel 'tiles' is the prefill "
       "tile kernel ('tiles_amx': its int8 dot products on AMX tiles, the same bits; f16 ones on AMX-BF16 tiles where "
       "kernels.amx_bf16_tiles_usable(), within the f32 tolerance; 'tiles_ymm': the tile kernel on AVX2), 'zmm' / "
-      "'ymm' attend() per row; 'zmm' with "
-      "split=True attends each part of a row's positions on its own and merges them, as single-stream decode does "
-      "(the bits of split=False). For tests (docs/engine-api.md).");
+      "'ymm' attend() per row; 'zmm' or 'ymm' with split=True attends each part of a row's positions on its own and "
+      "merges them, as single-stream decode does (the bits of split=False). For tests (docs/engine-api.md).");
 
   m.def(
       "sample",

@@ -644,11 +644,13 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
     {
       Timer t(this, kAttention);
       const KvLayerLayout& src = layout_.layer(ls.kv_source);
+      const bool zmm = backend_ != Backend::Avx2;
       // Work items: (row, KV head, block of query heads). When rows x KV heads would leave threads idle (decode),
-      // the zmm kernel hands the parts of each row's positions (ops::attend_parts: fixed by the span, so the bits
-      // are a whole attend_avx512's) to different threads, each part read once for all the group's heads, and
-      // merges them after; then, or on the ymm kernel, the group's heads are split (each split re-reads the K/V).
-      // Both follow shape_rows, so a token of a multi-token decode run is attended as a plain decode would.
+      // the parts of each row's positions (ops::attend_parts: fixed by the span, so the bits are a whole
+      // attend_avx512's, or attend's on avx2) go to different threads, each part read once for all the group's
+      // heads, and are merged after; then, or for spans of one part, the group's heads are split (each split
+      // re-reads the K/V). Both follow shape_rows, so a token of a multi-token decode run is attended as a plain
+      // decode would.
       const int base_items = m * nkv, shape_items = shape_rows(m) * nkv;
       const int window = c.sliding_window;
       const auto span_of = [&](int r, int* lo) {
@@ -656,7 +658,7 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
         return rows[r].pos - *lo + 1;
       };
       int parts = 1;
-      if (shape_items < pool_->size() && backend_ != Backend::Avx2 && hd % 16 == 0)
+      if (shape_items < pool_->size() && hd % 16 == 0)
         for (int r = 0, lo; r < m; ++r) parts = std::max(parts, ops::attend_parts(span_of(r, &lo)));
       int per = group;
       if (shape_items * parts < pool_->size())
@@ -697,23 +699,23 @@ void Model::run_layers(int l0, int l1, int m, const RowCtx* rows) {
           if (p >= ops::attend_parts(span)) return;
           const int h0 = hc * per, nq = std::min(per, group - h0);
           float* at = &attn_parts_[item * item_floats];
-          ops::attend_avx512_part(q + size_t(r) * qw + size_t(g) * part_floats + size_t(h0) * hd, hd, nq, hd,
-                                  cache_of(rows[r].slot, g), ops::attend_part_start(lo, span, p),
-                                  ops::attend_part_start(lo, span, p + 1) - 1, at + p * part_floats + h0 * hd, hd,
-                                  &row_scratch_[size_t(w) * row_scratch_per_worker_],
-                                  at + parts * part_floats + (p * group + h0) * 2);
+          (zmm ? ops::attend_avx512_part : ops::attend_part)(
+              q + size_t(r) * qw + size_t(g) * part_floats + size_t(h0) * hd, hd, nq, hd, cache_of(rows[r].slot, g),
+              ops::attend_part_start(lo, span, p), ops::attend_part_start(lo, span, p + 1) - 1,
+              at + p * part_floats + h0 * hd, hd, &row_scratch_[size_t(w) * row_scratch_per_worker_],
+              at + parts * part_floats + (p * group + h0) * 2);
         });
         for (int item = 0, lo; item < base_items; ++item) {
           const int r = item / nkv, g = item % nkv;
           const float* at = &attn_parts_[item * item_floats];
           float* out = attn + size_t(r) * qw + size_t(g) * part_floats;
-          ops::attend_merge_parts_avx512(at, at + parts * part_floats, ops::attend_parts(span_of(r, &lo)), group, hd,
-                                         out, hd);
+          (zmm ? ops::attend_merge_parts_avx512 : ops::attend_merge_parts_ymm)(
+              at, at + parts * part_floats, ops::attend_parts(span_of(r, &lo)), group, hd, out, hd);
           ew_->fwht_blocks(out, group * hd, rot);
         }
       } else {
         // zmm attention on the backends whose CPUs have AVX-512 (FGM_BACKEND=avx2 keeps the ymm code).
-        const auto attend = backend_ == Backend::Avx2 ? ops::attend : ops::attend_avx512;
+        const auto attend = zmm ? ops::attend_avx512 : ops::attend;
         pool_->parallel_for(base_items * nch, [&](int it, int w) {
           const int r = it / (nkv * nch), g = (it / nch) % nkv, hc = it % nch;
           const int h0 = g * group + hc * per, nq = std::min(per, group - hc * per);

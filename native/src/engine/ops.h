@@ -71,7 +71,9 @@ const Elementwise& elementwise_avx512();
 // [lo, hi] (hi = the query's own position): softmax(q . k) . v with k = code * kscale, v = code * vscale (int8) or
 // the f16 or f32 values (ks, vs null), scale 1.0, fp32 softmax.
 // Position p sits in cache row p % cap; rows are row_bytes apart and the KV head starts at byte head_off.
-// scratch holds nq * (hi - lo + 1) floats.
+// A span of more than kAttendPartPositions positions is attended in attend_parts(span) parts folded in order (the
+// zmm kernel's scheme, below), so attend_part of each part and attend_merge_parts_ymm give this call's bits.
+// scratch holds max(nq * (hi - lo + 1), attend_avx512_scratch_floats(nq, hd)) floats.
 struct AttnCache {
   const uint8_t* k;
   const uint8_t* v;
@@ -82,10 +84,11 @@ struct AttnCache {
 };
 void attend(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
             int out_stride, float* scratch);
-// attend() of one part [lo, hi] of a row's positions, its heads' stats (largest score, sum of exp(score - largest))
-// to stats[2 h], stats[2 h + 1]; attend_merge_parts_ymm folds parts laid out as attend_merge_parts' (below) with the
-// same arithmetic in ymm. The FGM_BACKEND=avx2 engine attends a decode row with a shared prefix this way: the
-// prefix's positions from the prefix slot, the rest from the row's own slot.
+// attend() of one part [lo, hi] of a row's positions (one part whatever its length), its heads' stats (largest
+// score, sum of exp(score - largest)) to stats[2 h], stats[2 h + 1]; attend_merge_parts_ymm folds parts laid out as
+// attend_merge_parts_avx512's (below) with its arithmetic in ymm. The FGM_BACKEND=avx2 engine hands a single decode
+// row's parts to different threads this way, and attends a row with a shared prefix this way where the tile kernel
+// does not run: the prefix's positions from the prefix slot, the rest from the row's own slot.
 void attend_part(const float* q, int q_stride, int nq, int hd, const AttnCache& c, int lo, int hi, float* out,
                  int out_stride, float* scratch, float* stats);
 void attend_merge_parts_ymm(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,

@@ -157,11 +157,44 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
   pv_accumulate<NH, 1, E>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
+// Folds one part's outputs (part, nq heads of hd) with its stats into out, whose parts so far have the running
+// stats run (2 floats a head): attend_merge_parts_avx512's arithmetic (ops_avx512.cpp attend_fold_part) in ymm.
+inline void fold_part(float* out, int out_stride, float* run, const float* part, const float* stats, int nq, int hd) {
+  for (int h = 0; h < nq; ++h) {
+    const float m = std::max(run[2 * h], stats[2 * h]);
+    const float a = run[2 * h + 1] * std::exp(run[2 * h] - m), b = stats[2 * h + 1] * std::exp(stats[2 * h] - m);
+    const float l = a + b;
+    const __m256 fa = _mm256_set1_ps(a / l), fb = _mm256_set1_ps(b / l);
+    float* o = out + int64_t(h) * out_stride;
+    const float* x = part + int64_t(h) * hd;
+    int d = 0;
+    for (; d + 8 <= hd; d += 8)
+      _mm256_storeu_ps(o + d, _mm256_fmadd_ps(fa, _mm256_loadu_ps(o + d), _mm256_mul_ps(fb, _mm256_loadu_ps(x + d))));
+    for (; d < hd; ++d) o[d] = std::fma(a / l, o[d], b / l * x[d]);
+    run[2 * h] = m;
+    run[2 * h + 1] = l;
+  }
+}
+
+// stats null: the whole span [lo, hi] as its attend_parts() parts folded in order, as the zmm kernel does (scratch:
+// a part's scores, then a part's outputs and stats), so single-stream decode can hand the parts to different
+// threads (attend_part, attend_merge_parts_ymm) and get this call's bits; else the one part [lo, hi], its stats to
+// stats.
 template <int NH, int E>
 struct YmmBlock {
   static void run(const float* q, int q_stride, int hd, const AttnCache& c, int lo, int hi, float* out,
                   int out_stride, float* s, float* stats) {
-    attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s, stats);
+    const int span = hi - lo + 1, n = attend_parts(span);
+    if (stats || n == 1) return attend_block<NH, E>(q, q_stride, hd, c, lo, hi, out, out_stride, s, stats);
+    float run[2 * NH];
+    attend_block<NH, E>(q, q_stride, hd, c, lo, attend_part_start(lo, span, 1) - 1, out, out_stride, s, run);
+    float* part = s + NH * kAttendPartPositions;
+    float* part_stats = part + NH * hd;
+    for (int p = 1; p < n; ++p) {
+      attend_block<NH, E>(q, q_stride, hd, c, attend_part_start(lo, span, p), attend_part_start(lo, span, p + 1) - 1,
+                          part, hd, s, part_stats);
+      fold_part(out, out_stride, run, part, part_stats, NH, hd);
+    }
   }
 };
 
@@ -363,23 +396,15 @@ void attend_part(const float* q, int q_stride, int nq, int hd, const AttnCache& 
 
 void attend_merge_parts_ymm(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
                             int out_stride) {
-  for (int h = 0; h < nq; ++h) {
-    float* o = out + int64_t(h) * out_stride;
-    std::memcpy(o, parts + int64_t(h) * hd, sizeof(float) * hd);
-    float run_m = stats[2 * h], run_l = stats[2 * h + 1];
-    for (int p = 1; p < n_parts; ++p) {
-      const float* st = stats + (int64_t(p) * nq + h) * 2;
-      const float m = std::max(run_m, st[0]);
-      const float a = run_l * std::exp(run_m - m), b = st[1] * std::exp(st[0] - m), l = a + b;
-      const __m256 fa = _mm256_set1_ps(a / l), fb = _mm256_set1_ps(b / l);
-      const float* x = parts + (int64_t(p) * nq + h) * hd;
-      int d = 0;
-      for (; d + 8 <= hd; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_fmadd_ps(fa, _mm256_loadu_ps(o + d), _mm256_mul_ps(fb, _mm256_loadu_ps(x + d))));
-      for (; d < hd; ++d) o[d] = std::fma(a / l, o[d], b / l * x[d]);
-      run_m = m;
-      run_l = l;
-    }
+  for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
+  float run[2 * 8];
+  // The fold is per head: 8 heads at a time, as run holds.
+  for (int h0 = 0; h0 < nq; h0 += 8) {
+    const int nh = std::min(8, nq - h0);
+    std::memcpy(run, stats + 2 * h0, sizeof(float) * 2 * nh);
+    for (int p = 1; p < n_parts; ++p)
+      fold_part(out + int64_t(h0) * out_stride, out_stride, run, parts + (int64_t(p) * nq + h0) * hd,
+                stats + (int64_t(p) * nq + h0) * 2, nh, hd);
   }
 }
 
