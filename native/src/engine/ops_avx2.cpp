@@ -43,7 +43,6 @@ inline float tanh1(float t) {
   return b[0];
 }
 
-
 float sum_squares(const float* x, int n) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int i = 0;
