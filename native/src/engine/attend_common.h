@@ -1,14 +1,15 @@
-// The ISA-independent half of the attention kernels, shared by ops_avx2.cpp (ymm) and ops_avx512.cpp (zmm): the
-// ring runs of the cached positions, the folding of the softmax normaliser and the V scales into the weights, and
-// the loop over blocks of up to 8 query heads; and by the tile kernels (attend_rows_avx2.cpp, attend_rows_avx512.cpp):
-// the spans of a prefill block, their union, the stats a span row asks for. Everything here has internal linkage (an
-// unnamed namespace), so each file compiles its own copy with its own ISA flags and the linker never hands the
-// AVX-512 copy to the AVX2 path.
+// The ISA-independent half of the attention kernels, shared by ops_avx2.cpp (ymm) and ops_avx512.cpp (zmm): the ring
+// runs of the cached positions, the folding of the softmax normaliser and the V scales into the weights, and the
+// loop over blocks of up to 8 query heads; and by the tile kernels (attend_rows_avx2.cpp, attend_rows_avx512.cpp):
+// the spans of a prefill block, their union, the stats a span row asks for; and the merge of a row's parts.
+// Everything here has internal linkage (an unnamed namespace), so each file compiles its own copy with its own ISA
+// flags and the linker never hands the AVX-512 copy to the AVX2 path.
 #pragma once
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 
 #include "ops.h"
 
@@ -98,6 +99,23 @@ inline void store_span_stats(const AttnSpanRow* rows, int nq, int v, float m, fl
   if (float* st = rows[v / nq].stats) {
     st[2 * (v % nq)] = m;
     st[2 * (v % nq) + 1] = l;
+  }
+}
+
+// out[h * out_stride ..] = the n_parts parts of nq heads (parts[(p * nq + h) * hd ..], stats[(p * nq + h) * 2 ..])
+// folded in order by fold (fold_part in ops_avx2.cpp, attend_fold_part in ops_avx512.cpp: out, out_stride, the
+// running stats, a part, its stats, heads, hd), 8 heads at a time: attend_merge_parts_ymm / _avx512.
+template <class Fold>
+inline void merge_parts(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
+                        int out_stride, Fold fold) {
+  for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
+  float run[2 * 8];
+  for (int h0 = 0; h0 < nq; h0 += 8) {
+    const int nh = std::min(8, nq - h0);
+    std::memcpy(run, stats + 2 * h0, sizeof(float) * 2 * nh);
+    for (int p = 1; p < n_parts; ++p)
+      fold(out + int64_t(h0) * out_stride, out_stride, run, parts + (int64_t(p) * nq + h0) * hd,
+           stats + (int64_t(p) * nq + h0) * 2, nh, hd);
   }
 }
 

@@ -395,16 +395,7 @@ void attend_part(const float* q, int q_stride, int nq, int hd, const AttnCache& 
 
 void attend_merge_parts_ymm(const float* parts, const float* stats, int n_parts, int nq, int hd, float* out,
                             int out_stride) {
-  for (int h = 0; h < nq; ++h) std::memcpy(out + int64_t(h) * out_stride, parts + int64_t(h) * hd, sizeof(float) * hd);
-  float run[2 * 8];
-  // The fold is per head: 8 heads at a time, as run holds.
-  for (int h0 = 0; h0 < nq; h0 += 8) {
-    const int nh = std::min(8, nq - h0);
-    std::memcpy(run, stats + 2 * h0, sizeof(float) * 2 * nh);
-    for (int p = 1; p < n_parts; ++p)
-      fold_part(out + int64_t(h0) * out_stride, out_stride, run, parts + (int64_t(p) * nq + h0) * hd,
-                stats + (int64_t(p) * nq + h0) * 2, nh, hd);
-  }
+  merge_parts(parts, stats, n_parts, nq, hd, out, out_stride, fold_part);
 }
 
 float max_finite(const float* x, int n, bool* all_finite) {
