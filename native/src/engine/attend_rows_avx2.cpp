@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "attend_common.h"
 #include "attend_rows_scratch.h"
@@ -116,22 +117,27 @@ void tile_scores(int v0, int j0, int hd, Scratch& s) {
     }
 }
 
+// f(std::integral_constant<int, MV>, v0) for the register blocks of nv vectors: kMV at a time, then the rest.
+template <class F>
+void in_vector_blocks(int nv, F&& f) {
+  int v = 0;
+  for (; v + kMV <= nv; v += kMV) f(std::integral_constant<int, kMV>{}, v);
+  switch (nv - v) {
+    case 5: return f(std::integral_constant<int, 5>{}, v);
+    case 4: return f(std::integral_constant<int, 4>{}, v);
+    case 3: return f(std::integral_constant<int, 3>{}, v);
+    case 2: return f(std::integral_constant<int, 2>{}, v);
+    case 1: return f(std::integral_constant<int, 1>{}, v);
+    default: return;
+  }
+}
+
 // The slices holding positions [ja, jb) of the tile; the others (before the block's first position, past its last)
 // are left as they are: every vector masks them out.
 template <bool I8>
 void all_scores(int nv, int hd, int ja, int jb, Scratch& s) {
-  for (int j0 = ja / 16 * 16; j0 < jb; j0 += 16) {  // a slice of K (16 KB at hd = 256) for every vector
-    int v = 0;
-    for (; v + kMV <= nv; v += kMV) tile_scores<kMV, I8>(v, j0, hd, s);
-    switch (nv - v) {
-      case 5: tile_scores<5, I8>(v, j0, hd, s); break;
-      case 4: tile_scores<4, I8>(v, j0, hd, s); break;
-      case 3: tile_scores<3, I8>(v, j0, hd, s); break;
-      case 2: tile_scores<2, I8>(v, j0, hd, s); break;
-      case 1: tile_scores<1, I8>(v, j0, hd, s); break;
-      default: break;
-    }
-  }
+  for (int j0 = ja / 16 * 16; j0 < jb; j0 += 16)  // a slice of K (16 KB at hd = 256) for every vector
+    in_vector_blocks(nv, [&](auto mv, int v) { tile_scores<decltype(mv)::value, I8>(v, j0, hd, s); });
 }
 
 // o[v] = o[v] · alpha[v] + Σ_j w[v][j] · V[j] for MV vectors from v0 and dims d0 .. d0 + 15, over the tile's
@@ -165,18 +171,8 @@ void tile_pv(int v0, int d0, int hd, int ja, int jb, Scratch& s) {
 }
 
 void all_pv(int nv, int hd, int ja, int jb, Scratch& s) {
-  for (int d0 = 0; d0 < hd; d0 += 16) {  // a slice of V (4 KB) for every vector
-    int v = 0;
-    for (; v + kMV <= nv; v += kMV) tile_pv<kMV>(v, d0, hd, ja, jb, s);
-    switch (nv - v) {
-      case 5: tile_pv<5>(v, d0, hd, ja, jb, s); break;
-      case 4: tile_pv<4>(v, d0, hd, ja, jb, s); break;
-      case 3: tile_pv<3>(v, d0, hd, ja, jb, s); break;
-      case 2: tile_pv<2>(v, d0, hd, ja, jb, s); break;
-      case 1: tile_pv<1>(v, d0, hd, ja, jb, s); break;
-      default: break;
-    }
-  }
+  for (int d0 = 0; d0 < hd; d0 += 16)  // a slice of V (4 KB) for every vector
+    in_vector_blocks(nv, [&](auto mv, int v) { tile_pv<decltype(mv)::value>(v, d0, hd, ja, jb, s); });
 }
 
 // Row r attends [rows[r].lo, rows[r].hi] (ops.h AttnSpanRow).
