@@ -545,6 +545,51 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
         np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group, offsets), err_msg=f"m={m}")
 
 
+# (lo, hi, group, q8g_code_bound): narrow codes as the GGUF block formats hold them (Q5_0 -16..15, Q4_K 0..15 with
+# offsets, Q6_K -32..31 in groups of 16) at the bound of their unit, and just past it (17 or 32 in units of 32, 33
+# in units of 16), where the kernel keeps its int32 sums.
+Q8G_NARROW = [(-16, 16, 32, 16), (0, 15, 32, 16), (-32, 32, 16, 32), (-16, 16, 64, 16), (-17, 17, 32, 32),
+              (-33, 33, 16, 127), (-32, 32, 32, 32)]
+
+
+@pytest.mark.parametrize("lo,hi,group,bound", Q8G_NARROW)
+def test_q8g_int8_input_narrow_codes_are_exact_at_their_largest_sums(backend, lo, hi, group, bound):
+    """A weight whose codes all lie within ±16 (units of 32 inputs) or ±32 (units of 16) runs the AVX2 int8 kernel
+    that adds a unit's products in int16 (gemm_q8g.cpp, I16): exact up to the largest sum such codes allow (every
+    code at the bound and every activation code ±127: 8 × 2 × 16 × 127 = 32512, within int16), on random codes, and
+    on every row count. Codes past the bound of their unit keep the int32 sums, as exactly."""
+    rng = np.random.default_rng(hi * 37 + group - lo)
+    n, k = 48, 256
+    assert K.q8g_code_bound(np.arange(lo, hi + 1, dtype=np.int8)) == bound
+    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
+    worst = np.ones((2, k), np.float32)
+    worst[1, 1::2] = -1.0  # activation codes all +127, or alternating: sums of either sign at full size
+    for q, at_extremes in ((np.full((n, k), hi), True), (np.full((n, k), lo), True),
+                           (rng.integers(lo, hi + 1, (n, k)), False)):
+        q[0], q[1] = lo, hi  # both ends in every weight
+        assert K.q8g_code_bound(q.astype(np.int8)) == bound
+        for m in (1, 2, 4, 5, 8, 13, 32, 40):
+            if at_extremes:
+                x = np.tile(worst, ((m + 1) // 2, 1))[:m]
+            else:
+                x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
+            y = K.linear_packed(x, q8g_panels(q), scale, "q8g", n, k, group=group, backend=backend, threads=2,
+                                q8g_input="int8")
+            np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group), err_msg=f"m={m}")
+
+
+def test_q8g_code_bound_reads_past_its_chunks():
+    """The scan stops early only on a code past 32: one wide code at the very end of a long weight is found."""
+    q = np.zeros(3 * 4096 + 5, np.int8)
+    assert K.q8g_code_bound(q) == 16
+    q[-1] = -20
+    assert K.q8g_code_bound(q) == 32
+    q[-1] = -128
+    assert K.q8g_code_bound(q) == 127
+    q[-1], q[5000] = 0, 33
+    assert K.q8g_code_bound(q) == 127
+
+
 def test_q8g_int8_input_rounds_near_half_integer_quotients_as_the_division(backend):
     """The q8g activation codes at their rounding boundaries (near_half_integers, per 32 inputs) against the
     contract's numpy division: one-row decode (the VNNI kernel) and 32 rows (the AMX tiles on an AMX host)."""

@@ -209,7 +209,26 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
   w.codes = t.data;
   w.scales = s.data;
   if (o) w.offsets = reinterpret_cast<const float*>(o->data);
+  if (w.dtype == DType::Q8G) w.max_code = q8g_code_bound(w.codes, size_t(n) * k);
   return w;
+}
+
+int q8g_code_bound(const uint8_t* codes, size_t n) {
+  // In chunks, each folded branch-free into the largest and smallest code seen (as offset-binary bytes, so that
+  // unsigned max/min order them: the loop vectorises with SSE2), stopping at the first chunk past 32: a full-range
+  // table such as the LM head stops within its first chunk, and only narrow weights are read to the end.
+  constexpr size_t kChunk = 4096;
+  uint8_t hi = 0x80, lo = 0x80;  // code 0
+  for (size_t at = 0; at < n; at += kChunk) {
+    const size_t end = std::min(n, at + kChunk);
+    for (size_t i = at; i < end; ++i) {
+      const uint8_t u = uint8_t(codes[i] ^ 0x80);
+      hi = u > hi ? u : hi;
+      lo = u < lo ? u : lo;
+    }
+    if (hi - 0x80 > 32 || 0x80 - lo > 32) return 127;
+  }
+  return std::max(hi - 0x80, 0x80 - lo) <= 16 ? 16 : 32;
 }
 
 void gemm(const QAct& a, const QLinear& w, float* y, int ldy, ThreadPool* pool) {

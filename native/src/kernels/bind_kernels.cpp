@@ -131,6 +131,7 @@ sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales,
   w.hadamard = hadamard;
   w.codes = static_cast<const uint8_t*>(codes.data());
   w.scales = scales.data();
+  if (q8g) w.max_code = sg::q8g_code_bound(w.codes, code_bytes);  // as qlinear_from does for a file's weight
   return w;
 }
 
@@ -154,6 +155,14 @@ void bind_kernels(py::module_& parent) {
   m.def("q8g_runs_int8", &sg::q8g_runs_int8, py::arg("k"), py::arg("group"),
         "Whether a q8g weight of K inputs and this group runs on int8 activations when the engine's q8g_input is "
         "int8 (group 16 or a multiple of 32, K % 32 == 0); otherwise it keeps f32 activations.");
+  m.def(
+      "q8g_code_bound",
+      [](const py::array_t<int8_t, py::array::c_style>& codes) {
+        return sg::q8g_code_bound(reinterpret_cast<const uint8_t*>(codes.data()), size_t(codes.size()));
+      },
+      py::arg("codes"),
+      "16 or 32 when that bounds every |code| of these q8g codes, else 127: what the engine records for a q8g weight "
+      "(QLinear::max_code), with which the AVX2 int8 kernel sums a unit's products in int16.");
 
   m.def(
       "fwht128",

@@ -116,10 +116,15 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // 128-bit lanes): the sums and the stack tile keep that order, the scales are loaded in it, and y gets the columns
 // back in order at the end. Read from the driver's scratch (TILED, repack_tiles below), they are in order already.
 // Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them, y = fma((float)acc, a·s, y),
-// so both give the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
+// so both give the same bits.
+// I16, for a narrow weight (QLinear::max_code, q8g_unit_in_int16): a pair's sum is at most 2·127·max_code, so a
+// unit's pairs add up in int16 (a unit of 32 inputs, 8 steps, at max_code 16: 8·4064 = 32512 < 32767) and vpmaddwd
+// turns them into int32 once per unit, not once per step: per row and step two vpmaddubsw and two vpaddw in place
+// of two vpmaddubsw, two vpmaddwd and two vpaddd, which halves what the multiply pipes do besides the products.
+// The same exact sums, so the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
 // (N = 2048, 262144) alias each other's low address bits, and each unit's loads would wait on the other rows' stores
 // (gemm_q8g_avx512.cpp, store_tile).
-template <int MR, int NP, bool OFF, int U, bool TILED>
+template <int MR, int NP, bool OFF, int U, bool TILED, bool I16>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                     size_t pf_bytes) {
@@ -167,14 +172,19 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
         const __m256i xb = _mm256_set1_epi32(quad);
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) {
-            acc[i][p][h] = _mm256_add_epi32(
-                acc[i][p][h], _mm256_madd_epi16(_mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h])), ones));
+            const __m256i pairs = _mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h]));
+            acc[i][p][h] = I16 ? _mm256_add_epi16(acc[i][p][h], pairs)
+                               : _mm256_add_epi32(acc[i][p][h], _mm256_madd_epi16(pairs, ones));
             // Pinned to its register: otherwise GCC adds the steps' products together first and parks the sums on
             // the stack (as in gemm_avx2.cpp's q4g kernel).
             asm("" : "+x"(acc[i][p][h]));
           }
       }
     }
+    if constexpr (I16)
+      for (int i = 0; i < MR; ++i)
+        for (int p = 0; p < NP; ++p)
+          for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_madd_epi16(acc[i][p][h], ones);
     for (int p = 0; p < NP; ++p) {
       const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
       const __m256 sv[2] = {TILED ? s0 : _mm256_permute2f128_ps(s0, s1, 0x20),
@@ -213,14 +223,14 @@ template <bool OFF>
 constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {nullptr,
                                                     q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
                                                     q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
-template <bool OFF, int U, bool TILED>
+template <bool OFF, int U, bool TILED, bool I16>
 constexpr Q8gBlockFn<Int8Rows> kWideInt8[kQ8gYmmRows + 1] = {
-    nullptr, q8g_int8_block<1, 2, OFF, U, TILED>, q8g_int8_block<2, 1, OFF, U, TILED>,
-    q8g_int8_block<3, 1, OFF, U, TILED>, q8g_int8_block<4, 1, OFF, U, TILED>};
-template <bool OFF, int U, bool TILED>
+    nullptr, q8g_int8_block<1, 2, OFF, U, TILED, I16>, q8g_int8_block<2, 1, OFF, U, TILED, I16>,
+    q8g_int8_block<3, 1, OFF, U, TILED, I16>, q8g_int8_block<4, 1, OFF, U, TILED, I16>};
+template <bool OFF, int U, bool TILED, bool I16>
 constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gYmmRows + 1] = {
-    nullptr, q8g_int8_block<1, 1, OFF, U, TILED>, q8g_int8_block<2, 1, OFF, U, TILED>,
-    q8g_int8_block<3, 1, OFF, U, TILED>, q8g_int8_block<4, 1, OFF, U, TILED>};
+    nullptr, q8g_int8_block<1, 1, OFF, U, TILED, I16>, q8g_int8_block<2, 1, OFF, U, TILED, I16>,
+    q8g_int8_block<3, 1, OFF, U, TILED, I16>, q8g_int8_block<4, 1, OFF, U, TILED, I16>};
 
 // Several row blocks (a decode batch past kQ8gYmmRows rows, a prefill chunk) would each transpose the same panels:
 // the driver has each panel block rewritten once into its scratch (q8g_driver.h), a 4-input step's 64 bytes as
@@ -272,26 +282,31 @@ void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const flo
 }
 
 namespace {
-template <int U, bool TILED>
-constexpr Q8gFns<Int8Rows> kInt8{kWideInt8<false, U, TILED>, kOneInt8<false, U, TILED>, kWideInt8<true, U, TILED>,
-                                 kOneInt8<true, U, TILED>};
+template <int U, bool TILED, bool I16>
+constexpr Q8gFns<Int8Rows> kInt8{kWideInt8<false, U, TILED, I16>, kOneInt8<false, U, TILED, I16>,
+                                 kWideInt8<true, U, TILED, I16>, kOneInt8<true, U, TILED, I16>};
 
-template <int U>
+template <int U, bool I16>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;
   if (m > kQ8gYmmRows)
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, true>, repack_tiles},
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, true, I16>, repack_tiles},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, false>}, Int8Rows{&a, 0}, m,
-              w, xsum, y, ldy, p0, p1);
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, false, I16>}, Int8Rows{&a, 0},
+              m, w, xsum, y, ldy, p0, p1);
 }
+
+// Whether a unit's pairs (each at most 2·127·max_code) add up within int16: 2·127·max_code·(U/4) <= 32767, with U
+// the unit of gemm.h (16 inputs when G = 16, else 32).
+bool q8g_unit_in_int16(const QLinear& w) { return 254 * w.max_code * ((w.group == 16 ? 16 : 32) / 4) <= 32767; }
 }  // namespace
 
 void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                           int p1) {
-  if (w.group == 16) int8_panels<16>(a, m, w, xsum, y, ldy, p0, p1);
-  else int8_panels<32>(a, m, w, xsum, y, ldy, p0, p1);
+  const bool i16 = q8g_unit_in_int16(w);
+  if (w.group == 16) (i16 ? int8_panels<16, true> : int8_panels<16, false>)(a, m, w, xsum, y, ldy, p0, p1);
+  else (i16 ? int8_panels<32, true> : int8_panels<32, false>)(a, m, w, xsum, y, ldy, p0, p1);
 }
 
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a) {
