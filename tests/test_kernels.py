@@ -546,18 +546,18 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
 
 
 # (lo, hi, group, q8g_code_bound): narrow codes as the GGUF block formats hold them (Q5_0 -16..15, Q4_K 0..15 with
-# offsets, Q6_K -32..31 in groups of 16) at the bound of their unit, and just past it (17 or 32 in units of 32, 33
-# in units of 16), where the kernel keeps its int32 sums.
+# offsets, Q6_K -32..31 in groups of 16), at the bounds and just past them (17: the ±32 kernel; 33: full width).
 Q8G_NARROW = [(-16, 16, 32, 16), (0, 15, 32, 16), (-32, 32, 16, 32), (-16, 16, 64, 16), (-17, 17, 32, 32),
               (-33, 33, 16, 127), (-32, 32, 32, 32)]
 
 
 @pytest.mark.parametrize("lo,hi,group,bound", Q8G_NARROW)
 def test_q8g_int8_input_narrow_codes_are_exact_at_their_largest_sums(backend, lo, hi, group, bound):
-    """A weight whose codes all lie within ±16 (units of 32 inputs) or ±32 (units of 16) runs the AVX2 int8 kernel
-    that adds a unit's products in int16 (gemm_q8g.cpp, I16): exact up to the largest sum such codes allow (every
-    code at the bound and every activation code ±127: 8 × 2 × 16 × 127 = 32512, within int16), on random codes, and
-    on every row count. Codes past the bound of their unit keep the int32 sums, as exactly."""
+    """A weight whose codes all lie within ±16 or ±32 runs the AVX2 int8 kernel without the sign trick (gemm_q8g.cpp,
+    NARROW: code + 16 or + 32 against the activation code, 4 or 2 steps' pairs summed in int16, the bias dropped
+    per unit): exact up to the largest sums such codes allow (every code at the bound and every activation code
+    ±127: 4 × 2 × 32 × 127 = 32512, within int16), on random codes, and on every row count; codes past 32 keep the
+    sign trick's int32 sums, as exactly."""
     rng = np.random.default_rng(hi * 37 + group - lo)
     n, k = 48, 256
     assert K.q8g_code_bound(np.arange(lo, hi + 1, dtype=np.int8)) == bound

@@ -74,8 +74,8 @@ struct QLinear {
   const void* scales = nullptr;  // f32[n] (q8c), f16[k/group][n] (q4g) or f32[k/group][n] (q8g)
   const float* offsets = nullptr;  // q8g from a q8ga tensor: f32[k/group][n], W = code · s + o; else null
   // q8g: a bound on every |code| (q8g_code_bound; 127 when not scanned). The GGUF block formats a converted Gemma 3
-  // keeps exactly hold narrow codes (Q4_K 0..15 and Q5_0 -16..15: 16; Q6_K: 32), and a narrow weight lets the AVX2
-  // int8 kernel sum a whole group's products in int16 (gemm_q8g.cpp, q8g_int8_block).
+  // keeps exactly hold narrow codes (Q4_K 0..15 and Q5_0 -16..15: 16; Q6_K: 32), on which the AVX2 int8 kernel
+  // needs no sign trick and sums several steps' products in int16 (gemm_q8g.cpp, q8g_int8_block's NARROW).
   int max_code = 127;
 };
 // 16 or 32 when that bounds |code| for each of n q8g codes (int8), else 127 (codes of -128 included).

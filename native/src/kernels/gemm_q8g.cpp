@@ -117,14 +117,15 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // back in order at the end. Read from the driver's scratch (TILED, repack_tiles below), they are in order already.
 // Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them, y = fma((float)acc, a·s, y),
 // so both give the same bits.
-// I16, for a narrow weight (QLinear::max_code, q8g_unit_in_int16): a pair's sum is at most 2·127·max_code, so a
-// unit's pairs add up in int16 (a unit of 32 inputs, 8 steps, at max_code 16: 8·4064 = 32512 < 32767) and vpmaddwd
-// turns them into int32 once per unit, not once per step: per row and step two vpmaddubsw and two vpaddw in place
-// of two vpmaddubsw, two vpmaddwd and two vpaddd, which halves what the multiply pipes do besides the products.
-// The same exact sums, so the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
+// NARROW (16 or 32), for a weight whose codes all lie within ±NARROW (QLinear::max_code): no sign trick. The
+// weight's code + NARROW (0 .. 2·NARROW) is the unsigned operand and the activation code the signed one, so a pair's
+// sum is at most 2·2·NARROW·127 and 64 / NARROW steps' pairs add up in int16 (4 steps at 16: 4·8128 = 32512 <
+// 32767) before vpmaddwd folds them into int32; the unit's sum then drops NARROW·Σc (Q8gActs.bias = -128·Σc, so
+// bias·NARROW/128, exactly). Per row and step two vpmaddubsw and two vpaddw in place of two vpsignb, two vpmaddubsw,
+// two vpmaddwd and two vpaddd. The same exact sums, so the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
 // (N = 2048, 262144) alias each other's low address bits, and each unit's loads would wait on the other rows' stores
 // (gemm_q8g_avx512.cpp, store_tile).
-template <int MR, int NP, bool OFF, int U, bool TILED, bool I16>
+template <int MR, int NP, bool OFF, int U, bool TILED, int NARROW>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                     size_t pf_bytes) {
@@ -135,6 +136,11 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
   const __m256i ones = _mm256_set1_epi16(1);
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
   alignas(32) float tile[MR][NP][16];  // columns in the order above
+  constexpr int kFoldSteps = NARROW ? 64 / NARROW : 1;  // steps whose pairs int16 holds
+  static_assert((U / 4) % kFoldSteps == 0, "a unit is a whole number of folds");
+  const __m256i code_offset = _mm256_set1_epi8(char(NARROW));
+  const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // -128·Σc of unit u at + u·m
+  alignas(32) __m256i part[MR][NP][2];  // NARROW: the int32 folds of a unit so far, past the first
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
     const float* s = scales + size_t(k0 / group) * n_total;
     if (k0 % group == 0) prefetch_next_scales<NP>(s);
@@ -163,8 +169,8 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
           w[p][0] = _mm256_unpacklo_epi16(p01, p23);  // columns 0-3 | 8-11, 4 codes each
           w[p][1] = _mm256_unpackhi_epi16(p01, p23);  // columns 4-7 | 12-15
         }
-        uw[p][0] = _mm256_abs_epi8(w[p][0]);
-        uw[p][1] = _mm256_abs_epi8(w[p][1]);
+        for (int h = 0; h < 2; ++h)
+          uw[p][h] = NARROW ? _mm256_add_epi8(w[p][h], code_offset) : _mm256_abs_epi8(w[p][h]);
       }
       for (int i = 0; i < MR; ++i) {
         int32_t quad;
@@ -172,19 +178,41 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
         const __m256i xb = _mm256_set1_epi32(quad);
         for (int p = 0; p < NP; ++p)
           for (int h = 0; h < 2; ++h) {
-            const __m256i pairs = _mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h]));
-            acc[i][p][h] = I16 ? _mm256_add_epi16(acc[i][p][h], pairs)
-                               : _mm256_add_epi32(acc[i][p][h], _mm256_madd_epi16(pairs, ones));
+            if constexpr (NARROW) {
+              acc[i][p][h] = _mm256_add_epi16(acc[i][p][h], _mm256_maddubs_epi16(uw[p][h], xb));
+            } else {
+              const __m256i pairs = _mm256_maddubs_epi16(uw[p][h], _mm256_sign_epi8(xb, w[p][h]));
+              acc[i][p][h] = _mm256_add_epi32(acc[i][p][h], _mm256_madd_epi16(pairs, ones));
+            }
             // Pinned to its register: otherwise GCC adds the steps' products together first and parks the sums on
             // the stack (as in gemm_avx2.cpp's q4g kernel).
             asm("" : "+x"(acc[i][p][h]));
           }
       }
+      if constexpr (NARROW) {
+        // A fold after every kFoldSteps steps (kk is a constant once unrolled, so this is straight-line code): the
+        // int16 pairs into int32, kept in `part` until the unit's last fold leaves the whole sum in acc.
+        const int fold = kk / 4 / kFoldSteps, folds = U / 4 / kFoldSteps;
+        if ((kk / 4 + 1) % kFoldSteps == 0)
+          for (int i = 0; i < MR; ++i)
+            for (int p = 0; p < NP; ++p)
+              for (int h = 0; h < 2; ++h) {
+                const __m256i s32 = _mm256_madd_epi16(acc[i][p][h], ones);
+                if (fold + 1 == folds) {
+                  acc[i][p][h] = fold == 0 ? s32 : _mm256_add_epi32(s32, part[i][p][h]);
+                } else {
+                  part[i][p][h] = fold == 0 ? s32 : _mm256_add_epi32(s32, part[i][p][h]);
+                  acc[i][p][h] = _mm256_setzero_si256();
+                }
+              }
+      }
     }
-    if constexpr (I16)
-      for (int i = 0; i < MR; ++i)
+    if constexpr (NARROW)
+      for (int i = 0; i < MR; ++i) {
+        const __m256i drop = _mm256_set1_epi32(bias[size_t(u) * a.m + i] / (128 / NARROW));
         for (int p = 0; p < NP; ++p)
-          for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_madd_epi16(acc[i][p][h], ones);
+          for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_add_epi32(acc[i][p][h], drop);
+      }
     for (int p = 0; p < NP; ++p) {
       const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
       const __m256 sv[2] = {TILED ? s0 : _mm256_permute2f128_ps(s0, s1, 0x20),
@@ -223,14 +251,14 @@ template <bool OFF>
 constexpr Q8gBlockFn<F32Rows> kOne[kMaxRows + 1] = {nullptr,
                                                     q8g_block<1, 1, OFF>, q8g_block<2, 1, OFF>, q8g_block<3, 1, OFF>,
                                                     q8g_block<4, 1, OFF>, q8g_block<5, 1, OFF>, q8g_block<6, 1, OFF>};
-template <bool OFF, int U, bool TILED, bool I16>
+template <bool OFF, int U, bool TILED, int NARROW>
 constexpr Q8gBlockFn<Int8Rows> kWideInt8[kQ8gYmmRows + 1] = {
-    nullptr, q8g_int8_block<1, 2, OFF, U, TILED, I16>, q8g_int8_block<2, 1, OFF, U, TILED, I16>,
-    q8g_int8_block<3, 1, OFF, U, TILED, I16>, q8g_int8_block<4, 1, OFF, U, TILED, I16>};
-template <bool OFF, int U, bool TILED, bool I16>
+    nullptr, q8g_int8_block<1, 2, OFF, U, TILED, NARROW>, q8g_int8_block<2, 1, OFF, U, TILED, NARROW>,
+    q8g_int8_block<3, 1, OFF, U, TILED, NARROW>, q8g_int8_block<4, 1, OFF, U, TILED, NARROW>};
+template <bool OFF, int U, bool TILED, int NARROW>
 constexpr Q8gBlockFn<Int8Rows> kOneInt8[kQ8gYmmRows + 1] = {
-    nullptr, q8g_int8_block<1, 1, OFF, U, TILED, I16>, q8g_int8_block<2, 1, OFF, U, TILED, I16>,
-    q8g_int8_block<3, 1, OFF, U, TILED, I16>, q8g_int8_block<4, 1, OFF, U, TILED, I16>};
+    nullptr, q8g_int8_block<1, 1, OFF, U, TILED, NARROW>, q8g_int8_block<2, 1, OFF, U, TILED, NARROW>,
+    q8g_int8_block<3, 1, OFF, U, TILED, NARROW>, q8g_int8_block<4, 1, OFF, U, TILED, NARROW>};
 
 // Several row blocks (a decode batch past kQ8gYmmRows rows, a prefill chunk) would each transpose the same panels:
 // the driver has each panel block rewritten once into its scratch (q8g_driver.h), a 4-input step's 64 bytes as
@@ -282,31 +310,34 @@ void gemm_q8g_panels(const float* x, int ldx, int m, const QLinear& w, const flo
 }
 
 namespace {
-template <int U, bool TILED, bool I16>
-constexpr Q8gFns<Int8Rows> kInt8{kWideInt8<false, U, TILED, I16>, kOneInt8<false, U, TILED, I16>,
-                                 kWideInt8<true, U, TILED, I16>, kOneInt8<true, U, TILED, I16>};
+template <int U, bool TILED, int NARROW>
+constexpr Q8gFns<Int8Rows> kInt8{kWideInt8<false, U, TILED, NARROW>, kOneInt8<false, U, TILED, NARROW>,
+                                 kWideInt8<true, U, TILED, NARROW>, kOneInt8<true, U, TILED, NARROW>};
 
-template <int U, bool I16>
+template <int U, int NARROW>
 void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   constexpr int kPanelBlock = 6;
   if (m > kQ8gYmmRows)
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, true, I16>, repack_tiles},
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, true, NARROW>, repack_tiles},
               Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
   else
-    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, false, I16>}, Int8Rows{&a, 0},
-              m, w, xsum, y, ldy, p0, p1);
+    q8g_drive(Q8gKernels<Int8Rows>{kQ8gYmmRows, kPanelBlock, kPanelsForInt8, kInt8<U, false, NARROW>},
+              Int8Rows{&a, 0}, m, w, xsum, y, ldy, p0, p1);
 }
 
-// Whether a unit's pairs (each at most 2·127·max_code) add up within int16: 2·127·max_code·(U/4) <= 32767, with U
-// the unit of gemm.h (16 inputs when G = 16, else 32).
-bool q8g_unit_in_int16(const QLinear& w) { return 254 * w.max_code * ((w.group == 16 ? 16 : 32) / 4) <= 32767; }
+template <int U>
+void int8_panels_for(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
+                     int p1) {
+  if (w.max_code <= 16) int8_panels<U, 16>(a, m, w, xsum, y, ldy, p0, p1);
+  else if (w.max_code <= 32) int8_panels<U, 32>(a, m, w, xsum, y, ldy, p0, p1);
+  else int8_panels<U, 0>(a, m, w, xsum, y, ldy, p0, p1);
+}
 }  // namespace
 
 void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                           int p1) {
-  const bool i16 = q8g_unit_in_int16(w);
-  if (w.group == 16) (i16 ? int8_panels<16, true> : int8_panels<16, false>)(a, m, w, xsum, y, ldy, p0, p1);
-  else (i16 ? int8_panels<32, true> : int8_panels<32, false>)(a, m, w, xsum, y, ldy, p0, p1);
+  if (w.group == 16) int8_panels_for<16>(a, m, w, xsum, y, ldy, p0, p1);
+  else int8_panels_for<32>(a, m, w, xsum, y, ldy, p0, p1);
 }
 
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a) {
