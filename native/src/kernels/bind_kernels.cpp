@@ -162,7 +162,7 @@ void bind_kernels(py::module_& parent) {
       },
       py::arg("codes"),
       "16 or 32 when that bounds every |code| of these q8g codes, else 127: what the engine records for a q8g weight "
-      "(QLinear::max_code), with which the AVX2 int8 kernel sums a unit's products in int16.");
+      "(QLinear::max_code), below 127 of which the AVX2 int8 kernel runs without the sign trick.");
 
   m.def(
       "fwht128",

@@ -116,15 +116,15 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // 128-bit lanes): the sums and the stack tile keep that order, the scales are loaded in it, and y gets the columns
 // back in order at the end. Read from the driver's scratch (TILED, repack_tiles below), they are in order already.
 // Per unit (16 or 32 inputs) the exact sums are folded as the VNNI kernel folds them, y = fma((float)acc, a·s, y),
-// so both give the same bits.
+// so both give the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
+// (N = 2048, 262144) alias each other's low address bits, and each unit's loads would wait on the other rows' stores
+// (gemm_q8g_avx512.cpp, store_tile).
 // NARROW (16 or 32), for a weight whose codes all lie within ±NARROW (QLinear::max_code): no sign trick. The
 // weight's code + NARROW (0 .. 2·NARROW) is the unsigned operand and the activation code the signed one, so a pair's
 // sum is at most 2·2·NARROW·127 and 64 / NARROW steps' pairs add up in int16 (4 steps at 16: 4·8128 = 32512 <
 // 32767) before vpmaddwd folds them into int32; the unit's sum then drops NARROW·Σc (Q8gActs.bias = -128·Σc, so
 // bias·NARROW/128, exactly). Per row and step two vpmaddubsw and two vpaddw in place of two vpsignb, two vpmaddubsw,
-// two vpmaddwd and two vpaddd. The same exact sums, so the same bits. That y is a tile on the stack until the end: y's rows at a multiple of 4 KB apart
-// (N = 2048, 262144) alias each other's low address bits, and each unit's loads would wait on the other rows' stores
-// (gemm_q8g_avx512.cpp, store_tile).
+// two vpmaddwd and two vpaddd. The same exact sums, so the same bits.
 template <int MR, int NP, bool OFF, int U, bool TILED, int NARROW>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
