@@ -57,14 +57,16 @@ struct Q8gActs {
   int8_t* codes = nullptr;   // [m·k] as above; each in [-127, 127]
   float* scale = nullptr;    // [k/32][m]: a[i][b] of gemm.h at b·m + i
   // -128 · the sum of the codes of each 16 (32) inputs: the VNNI kernel multiplies code + 128 (vpdpbusd's unsigned
-  // operand is the weight's) and starts each unit's int32 sum here, so that it ends exact.
+  // operand is the weight's) and starts each unit's int32 sum here, so that it ends exact; the AVX2 kernel on a narrow
+  // weight (weight code + 16 or + 32 unsigned) drops bias / 8 or bias / 4 from its unit sums for the same reason.
   int32_t* bias16 = nullptr;  // [k/16][m]
   int32_t* bias32 = nullptr;  // [k/32][m]
 };
 // Rows [r0, r1) of x (m rows, k % 32 == 0) into a's buffers (gemm.h's quantiser, plain AVX2, so every
 // backend gets the same codes).
 void q8g_quantize_rows(const float* x, int ldx, int r0, int r1, const Q8gActs& a);
-// The int8-activation kernels: AVX2 (vpmaddubsw on the sign trick) and AVX-512 VNNI (vpdpbusd), bit-identical.
+// The int8-activation kernels: AVX2 (vpmaddubsw on the sign trick, or on the offset codes of a narrow weight) and
+// AVX-512 VNNI (vpdpbusd), bit-identical.
 void gemm_q8g_int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                           int p1);
 void gemm_q8g_int8_panels_avx512(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy,
