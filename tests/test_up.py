@@ -69,7 +69,7 @@ def _start(shm_dir: Path, tmp_path: Path, *options: str):
 
 def test_up_serves_and_stops_cleanly(shm_dir, tmp_path):
     p, url = _start(shm_dir, tmp_path, "--slots", "2", "--threads", "1", "--prefill-metrics-port", "0",
-                    "--decode-metrics-port", "0")
+                    "--decode-metrics-port", "0", "--lookup-k", "2", "--forced-tokens", "off")
     try:
         # Every process's metrics are reachable, with the vLLM names beside ours.
         urls = dict((kind, u) for u, kind in re.findall(r"(http://\S+/metrics) \((\w+)\)",
@@ -80,6 +80,8 @@ def test_up_serves_and_stops_cleanly(shm_dir, tmp_path):
             assert f"splitgemma_{kind}" in text and "_created" not in text, (kind, text[:500])
         children = _children(p.pid)
         assert sorted(cmd.split()[3] for cmd in children.values()) == ["decode", "gateway", "prefill"]
+        decode_cmd = next(cmd for cmd in children.values() if cmd.split()[3] == "decode")
+        assert " --lookup-k 2 " in decode_cmd and " --forced-tokens off " in decode_cmd, decode_cmd
         assert any(f.name.startswith("splitgemma-kv-") for f in shm_dir.iterdir())
         c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
         r = c.chat.completions.create(model="mini-e2b-tame", messages=[{"role": "user", "content": "w5 w6"}],
@@ -116,6 +118,15 @@ def test_up_on_a_taken_port_fails_before_loading_anything(tmp_path, option):
     assert r.returncode == 1, r.stderr
     assert f"{option} {port}" in r.stderr and "another" in r.stderr, r.stderr
     assert not (tmp_path / "empty-cache").exists() and "GEMM backend" not in r.stderr
+
+
+def test_up_refuses_a_draft_longer_than_the_decode_worker_takes(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["SPLITGEMMA_CACHE"] = str(tmp_path / "empty-cache")
+    r = subprocess.run([*SPLITGEMMA, "up", "--port", "0", "--lookup-k", "9"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert r.returncode == 1 and "--lookup-k must be at most 8, got 9" in r.stderr, r.stderr
+    assert not (tmp_path / "empty-cache").exists()
 
 
 def test_up_fails_when_a_child_dies(shm_dir, tmp_path):

@@ -59,6 +59,18 @@ def add_lease_options(p: argparse.ArgumentParser) -> None:
                         f"says so), so no caller holds slots unclaimed for longer (default: {DEFAULT_MAX_LEASE_MS})")
 
 
+def check_speculation_options(args) -> None:
+    from splitgemma.commands import CommandError
+    if args.lookup_k > 8:
+        raise CommandError(f"--lookup-k must be at most 8, got {args.lookup_k}")
+
+
+def speculation_argv(args) -> list[str]:
+    """The speculation options as a decode worker's command line takes them (up passes them on)."""
+    return ["--forced-tokens", args.forced_tokens, "--lookup-k", str(args.lookup_k),
+            "--lookup-max-batch", str(args.lookup_max_batch), "--lookup-policy", args.lookup_policy]
+
+
 def check_lease_options(args) -> None:
     from splitgemma.commands import CommandError
     if args.lease_ms > args.max_lease_ms:
@@ -111,10 +123,7 @@ def run(args) -> int:
     from splitgemma.commands.prefill import check_worker_options
     from splitgemma.services.decode.server import serve
 
-    from splitgemma.commands import CommandError
-
     check_worker_options(args)
     check_lease_options(args)
-    if args.lookup_k > 8:
-        raise CommandError(f"--lookup-k must be at most 8, got {args.lookup_k}")
+    check_speculation_options(args)
     return asyncio.run(serve(args))

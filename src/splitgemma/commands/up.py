@@ -17,7 +17,8 @@ from splitgemma.commands import (CommandError, add_drain_option, add_kv_dtype_op
                                  add_q8g_input_option, context_length, non_negative_int, port_number,
                                  positive_float, positive_int, thread_count)
 from splitgemma.commands.decode import (DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT,
-                                        add_capacity_options, add_lease_options, check_lease_options)
+                                        add_capacity_options, add_lease_options, add_speculation_options,
+                                        check_lease_options, check_speculation_options, speculation_argv)
 from splitgemma.commands.gateway import add_api_key_options, add_limit_options, limit_argv
 from splitgemma.commands.prefill import add_prefix_cache_option, add_scheduler_options
 from splitgemma.serving.credentials import SERVICE_TOKEN_ENV
@@ -60,6 +61,7 @@ def register(subparsers) -> None:
                    help="the longest a request waits for a slot before it gets 503 "
                         f"(default: {DEFAULT_QUEUE_TIMEOUT:g})")
     add_lease_options(p)
+    add_speculation_options(p)
     p.add_argument("--max-context", type=context_length, default=4096, metavar="C",
                    help="positions per slot (default: 4096)")
     p.add_argument("--chunk", type=context_length, default=256, metavar="N",
@@ -157,6 +159,7 @@ def run(args) -> int:
         if getattr(args, name) < 1:
             raise CommandError(f"--{name.replace('_', '-')} must be at least 1")
     check_lease_options(args)
+    check_speculation_options(args)
     decode_cpus = prefill_cpus = None
     if args.cores == "split":
         decode_cpus, prefill_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
@@ -183,7 +186,7 @@ def run(args) -> int:
     decode_argv = exe + ["decode", *geometry, "--port", str(decode_port), "--max-batch", str(args.max_batch),
                          "--max-queue", str(args.max_queue), "--queue-timeout", str(args.queue_timeout),
                          "--drain-timeout", str(args.drain_timeout), "--lease-ms", str(args.lease_ms),
-                         "--max-lease-ms", str(args.max_lease_ms)]
+                         "--max-lease-ms", str(args.max_lease_ms), *speculation_argv(args)]
     if "decode" in metrics_ports:
         decode_argv += ["--metrics-port", str(metrics_ports["decode"])]
     if args.slots:
