@@ -6,11 +6,19 @@ streaming) for 1 and N concurrent clients, beside the in-process engine on the s
     python bench/bench_serving.py --url http://127.0.0.1:8000/v1 --model m.fgm ...   (a stack already running)
 
 Without --url the stack is started with `splitgemma up` (decode + prefill + gateway on loopback) and stopped at
-the end. With --peer llama-server --gguf FILE the same request profile goes to llama.cpp's llama-server instead
-(bench/peer_llamacpp.py builds it and starts it on a free loopback port: --parallel = the largest concurrency,
-its prompt cache on, unified KV, --threads threads), and the engine rows are skipped:
+the end. With --gguf FILE beside --model, llama.cpp's llama-server serves the same request profile as a second
+arm, the two alternated over --passes, each started for its turn and stopped after it, and the medians over the
+passes are printed with their ratios (bench/peer_llamacpp.py builds llama-server and starts it on a free loopback
+port: --parallel = the largest concurrency, its prompt cache on, unified KV, --threads threads). Give it the GGUF
+the .fgm was converted from (the default model's Q4_K_M file) and both serve the same weights. --peer llama-server
+--gguf FILE runs that arm alone (no engine rows):
 
+    python bench/bench_serving.py --model m.fgm --gguf m.gguf --concurrency 1,8,32 --passes 2
     python bench/bench_serving.py --peer llama-server --gguf ~/.cache/splitgemma/peer/models/.../x-q4_0.gguf
+
+The stack runs with prompt-lookup speculation as `splitgemma up` does by default (--lookup-k 4; single-stream
+greedy only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
+above the engine's; --lookup-k 0 gives plain decoding, as llama-server runs.
 
 Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
 --gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
@@ -195,7 +203,6 @@ def seed_round(url: str, model: str, prompts: list[list[int]]) -> dict:
 
 def seed_profile(args) -> None:
     """Alternate the arms over args.passes passes; print each pass and the medians."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     arms = [("splitgemma " + pol, pol) for pol in args.policies.split(",")]
     if args.gguf:
         arms.append(("llama-server", None))
@@ -210,29 +217,14 @@ def seed_profile(args) -> None:
         for label, policy in order:
             prompts = seed_prompts(args.vocab, 1000 * p + len(runs[label]) + 1 + 97 * arms.index((label, policy)))
             load = os.getloadavg()[0]
-            proc, shm = None, None
+            stop, url, name = start_arm(args, "llama-server" if policy is None else "splitgemma", SEED["clients"],
+                                        extra=() if policy is None else ("--prefill-policy", policy))
             try:
-                if policy is None:
-                    from peer_llamacpp import start_llama_server, stop_llama_server
-                    proc, url = start_llama_server(args.gguf, parallel=SEED["clients"], threads=args.threads or 2,
-                                                   ctx_per_slot=args.max_context)
-                    name = Path(args.gguf).stem
-                else:
-                    shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
-                    proc, url = start_stack(args, shm, extra=("--prefill-policy", policy))
-                    name = args.model_name or Path(args.model).stem
                 one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
                             name, prompts[0][:16], 4)  # warm-up: first touch of the weights
                 r = seed_round(url, name, prompts)
             finally:
-                if proc is not None:
-                    if policy is None:
-                        stop_llama_server(proc)
-                    else:
-                        proc.send_signal(signal.SIGTERM)
-                        proc.wait(120)
-                if shm is not None:
-                    os.rmdir(shm)
+                stop()
             r["load"] = load
             runs[label].append(r)
             print(f"pass {p + 1} {label:22} " + _seed_line(r), flush=True)
@@ -262,12 +254,36 @@ def _seed_line(r: dict) -> str:
                                                                               if r["errors"] else ""))
 
 
+def start_arm(args, arm: str, parallel: int, extra: tuple[str, ...] = ()):
+    """Start one arm's server: "splitgemma" (`splitgemma up`, with the speculation options and `extra`) or
+    "llama-server" (bench/peer_llamacpp.py's build, --parallel `parallel`). Returns (stop, url, model name)."""
+    if arm == "llama-server":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from peer_llamacpp import start_llama_server, stop_llama_server
+        proc, url = start_llama_server(args.gguf, parallel=parallel, threads=args.threads or 2,
+                                       ctx_per_slot=args.max_context)
+        return (lambda: stop_llama_server(proc)), url, Path(args.gguf).stem
+    shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
+    try:
+        proc, url = start_stack(args, shm, extra=(*extra, "--lookup-k", str(args.lookup_k)))
+    except BaseException:
+        os.rmdir(shm)
+        raise
+
+    def stop():
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+        os.rmdir(shm)
+    return stop, url, args.model_name or Path(args.model).stem
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="the .fgm file (served, and run in process for comparison); not with --peer")
     ap.add_argument("--peer", choices=("llama-server",), help="serve with llama.cpp's llama-server instead "
                                                               "(bench/peer_llamacpp.py's build)")
-    ap.add_argument("--gguf", help="the GGUF llama-server serves (with --peer)")
+    ap.add_argument("--gguf", help="the GGUF llama-server serves: with --peer alone, else (with --model) as a second "
+                                   "arm alternated with splitgemma's over --passes")
     ap.add_argument("--tokenizer", help="tokenizer.json for the stack (default: beside the model)")
     ap.add_argument("--url", help="an already running gateway's /v1 URL (default: start splitgemma up)")
     ap.add_argument("--model-name", help="model id to request (default: the file name without .fgm)")
@@ -278,11 +294,14 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=1024, help="prompt ids are drawn from [4, vocab) (default: 1024)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads per worker and in process")
+    ap.add_argument("--lookup-k", type=int, default=4,
+                    help="the stack's prompt-lookup draft length (splitgemma up --lookup-k; 0 = plain decoding, as "
+                         "llama-server runs by default; default: 4, up's own default)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine rows")
     ap.add_argument("--profile", choices=("seed",), help="run the seed's serving profile (module doc) instead")
     ap.add_argument("--policies", default="srf,rr",
                     help="with --profile seed: the splitgemma arms' --prefill-policy values (default: srf,rr)")
-    ap.add_argument("--passes", type=int, default=1, help="with --profile seed: passes over the arms (default: 1)")
+    ap.add_argument("--passes", type=int, default=1, help="passes over the arms, alternated (default: 1)")
     args = ap.parse_args()
     if args.profile == "seed":
         if not args.model:
@@ -294,41 +313,44 @@ def main() -> None:
         if not args.gguf:
             ap.error("--peer llama-server needs --gguf FILE")
         args.no_engine = True
-        args.model = args.gguf
+        args.model = None
+        arms = ["llama-server"]
     elif not args.model:
         ap.error("--model is required (or --peer llama-server --gguf FILE)")
-    name = args.model_name or Path(args.model).stem
+    else:
+        arms = ["splitgemma"] + (["llama-server"] if args.gguf and not args.url else [])
     rng = random.Random(0)
     prompts = [[rng.randrange(4, args.vocab) for _ in range(args.prompt_tokens)] for _ in range(16)]
 
-    print(f"model {args.model}; prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated per request; "
-          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"model {args.model or args.gguf}" + (f", peer {args.gguf}" if len(arms) > 1 else "") +
+          f"; prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated per request; stack --lookup-k "
+          f"{args.lookup_k}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    runs: dict[tuple[str, int], list[dict]] = {(arm, c): [] for arm in arms for c in args.concurrency}
+    for p in range(args.passes):
+        for arm in arms[p % len(arms):] + arms[:p % len(arms)]:  # rotated: no arm always runs first
+            load = os.getloadavg()[0]
+            if args.url and arm == "splitgemma":
+                stop, url, name = (lambda: None), args.url, args.model_name or Path(args.model).stem
+            else:
+                stop, url, name = start_arm(args, arm, max(args.concurrency))
+            try:
+                one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
+                            name, prompts[0], 4)  # warm-up: first touch of the weights in every process
+                for c in args.concurrency:
+                    r = gateway_round(url, name, c, args.requests, prompts, args.gen_tokens)
+                    runs[(arm, c)].append(r)
+                    print(f"pass {p + 1} {arm:12} {c:3d} client{'s' if c > 1 else ' '}  TTFT mean "
+                          f"{statistics.mean(r['ttft']) * 1e3:7.1f} ms  decode {statistics.mean(r['decode']):6.1f} "
+                          f"tok/s/seq  aggregate {r['aggregate']:6.1f} tok/s  load before {load:.2f}", flush=True)
+            finally:
+                stop()
     rows = []
-    proc, shm = None, None
-    try:
-        url = args.url
-        if url is None and args.peer:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from peer_llamacpp import start_llama_server
-            proc, url = start_llama_server(args.gguf, parallel=max(args.concurrency), threads=args.threads or 2,
-                                           ctx_per_slot=args.max_context)
-            print(f"llama-server at {url} (--parallel {max(args.concurrency)})")
-        elif url is None:
-            shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
-            proc, url = start_stack(args, shm)
-        one_request(__import__("openai").OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600),
-                    name, prompts[0], 4)  # warm-up: first-touch of the weights in both workers
-        for c in args.concurrency:
-            r = gateway_round(url, name, c, args.requests, prompts, args.gen_tokens)
-            rows.append((f"{args.peer or 'gateway'}, {c} client{'s' if c > 1 else ''}", r["n"],
-                         statistics.mean(r["ttft"]), statistics.median(r["ttft"]), statistics.mean(r["decode"]),
-                         r["aggregate"]))
-    finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-        if shm is not None:
-            os.rmdir(shm)
+    for (arm, c), rs in runs.items():
+        med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731 - medians over the passes
+        rows.append((f"{'gateway' if arm == 'splitgemma' else arm}, {c} client{'s' if c > 1 else ''}",
+                     sum(r["n"] for r in rs), med(lambda r: statistics.mean(r["ttft"])),
+                     med(lambda r: statistics.median(r["ttft"])), med(lambda r: statistics.mean(r["decode"])),
+                     med(lambda r: r["aggregate"])))
     if not args.no_engine:
         for c in args.concurrency:
             e = engine_figures(args, prompts, c, args.gen_tokens)
@@ -337,6 +359,13 @@ def main() -> None:
     print(f"{'':32} {'requests':>8} {'TTFT mean':>10} {'TTFT p50':>9} {'decode tok/s/seq':>17} {'aggregate tok/s':>16}")
     for label, n, mean, p50, dec, agg in rows:
         print(f"{label:32} {n:8d} {mean * 1000:8.1f}ms {p50 * 1000:7.1f}ms {dec:17.1f} {agg:16.1f}")
+    if len(arms) > 1:
+        def med(arm: str, c: int, f) -> float:
+            return statistics.median(f(r) for r in runs[(arm, c)])
+        aggregate, ttft = (lambda r: r["aggregate"]), (lambda r: statistics.mean(r["ttft"]))
+        print("splitgemma against llama-server, medians over the passes: " + "; ".join(
+            f"{c} client{'s' if c > 1 else ''}: aggregate {med('splitgemma', c, aggregate) / med('llama-server', c, aggregate):.2f}x, "
+            f"TTFT mean {med('splitgemma', c, ttft) / med('llama-server', c, ttft):.2f}x" for c in args.concurrency))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
