@@ -16,8 +16,7 @@ the .fgm was converted from (the default model's Q4_K_M file) and both serve the
     python bench/bench_serving.py --model m.fgm --gguf m.gguf --concurrency 1,8,32 --passes 2
     python bench/bench_serving.py --peer llama-server --gguf ~/.cache/splitgemma/peer/models/.../x-q4_0.gguf
 
-The stack runs with prompt-lookup speculation as `splitgemma up` does by default (--lookup-k 4; single-stream
-greedy only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
+The stack runs with prompt-lookup speculation as `splitgemma up` does by default (single-stream greedy only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
 above the engine's; --lookup-k 0 gives plain decoding, as llama-server runs.
 
 Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
@@ -265,7 +264,8 @@ def start_arm(args, arm: str, parallel: int, extra: tuple[str, ...] = ()):
         return (lambda: stop_llama_server(proc)), url, Path(args.gguf).stem
     shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm")
     try:
-        proc, url = start_stack(args, shm, extra=(*extra, "--lookup-k", str(args.lookup_k)))
+        lookup = ("--lookup-k", str(args.lookup_k)) if args.lookup_k is not None else ()
+        proc, url = start_stack(args, shm, extra=(*extra, *lookup))
     except BaseException:
         os.rmdir(shm)
         raise
@@ -294,9 +294,9 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=1024, help="prompt ids are drawn from [4, vocab) (default: 1024)")
     ap.add_argument("--threads", type=int, default=None, help="compute threads per worker and in process")
-    ap.add_argument("--lookup-k", type=int, default=4,
+    ap.add_argument("--lookup-k", type=int, default=None,
                     help="the stack's prompt-lookup draft length (splitgemma up --lookup-k; 0 = plain decoding, as "
-                         "llama-server runs by default; default: 4, up's own default)")
+                         "llama-server runs by default; default: up's own)")
     ap.add_argument("--no-engine", action="store_true", help="skip the in-process engine rows")
     ap.add_argument("--profile", choices=("seed",), help="run the seed's serving profile (module doc) instead")
     ap.add_argument("--policies", default="srf,rr",
@@ -324,7 +324,7 @@ def main() -> None:
 
     print(f"model {args.model or args.gguf}" + (f", peer {args.gguf}" if len(arms) > 1 else "") +
           f"; prompt {args.prompt_tokens} tokens, {args.gen_tokens} generated per request; stack --lookup-k "
-          f"{args.lookup_k}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+          f"{'up default' if args.lookup_k is None else args.lookup_k}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     runs: dict[tuple[str, int], list[dict]] = {(arm, c): [] for arm in arms for c in args.concurrency}
     for p in range(args.passes):
         for arm in arms[p % len(arms):] + arms[:p % len(arms)]:  # rotated: no arm always runs first
