@@ -213,11 +213,24 @@ def test_q8g_linear_is_accepted(tmp_path):
     assert (info["dtype"], info["group"], info["hadamard"]) == ("q8g", 256, 0)
 
 
+def test_q8g_linear_with_f16_scales_is_accepted(tmp_path):
+    """A q8g weight's scales may be f16 (the block scales of a GGUF's Q8_0 or Q5_0, docs/fgm-extensions.md): the
+    q8c scale's 1024 bytes relabelled f16 [2, 256] for two groups of 128."""
+    data, header = split_file(MINI)
+    as_q8g(header, group=128)
+    header["tensors"]["l0.q_proj.scale"].update(dtype="f16", shape=[2, 256])
+    f = FgmFile(str(write_with_header(tmp_path, data, header, "ok.fgm")))
+    assert f.tensor_info("l0.q_proj.scale")["dtype"] == "f16"
+    assert (f.tensor_info("l0.q_proj")["dtype"], f.tensor_info("l0.q_proj")["group"]) == ("q8g", 128)
+
+
 @pytest.mark.parametrize("change,fragment", [
     (lambda h: h["tensors"]["l0.q_proj"]["meta"].update(hadamard=128), "meta.hadamard must be 0 for q8g"),
     (lambda h: h["tensors"]["l0.q_proj"]["meta"].update(group=48), "q8g needs meta.group"),
     (lambda h: h["tensors"]["l0.q_proj"]["meta"].pop("group"), "q8g needs meta.group"),
-    (lambda h: h["tensors"]["l0.q_proj.scale"].update(shape=[256]), "expected f32 [1, 256]"),
+    (lambda h: h["tensors"]["l0.q_proj.scale"].update(shape=[256]), "expected f32 or f16 [1, 256]"),
+    (lambda h: h["tensors"]["l0.q_proj.scale"].update(dtype="f16", shape=[2, 256]),
+     "is f16 [2, 256], expected f32 or f16 [1, 256]"),
     (lambda h: h["tensors"]["l0.q_proj"].update(shape=[8, 8192]), "N % 16 == 0 (16-column panels)"),
 ])
 def test_q8g_constraints(tmp_path, change, fragment):

@@ -459,19 +459,27 @@ def q8g_contract(x, q, scale, group):
 Q8G_SHAPES = [(16, 64, 64), (48, 640, 32), (32, 48, 16), (64, 1024, 128), (16, 40, 8), (32, 96, 1), (208, 64, 32)]
 
 
+def q8g_scales(rng, n, k, group, stored):
+    """Random signed q8g scales [K/G, N] as stored (float32, or float16: the f16 block scales of a GGUF's Q8_0 or
+    Q5_0, which the kernels widen exactly), and their float32 values for the contracts."""
+    s = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(stored)
+    return s, s.astype(np.float32)
+
+
 @pytest.mark.parametrize("n,k,group", Q8G_SHAPES)
-def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group):
+@pytest.mark.parametrize("stored", [np.float32, np.float16], ids=["f32-scales", "f16-scales"])
+def test_q8g_follows_the_contract_bit_for_bit(backend, n, k, group, stored):
     """Every row count (register blocks of 1-12 rows and their remainders; more than 32 rows: the prefill blocks)
     and every backend gives exactly the prescribed sequence of roundings, so a row's result does not depend on what
-    it was batched with."""
+    it was batched with; with f16 scales, those of their float32 values."""
     rng = np.random.default_rng(n * 131 + k * 7 + group)
     q = rng.integers(-127, 128, (n, k))
     q[1], q[2], q[3] = 0, 127, -127
-    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
+    stored_scale, scale = q8g_scales(rng, n, k, group, stored)
     blob = q8g_panels(q)
     for m in (1, 2, 5, 6, 7, 8, 12, 13, 25, 32, 40, 70):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
-        y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2)
+        y = K.linear_packed(x, blob, stored_scale, "q8g", n, k, group=group, backend=backend, threads=2)
         np.testing.assert_array_equal(y, q8g_contract(x, q, scale, group))
         full = (x.astype(np.float64) @ (q * np.repeat(scale.astype(np.float64), group, axis=0).T).T)
         assert np.abs(y - full).max() <= 1e-5 * np.abs(x).max() * np.abs(scale).max() * 127 * k
@@ -524,24 +532,26 @@ Q8G_INT8_SHAPES = [(16, 64, 32), (48, 640, 32), (32, 64, 16), (272, 640, 16), (6
 
 @pytest.mark.parametrize("n,k,group", Q8G_INT8_SHAPES)
 @pytest.mark.parametrize("with_offsets", [False, True], ids=["q8g", "q8ga"])
-def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, with_offsets):
+@pytest.mark.parametrize("stored", [np.float32, np.float16], ids=["f32-scales", "f16-scales"])
+def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, with_offsets, stored):
     """With int8 activations every row count (the register blocks of 1-12 rows, the 6-row prefill blocks past 32
     rows, and the activations laid out in those blocks) and every backend gives exactly gemm.h's integers and
     roundings: the rows' results do not depend on what they were batched with, and AVX2 (vpmaddubsw on the sign
     trick; past 4 rows on panels the driver transposed once into its scratch) equals VNNI (vpdpbusd on flipped
     weight codes with a bias) and AMX (9-16 rows: one stream over the panels; more: a walk per panel and row block).
-    Extreme codes (±127, -128 from Q8_0 blocks) and an all-zero input block (scale 1) included."""
+    Extreme codes (±127, -128 from Q8_0 blocks) and an all-zero input block (scale 1) included; f16 scales give
+    the results of their float32 values."""
     rng = np.random.default_rng(n * 131 + k * 7 + group + with_offsets)
     q = rng.integers(-128, 128, (n, k))
     q[1], q[2], q[3] = 0, 127, -128
-    scale = (rng.uniform(1e-3, 1e-1, (k // group, n)) * rng.choice([-1, 1], (k // group, n))).astype(np.float32)
+    stored_scale, scale = q8g_scales(rng, n, k, group, stored)
     offsets = rng.standard_normal((k // group, n)).astype(np.float32) if with_offsets else None
     blob = q8g_panels(q)
     for m in (1, 2, 5, 7, 8, 9, 12, 13, 16, 25, 32, 33, 40, 70):
         x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 50)).astype(np.float32)
         x[0, :32] = 0
-        y = K.linear_packed(x, blob, scale, "q8g", n, k, group=group, backend=backend, threads=2, offsets=offsets,
-                            q8g_input="int8")
+        y = K.linear_packed(x, blob, stored_scale, "q8g", n, k, group=group, backend=backend, threads=2,
+                            offsets=offsets, q8g_input="int8")
         np.testing.assert_array_equal(y, q8g_int8_contract(x, q, scale, group, offsets), err_msg=f"m={m}")
 
 
@@ -639,8 +649,8 @@ def test_q8g_bad_arguments():
     with pytest.raises(ValueError, match="q8g: always 0"):
         K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float32), "q8g", 16, 64, group=32,
                         hadamard=128)
-    with pytest.raises(ValueError, match=r"float32 \[K/group, N\]"):
-        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float16), "q8g", 16, 64, group=32)
+    with pytest.raises(ValueError, match=r"float32 or float16 \[K/group, N\]"):
+        K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float64), "q8g", 16, 64, group=32)
     with pytest.raises(ValueError, match="q8g activations must be 'int8' or 'f32', got 'int4'"):
         K.linear_packed(x, np.zeros(1024, np.uint8), np.zeros((2, 16), np.float32), "q8g", 16, 64, group=32,
                         q8g_input="int4")

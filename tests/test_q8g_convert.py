@@ -423,6 +423,9 @@ def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
             group = 16 if qtype in ("Q6_K", "Q3_K") else 32
             dtype = "q8ga" if qtype == "Q4_1" else "q8g"   # Q4_1 has a minimum per block: an offset
             assert t[name]["dtype"] == dtype and t[name]["meta"] == {"hadamard": 0, "group": group}, name
+            # the blocks' own f16 scale d stays f16; d · sc (the K types) and the grid search's scales need f32
+            scale_dtype = "f16" if qtype in ("Q8_0", "Q5_0", "Q4_0", "Q4_1") else "f32"
+            assert t[name + ".scale"]["dtype"] == scale_dtype, name
             want = values[f"blk.{i}.{g}.weight"]
             codes, scales = rd.codes_and_scales(name)
             if qtype in ("Q3_K", "F16"):   # no block reader (tests/test_gguf_exact.py has those): the grid search
@@ -436,6 +439,7 @@ def test_gguf_default_is_int8g_with_the_block_types_groups(tiny_gguf):
                 assert np.abs(got - want).max() <= np.abs(want).max() / 254 * (1 + 1e-6), name
     np.testing.assert_array_equal(rd.dequantize("embed_tokens").astype(np.float32), values["token_embd.weight"])
     assert out.with_suffix(".tokenizer.json").is_file()
+    assert t["embed_tokens.scale"]["dtype"] == "f16"  # Q8_0
 
 
 def test_gguf_group_is_gcd_with_the_sub_block(tiny_gguf, tmp_path):
@@ -562,12 +566,12 @@ def test_default_model_cache_is_remade_after_a_converter_change(tmp_path, monkey
     fgm = d / f"{dm.MODEL_NAME}.fgm"
     fgm.write_bytes(b"o" * 50)
     fgm.with_suffix(".tokenizer.json").write_text("{}")
-    # the cache an existing user has: revision 4, whose Q4_K tensors were rounded into q8g
-    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8g-g32-r4",
+    # the cache an existing user has: revision 5, whose Q8_0 and Q5_0 scales were stored as f32
+    (d / "converted.json").write_text(json.dumps({"gguf_sha256": dm.GGUF_SHA256, "conversion": "int8g-g32-r5",
                                                   "fgm_bytes": 50}))
     assert dm.resolve_default_model(progress=False)[0] == str(fgm)
     assert calls == [{"weights": "int8g", "group": 32, "progress": False}], "an old cache is converted again"
     stamp = json.loads((d / "converted.json").read_text())
-    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r5" and stamp["fgm_bytes"] == 100
+    assert stamp["conversion"] == dm.CONVERSION == "int8g-g32-r6" and stamp["fgm_bytes"] == 100
     dm.resolve_default_model(progress=False)
     assert len(calls) == 1, "the new cache is reused"

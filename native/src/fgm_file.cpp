@@ -497,6 +497,14 @@ void FgmFile::check_plain(const std::string& name, DType dt, const std::vector<i
          dtype_name(dt) + " " + shape_str(shape));
 }
 
+void FgmFile::check_q8g_scale(const std::string& name, const std::vector<int64_t>& shape) const {
+  // f32, or f16 where the source's scales are f16 already (a GGUF's Q8_0, Q5_0, …: docs/fgm-extensions.md).
+  const TensorInfo& t = require(name);
+  if ((t.dtype != DType::F32 && t.dtype != DType::F16) || t.shape != shape)
+    fail("tensor '" + name + "' is " + dtype_name(t.dtype) + " " + shape_str(t.shape) + ", expected f32 or f16 " +
+         shape_str(shape));
+}
+
 void FgmFile::check_vector(const std::string& name, int64_t n) const {
   // Norm weights, layer scalars and RoPE frequencies multiply every activation: a NaN or infinity among them makes
   // every logit NaN. They are a few KB, so they are checked here; the quantised weights are not (reading them all
@@ -517,7 +525,7 @@ void FgmFile::check_linear(const std::string& name, int64_t n, int64_t k) const 
   if (t.shape != std::vector<int64_t>{n, k})
     fail("linear weight '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({n, k}));
   if (t.dtype == DType::Q8C) check_plain(name + ".scale", DType::F32, {n});
-  else if (is_paneled(t.dtype)) check_plain(name + ".scale", DType::F32, {k / t.group, n});
+  else if (is_paneled(t.dtype)) check_q8g_scale(name + ".scale", {k / t.group, n});
   else check_plain(name + ".scale", DType::F16, {k / t.group, n});
   if (t.dtype == DType::Q8GA) check_plain(name + ".offset", DType::F32, {k / t.group, n});
 }
@@ -529,7 +537,7 @@ void FgmFile::check_table(const std::string& name, int64_t r, int64_t k) const {
   if (t.shape != std::vector<int64_t>{r, k})
     fail("gather table '" + name + "' has shape " + shape_str(t.shape) + ", expected " + shape_str({r, k}));
   if (t.dtype == DType::Q8R) check_plain(name + ".scale", DType::F32, {r});
-  else if (is_paneled(t.dtype)) check_plain(name + ".scale", DType::F32, {k / t.group, r});
+  else if (is_paneled(t.dtype)) check_q8g_scale(name + ".scale", {k / t.group, r});
   else check_plain(name + ".scale", DType::F16, {r, k / 64});
   if (t.dtype == DType::Q8GA) check_plain(name + ".offset", DType::F32, {k / t.group, r});
 }

@@ -118,6 +118,7 @@ class FgmFile {
   void check_linear(const std::string& name, int64_t n, int64_t k) const;
   void check_table(const std::string& name, int64_t r, int64_t k) const;
   void check_plain(const std::string& name, DType dt, const std::vector<int64_t>& shape) const;
+  void check_q8g_scale(const std::string& name, const std::vector<int64_t>& shape) const;
   void check_vector(const std::string& name, int64_t n) const;
   void compute_signature();
 

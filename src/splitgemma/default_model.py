@@ -43,9 +43,10 @@ GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # these options changes. History: "int8-q8r-1" (q8c linears, q8r table; before revision numbers); "int8g-g32-r2"
 # (q8g); r3: the header asks for an f16 K/V cache (config.kv_cache_dtype); r4: no lm_head tensor (the q8g
 # embedding table is the tied head); r5: every tensor read from its GGUF blocks exactly, the Q4_K ones as q8ga
-# (q8g with per-group offsets), so a cache made by r4 (its Q4_K tensors rounded to int8) is converted again.
+# (q8g with per-group offsets), so a cache made by r4 (its Q4_K tensors rounded to int8) is converted again; r6: the
+# Q8_0 and Q5_0 tensors' scales stored as the f16 they are in the blocks (14.5 MB fewer for the decode step to read).
 WEIGHTS, GROUP = "int8g", 32
-CONVERTER_REVISION = 5
+CONVERTER_REVISION = 6
 CONVERSION = f"{WEIGHTS}-g{GROUP}-r{CONVERTER_REVISION}"
 
 _PART_RE = re.compile(re.escape(GGUF_NAME) + r"\.part(\d+)$")

@@ -154,6 +154,12 @@ class FgmReader:
         np_dtype = np.float32 if dtype == "f32" else np.float16
         return self.file.raw(name).view(np_dtype).reshape(info["shape"])
 
+    def _q8g_scale_dtype(self, name: str) -> str:
+        dtype = self.info(name + ".scale")["dtype"]
+        if dtype not in ("f32", "f16"):
+            raise ValueError(f"{name}.scale: dtype {dtype}, expected f32 or f16")
+        return dtype
+
     def codes_and_scales(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Integer codes [N, K] in row-major order (int8, int4 widened) and the `.scale` array as stored."""
         info = self.info(name)
@@ -187,7 +193,8 @@ class FgmReader:
             group = info["group"]
             if group <= 0 or k % group:
                 raise ValueError(f"{name}: {dtype} group {group} must be a positive divisor of K={k}")
-            scale_dtype, scale_shape = "f32", (k // group, n)
+            # f32, or f16 where the source's block scales were f16 (docs/fgm-extensions.md)
+            scale_dtype, scale_shape = self._q8g_scale_dtype(name), (k // group, n)
         elif dtype == "q4r":
             scale_dtype, scale_shape = "f16", (n, k // Q4R_GROUP)
         else:
@@ -210,7 +217,7 @@ class FgmReader:
             if offsets.shape != scales.shape:
                 raise ValueError(f"{name}.offset: shape {list(offsets.shape)}, expected {list(scales.shape)}")
             group = k // scales.shape[0]
-            cs = codes.reshape(n, k // group, group).astype(np.float32) * scales.T[:, :, None]
+            cs = codes.reshape(n, k // group, group).astype(np.float32) * scales.T.astype(np.float32)[:, :, None]
             return (cs + offsets.T[:, :, None]).reshape(n, k).astype(np.float64)
         q = codes.astype(np.float64)
         s = scales.astype(np.float64)
@@ -234,7 +241,8 @@ class FgmReader:
         codes = _panels_to_rows(self.file.raw(name).view(np.int8)[r0 * k:r1 * k], r1 - r0, k).astype(np.float32)
 
         def groups(suffix):
-            return self._plain(name + suffix, "f32").reshape(k // g, n)[:, r0:r1].T[:, :, None]
+            dtype = self._q8g_scale_dtype(name) if suffix == ".scale" else "f32"
+            return self._plain(name + suffix, dtype).astype(np.float32).reshape(k // g, n)[:, r0:r1].T[:, :, None]
 
         v = codes.reshape(r1 - r0, k // g, g) * groups(".scale")
         if info["dtype"] == "q8ga":

@@ -94,7 +94,8 @@ struct GatherTable {
   int rows = 0, cols = 0;
   int group = 0;  // q8g: scale group along the row
   const uint8_t* codes = nullptr;
-  const void* scales = nullptr;  // f16 [rows][cols/64] (q4r), f32 [rows] (q8r) or f32 [cols/group][rows] (q8g)
+  const void* scales = nullptr;  // f16 [rows][cols/64] (q4r), f32 [rows] (q8r) or f32/f16 [cols/group][rows] (q8g)
+  bool scales_f16 = false;        // q8g: f16 scales
   const float* offsets = nullptr;  // a q8ga table (dtype Q8G here): f32 [cols/group][rows]; else null
   void row(int r, float mult, float* out) const;
 };

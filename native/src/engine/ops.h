@@ -33,10 +33,11 @@ void gather_q4r(const uint8_t* codes, const uint16_t* scales, int k, float mult,
 void gather_q8r(const int8_t* codes, float scale, int k, float mult, float* out);
 
 // Row `lane` of one 16-row panel of a q8g table (docs/fgm-extensions.md): out[j] = code · s[j/group][row] · mult,
-// where panel points at the panel's codes and scales at s[0][row] (stride n between groups); a q8ga table's offsets
-// (same layout as the scales; null for q8g) make it out[j] = (code · s + o) · mult, each step an f32 rounding.
-void gather_q8g(const int8_t* panel, int lane, const float* scales, const float* offsets, int n, int group, int k,
-                float mult, float* out);
+// where panel points at the panel's codes and scales at s[0][row] (f32, or f16 when scales_f16; stride n between
+// groups); a q8ga table's offsets (f32, same layout; null for q8g) make it out[j] = (code · s + o) · mult, each step
+// an f32 rounding.
+void gather_q8g(const int8_t* panel, int lane, const void* scales, bool scales_f16, const float* offsets, int n,
+                int group, int k, float mult, float* out);
 
 // In-place orthonormal Walsh–Hadamard transform (H_block / √block, Sylvester order) of every block of `block` floats
 // of x[0..n); block is a power of two dividing n (1: nothing to do). Applying it twice gives x back (up to rounding).

@@ -318,11 +318,12 @@ void gather_q8r(const int8_t* codes, float row_scale, int k, float mult, float* 
   for (; i < k; ++i) out[i] = codes[i] * row_scale * mult;
 }
 
-void gather_q8g(const int8_t* panel, int lane, const float* scales, const float* offsets, int n, int group, int k,
-                float mult, float* out) {
+void gather_q8g(const int8_t* panel, int lane, const void* scales, bool scales_f16, const float* offsets, int n,
+                int group, int k, float mult, float* out) {
   // Column-strided reads (one byte per k in a 16-byte panel row): a row of the table is only a few KB.
   for (int g = 0; g < k / group; ++g) {
-    const float s = scales[int64_t(g) * n];
+    const float s = scales_f16 ? _cvtsh_ss(static_cast<const uint16_t*>(scales)[int64_t(g) * n])
+                               : static_cast<const float*>(scales)[int64_t(g) * n];
     if (offsets) {
       const float o = offsets[int64_t(g) * n];
       for (int j = g * group; j < (g + 1) * group; ++j) {

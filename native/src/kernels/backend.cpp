@@ -192,8 +192,9 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
   const int64_t n = t.rows(), k = t.cols();
   const bool q8 = t.dtype == DType::Q8C;
   const DType scale_type = t.dtype == DType::Q4G ? DType::F16 : DType::F32;
-  const bool scale_ok = s.dtype == scale_type && (q8 ? s.shape == std::vector<int64_t>{n}
-                                                     : t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n});
+  const bool type_ok = s.dtype == scale_type || (is_paneled(t.dtype) && s.dtype == DType::F16);
+  const bool scale_ok = type_ok && (q8 ? s.shape == std::vector<int64_t>{n}
+                                       : t.group > 0 && s.shape == std::vector<int64_t>{k / t.group, n});
   if (!scale_ok) throw FgmError(f.path() + ": '" + t.name + ".scale' does not match its weight");
   const TensorInfo* o = nullptr;
   if (t.dtype == DType::Q8GA) {
@@ -209,6 +210,7 @@ QLinear qlinear_from(const FgmFile& f, const TensorInfo& t) {
   w.hadamard = t.hadamard;
   w.codes = t.data;
   w.scales = s.data;
+  w.scales_f16 = is_paneled(t.dtype) && s.dtype == DType::F16;
   if (o) w.offsets = reinterpret_cast<const float*>(o->data);
   if (w.dtype == DType::Q8G) w.max_code = q8g_code_bound(w.codes, size_t(n) * k);
   return w;

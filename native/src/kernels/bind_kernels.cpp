@@ -120,10 +120,11 @@ sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales,
   const size_t n_scales = (q8 ? size_t(n) : size_t(k / group) * n) * copies;
   const char kind = scales.dtype().kind();
   const size_t scale_size = w.dtype == sg::DType::Q4G ? 2 : 4;
-  const bool dt_ok = kind == 'f' && size_t(scales.itemsize()) == scale_size;
+  // q8g: float32 or float16 scales (QLinear::scales_f16)
+  const bool dt_ok = kind == 'f' && (size_t(scales.itemsize()) == scale_size || (q8g && scales.itemsize() == 2));
   if (!dt_ok || !(scales.flags() & py::array::c_style) || size_t(scales.size()) != n_scales)
     bad(std::string("scales must be a contiguous ") +
-        (q8 ? "float32 [N]" : q8g ? "float32 [K/group, N]" : "float16 [K/group, N]") + " array" +
+        (q8 ? "float32 [N]" : q8g ? "float32 or float16 [K/group, N]" : "float16 [K/group, N]") + " array" +
         (copies > 1 ? " per copy" : ""));
   w.n = n;
   w.k = k;
@@ -131,6 +132,7 @@ sg::QLinear qlinear_from_arrays(const py::array& codes, const py::array& scales,
   w.hadamard = hadamard;
   w.codes = static_cast<const uint8_t*>(codes.data());
   w.scales = scales.data();
+  w.scales_f16 = q8g && scales.itemsize() == 2;
   if (q8g) w.max_code = sg::q8g_code_bound(w.codes, code_bytes);  // as qlinear_from does for a file's weight
   return w;
 }
@@ -264,7 +266,7 @@ void bind_kernels(py::module_& parent) {
         const bool q8g = w0.dtype == sg::DType::Q8G;
         const size_t code_bytes = w0.dtype == sg::DType::Q4G ? size_t(n) * k / 2 : size_t(n) * k;
         const size_t scale_bytes = w0.dtype == sg::DType::Q8C ? size_t(n) * 4
-                                   : q8g                     ? size_t(k / group) * n * 4
+                                   : q8g                     ? size_t(k / group) * n * (w0.scales_f16 ? 2 : 4)
                                                              : size_t(k / group) * n * 2;
         std::vector<double> times;
         {

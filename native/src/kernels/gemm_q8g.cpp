@@ -28,6 +28,12 @@ namespace {
 // rows) is bound by that latency otherwise, prefill by the FMA ports. (The int8 kernels' blocks: kQ8gYmmRows.)
 constexpr int kMaxRows = 6;
 
+// 8 scales from s on, as f32 (f16 ones widened: exact).
+inline __m256 load_scales8(Q8gScales s) {
+  return s.f16 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s.p)))
+               : _mm256_loadu_ps(static_cast<const float*>(s.p));
+}
+
 // y[i][16p .. 16p+15] += the offsets' chain of gemm.h (q8ga): off = fma(Σx over group g, o[g], off) over g, then one
 // add; outside the kernels' hot loops, whose registers it would otherwise crowd.
 template <int MR, int NP>
@@ -59,7 +65,7 @@ void add_offsets(const float* offsets, const float* xsum, int n_total, int k_tot
 // (q8g_driver.h), trickled over the k steps. Zen 3, Gemma 3 270M decode B=1: the LM head 7.2-8.0 -> 5.9-6.5 ms a
 // step (at the DRAM probe's rate), B=8 and B=32 ~6% faster.
 template <int MR, int NP, bool OFF>
-void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+void q8g_block(const F32Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                size_t pf_bytes) {
   const float* x = rows.x;
@@ -90,9 +96,9 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
         }
       }
     }
-    const float* s = scales + size_t(k0 / group) * n_total;
+    const Q8gScales s = scales + size_t(k0 / group) * n_total;
     for (int p = 0; p < NP; ++p) {
-      const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
+      const __m256 s0 = load_scales8(s + 16 * p), s1 = load_scales8(s + (16 * p + 8));
       for (int i = 0; i < MR; ++i) {
         acc[i][p][0] = _mm256_fmadd_ps(part[i][p][0], s0, acc[i][p][0]);
         acc[i][p][1] = _mm256_fmadd_ps(part[i][p][1], s1, acc[i][p][1]);
@@ -126,7 +132,7 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, const float* scales, co
 // bias·NARROW/128, exactly). Per row and step two vpmaddubsw and two vpaddw in place of two vpsignb, two vpmaddubsw,
 // two vpmaddwd and two vpaddd. The same exact sums, so the same bits.
 template <int MR, int NP, bool OFF, int U, bool TILED, int NARROW>
-void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                     size_t pf_bytes) {
   const size_t panel_bytes = size_t(k_total) * 16;
@@ -142,7 +148,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
   const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // -128·Σc of unit u at + u·m
   alignas(32) __m256i part[MR][NP][2];  // NARROW: the int32 folds of a unit so far, past the first
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
-    const float* s = scales + size_t(k0 / group) * n_total;
+    const Q8gScales s = scales + size_t(k0 / group) * n_total;
     if (k0 % group == 0) prefetch_next_scales<NP>(s);
     __m256i acc[MR][NP][2];
     for (int i = 0; i < MR; ++i)
@@ -214,7 +220,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, const float* scal
           for (int h = 0; h < 2; ++h) acc[i][p][h] = _mm256_add_epi32(acc[i][p][h], drop);
       }
     for (int p = 0; p < NP; ++p) {
-      const __m256 s0 = _mm256_loadu_ps(s + 16 * p), s1 = _mm256_loadu_ps(s + 16 * p + 8);
+      const __m256 s0 = load_scales8(s + 16 * p), s1 = load_scales8(s + (16 * p + 8));
       const __m256 sv[2] = {TILED ? s0 : _mm256_permute2f128_ps(s0, s1, 0x20),
                             TILED ? s1 : _mm256_permute2f128_ps(s0, s1, 0x31)};
       for (int i = 0; i < MR; ++i) {

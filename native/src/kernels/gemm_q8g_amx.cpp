@@ -37,7 +37,7 @@ using namespace sg::amx;
 
 struct PanelArgs {
   const int8_t* bt;      // the panel's codes in B's layout: unit u's tile at u·U·16
-  const float* scales;   // the panel's column 0 of group 0 ([K/G][N])
+  Q8gScales scales;      // the panel's column 0 of group 0 ([K/G][N])
   const float* offsets;  // the same for q8ga, else null
   int n_total, k_total, group;
 };
@@ -55,8 +55,8 @@ inline void product(const int8_t* x, long k_total, const int8_t* b, int u) {
 // Where the fold of the next unit finds its scales: the folds go in unit order, the weight scales move on a group,
 // the activation scales every 32 inputs.
 struct FoldScales {
-  const float* ws;  // the weight scales of the panel's 16 columns
-  const float* as;  // the activation scales of the block's rows
+  Q8gScales ws;      // the weight scales of the panel's 16 columns
+  const float* as;   // the activation scales of the block's rows
   int ws_left, as_left;
 };
 
@@ -66,12 +66,12 @@ struct FoldScales {
 template <int MR, int U>
 __attribute__((always_inline)) inline void fold(__m512 (&acc)[MR], const int32_t* sums, FoldScales& f,
                                                 const PanelArgs& pa, int m, PrefetchTrickle& next) {
-  const __m512 sv = _mm512_loadu_ps(f.ws);
+  const __m512 sv = load_scales16(f.ws);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * i)),
                              _mm512_mul_ps(sv, _mm512_set1_ps(f.as[i])), acc[i]);
-  if (--f.ws_left == 0) f.ws += pa.n_total, f.ws_left = pa.group / U;
+  if (--f.ws_left == 0) f.ws = f.ws + size_t(pa.n_total), f.ws_left = pa.group / U;
   if (--f.as_left == 0) f.as += m, f.as_left = 32 / U;
   next.step();
 }
@@ -147,7 +147,7 @@ void stream_rows(const Q8gActs& a, const QLinear& w, const float* xsum, float* y
   constexpr size_t ub = size_t(U) * 16;  // a unit's code bytes
   const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes) + size_t(p0) * w.k * 16;
   const int8_t* end = reinterpret_cast<const int8_t*>(w.codes) + size_t(w.n) * w.k;
-  const float* scales = static_cast<const float*>(w.scales);
+  const Q8gScales scales = q8g_scales(w);
   const long k = w.k, units = w.k / U, total = long(p1 - p0) * units;
   const int ng = w.k / w.group;
   alignas(64) int32_t sums[4][256];
@@ -158,7 +158,7 @@ void stream_rows(const Q8gActs& a, const QLinear& w, const float* xsum, float* y
     if (q >= w.n / 16) return;
     for (int g = 0; g < ng; ++g) {
       const size_t at = size_t(g) * w.n + 16 * size_t(q);
-      _mm_prefetch(reinterpret_cast<const char*>(scales + at), _MM_HINT_T1);
+      _mm_prefetch((scales + at).bytes(), _MM_HINT_T1);
       if (OFF) _mm_prefetch(reinterpret_cast<const char*>(w.offsets + at), _MM_HINT_T1);
     }
   };
@@ -190,7 +190,7 @@ void stream_rows(const Q8gActs& a, const QLinear& w, const float* xsum, float* y
         }                                                                                                         \
         if constexpr (OFF) add_offsets_zmm<MR, 1>(pa.offsets, xsum, w.n, w.k, w.group, yo, ldy);                  \
         fu = 0, ++fp;                                                                                             \
-        pa.scales += 16, pa.offsets = OFF ? pa.offsets + 16 : nullptr;                                            \
+        pa.scales = pa.scales + 16, pa.offsets = OFF ? pa.offsets + 16 : nullptr;                                 \
         f = FoldScales{pa.scales, a.scale, w.group / U, 32 / U};                                                  \
       }                                                                                                           \
     }                                                                                                             \
@@ -222,7 +222,7 @@ constexpr int kPrefillPanelBlock = 4;
 template <int U>
 void panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0, int p1) {
   const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes);
-  const float* scales = static_cast<const float*>(w.scales);
+  const Q8gScales scales = q8g_scales(w);
   const bool off = w.offsets != nullptr;
   const int ng = w.k / w.group, panels_total = w.n / 16, row_blocks = (m + 15) / 16;
   if (row_blocks == 1) {
@@ -243,7 +243,7 @@ void panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float*
     const int ne = std::min(pe + block, panels_total);
     for (int g = 0; g < ng; ++g)
       for (int q = pe; q < ne; ++q) {
-        _mm_prefetch(reinterpret_cast<const char*>(scales + size_t(g) * w.n + 16 * q), _MM_HINT_T1);
+        _mm_prefetch((scales + (size_t(g) * w.n + 16 * q)).bytes(), _MM_HINT_T1);
         if (off) _mm_prefetch(reinterpret_cast<const char*>(w.offsets + size_t(g) * w.n + 16 * q), _MM_HINT_T1);
       }
     PrefetchTrickle next(codes + size_t(pe) * panel_bytes, size_t(ne - pe) * panel_bytes,

@@ -42,7 +42,7 @@ void store_tile(const float (&tile)[MR][NP][16], float* y, int ldy) {
 // Streaming: the next panels' scales are prefetched one block ahead, their codes as the driver shares them out
 // (q8g_driver.h), trickled over the k steps.
 template <int MR, int NP, bool OFF>
-void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                    const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                    size_t pf_bytes) {
   const float* x = rows.x;
@@ -51,7 +51,7 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total));
   alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, g = 0; k0 < k_total; k0 += group, ++g) {
-    const float* s = scales + size_t(g) * n_total;
+    const Q8gScales s = scales + size_t(g) * n_total;
     prefetch_next_scales<NP>(s);
     __m512 part[MR][NP];
     for (int i = 0; i < MR; ++i)
@@ -68,7 +68,7 @@ void q8g_block_zmm(const F32Rows& rows, const int8_t* codes, const float* scales
       }
     }
     for (int p = 0; p < NP; ++p) {
-      const __m512 sv = _mm512_loadu_ps(s + 16 * p);
+      const __m512 sv = load_scales16(s + 16 * p);
       for (int i = 0; i < MR; ++i) {
         const __m512 acc = g == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tile[i][p]);
         _mm512_store_ps(tile[i][p], _mm512_fmadd_ps(part[i][p], sv, acc));
@@ -105,7 +105,7 @@ void repack_vnni(const int8_t* codes, size_t bytes, int8_t* out) {
 }
 
 template <int MR, int NP, bool OFF, int U, bool REPACKED>
-void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                         const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
                         size_t pf_bytes) {
   const size_t panel_bytes = size_t(k_total) * 16;
@@ -117,7 +117,7 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
   alignas(64) float tile[MR][NP][16];
   for (int k0 = 0, u = 0; k0 < k_total; k0 += U, ++u) {
-    const float* s = scales + size_t(k0 / group) * n_total;
+    const Q8gScales s = scales + size_t(k0 / group) * n_total;
     if (k0 % group == 0) prefetch_next_scales<NP>(s);
     __m512i acc[MR][NP];
     for (int i = 0; i < MR; ++i) {
@@ -144,7 +144,7 @@ void q8g_int8_block_zmm(const Int8Rows& rows, const int8_t* codes, const float* 
       }
     }
     for (int p = 0; p < NP; ++p) {
-      const __m512 sv = _mm512_loadu_ps(s + 16 * p);
+      const __m512 sv = load_scales16(s + 16 * p);
       for (int i = 0; i < MR; ++i) {
         const __m512 sc = _mm512_mul_ps(sv, _mm512_set1_ps(as[size_t(k0 / 32) * a.m + i]));
         const __m512 prev = u == 0 ? _mm512_setzero_ps() : _mm512_load_ps(tile[i][p]);

@@ -33,7 +33,7 @@ struct Int8Rows {
 // pf, pf_bytes: codes the block prefetches into L2 while it runs, spread evenly over its walk along K (the driver's
 // share for it of the panels that come next).
 template <class Rows>
-using Q8gBlockFn = void (*)(const Rows& rows, const int8_t* codes, const float* scales, const float* offsets,
+using Q8gBlockFn = void (*)(const Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                             const float* xsum, int n_total, int k_total, int group, float* y, int ldy,
                             const int8_t* pf, size_t pf_bytes);
 
@@ -55,8 +55,8 @@ class PrefetchTrickle {
 // A group's scales of the NP panels after a register block's own (the next block's), into L2 one block ahead.
 // s: the group's scales of the block's first panel.
 template <int NP>
-inline void prefetch_next_scales(const float* s) {
-  for (int p = 0; p < NP; ++p) _mm_prefetch(reinterpret_cast<const char*>(s + 16 * (NP + p)), _MM_HINT_T1);
+inline void prefetch_next_scales(Q8gScales s) {
+  for (int p = 0; p < NP; ++p) _mm_prefetch((s + 16 * (NP + p)).bytes(), _MM_HINT_T1);
 }
 
 template <class Rows>
@@ -96,7 +96,7 @@ template <class Rows>
 inline void q8g_drive(const Q8gKernels<Rows>& kk, const Rows& rows, int m, const QLinear& w, const float* xsum,
                       float* y, int ldy, int p0, int p1) {
   const int8_t* codes = reinterpret_cast<const int8_t*>(w.codes);
-  const float* scales = static_cast<const float*>(w.scales);
+  const Q8gScales scales = q8g_scales(w);
   const bool off = w.offsets != nullptr;
   const int ng = w.k / w.group;
   const int rows_per_block = q8g_rows_per_block(m, kk.max_rows);

@@ -1,5 +1,5 @@
-// zmm pieces of the q8g GEMM: the panel transposition its VNNI kernels (gemm_q8g_avx512.cpp) want (the AMX kernel,
-// gemm_q8g_amx.cpp, does it in one vpermb) and the offsets' epilogue (q8ga) of both. Internal linkage on purpose, as
+// zmm pieces of the q8g GEMM: the scales' loads, the panel transposition its VNNI kernels (gemm_q8g_avx512.cpp) want
+// (the AMX kernel, gemm_q8g_amx.cpp, does it in one vpermb) and the offsets' epilogue (q8ga) of both. Internal linkage on purpose, as
 // q8g_driver.h: each translation unit compiles its own copy with its own ISA flags.
 #pragma once
 
@@ -8,8 +8,16 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "gemm.h"
+
 namespace sg::detail {
 namespace {
+
+// 16 scales from s on, as f32 (f16 ones widened: exact).
+inline __m512 load_scales16(Q8gScales s) {
+  return s.f16 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.p)))
+               : _mm512_loadu_ps(static_cast<const float*>(s.p));
+}
 
 // One 64-byte load of a panel holds 4 inputs (k .. k+3) × its 16 columns, input-major; vpdpbusd and tdpbssd both
 // want each column's 4 inputs in one dword (a tile row of B: 16 columns × 4 inputs). In two shuffles, since the VNNI

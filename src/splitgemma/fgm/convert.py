@@ -127,7 +127,8 @@ class _Converter:
                     names = same.pop((it.source, it.group), None)
                     if names:  # else already written with the first of its names
                         n, k = it.shape
-                        self.linear(Linear(it.name, it.source, n, k, it.dtype, it.group), names)
+                        self.linear(Linear(it.name, it.source, n, k, it.dtype, it.group,
+                                           scale_dtype=it.scale_dtype), names)
                 elif isinstance(it, Plain):
                     v = self.ckpt.rows(self.prefix + it.source).reshape(it.shape)
                     if it.offset:
@@ -186,6 +187,11 @@ class _Converter:
             elif it.dtype in PANELED:
                 q, s, o = exact if exact is not None else (*quant.quantize_q8_groups(w, it.group), None)
                 out["blob"], out["scale"] = quant.panel_order(q), s.T
+                if it.scale_dtype == "f16":  # the blocks' own f16 scales (Q8gLayout): stored as they are
+                    out["scale"] = out["scale"].astype(np.float16)
+                    if not np.array_equal(out["scale"].astype(np.float32), s.T):
+                        raise ConversionError(f"{src}: planned with f16 scales, but rows [{r0}, {r1}) hold scales "
+                                              "that f16 does not (internal error)")
                 if o is not None:
                     out["offset"] = o.T
             else:
@@ -205,6 +211,8 @@ class _Converter:
             return out
 
         scale_dtype = {"q4g": np.float16, "q8g": np.float32, "q8ga": np.float32}.get(it.dtype)
+        if it.dtype in PANELED and it.scale_dtype == "f16":
+            scale_dtype = np.float16
         scales = None if scale_dtype is None else np.empty((it.k // it.group, it.n), dtype=scale_dtype)
         offsets = np.empty((it.k // it.group, it.n), dtype=np.float32) if it.dtype == "q8ga" else None
         err_num = err_den = 0.0

@@ -107,6 +107,9 @@ def _split(type_name: str, raw: np.ndarray):
 EXACT_TYPES = {"Q8_0": (32, 32), "Q4_0": (32, 32), "Q5_0": (32, 32), "Q4_1": (32, 32), "Q5_1": (32, 32),
                "Q4_K": (QK_K, 32), "Q5_K": (QK_K, 32), "Q6_K": (QK_K, 16)}
 WITH_OFFSETS = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+# The types whose group scale is the block's own f16 d: a q8g tensor made of them stores its scales as f16, half the
+# bytes of f32 and the same values (the K types' d · sc needs more bits than f16's 11).
+F16_SCALES = ("Q8_0", "Q4_0", "Q5_0", "Q4_1", "Q5_1")
 
 
 def q8g_groups(type_name: str, raw: np.ndarray, k: int, group: int):

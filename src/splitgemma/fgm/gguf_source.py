@@ -29,6 +29,7 @@ import numpy as np
 
 from . import ggml_blocks
 from .errors import ConversionError
+from .inventory import Q8gLayout
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("gemma3",)
@@ -250,17 +251,20 @@ class GgufCheckpoint:
         # GGML lists dimensions innermost first: a [N, K] weight is stored as ne = [K, N].
         return GgufTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
 
-    def q8g_layout(self, name: str, group: int) -> tuple[str, int]:
-        """(dtype, group) of the int8g tensor made from ``name`` when asked to use ``group``: the group is
-        gcd(group, its GGML type's sub-block); the dtype is q8ga for the block types with a minimum (Q4_K, Q5_K,
-        Q4_1, Q5_1: ggml_blocks.WITH_OFFSETS), else q8g. ("q8g", group) for a float tensor or a name the file lacks
-        (the converter reports a missing tensor on its own)."""
+    def q8g_layout(self, name: str, group: int) -> Q8gLayout:
+        """The layout of the int8g tensor made from ``name`` when asked to use ``group``: the group is gcd(group, its
+        GGML type's sub-block); the dtype is q8ga for the block types with a minimum (Q4_K, Q5_K, Q4_1, Q5_1:
+        ggml_blocks.WITH_OFFSETS), else q8g; the scales are f16 for the types whose scale is the block's f16 d
+        (ggml_blocks.F16_SCALES), else f32. Q8gLayout("q8g", group) for a float tensor or a name the file lacks (the
+        converter reports a missing tensor on its own)."""
         if name not in self:
-            return "q8g", group
+            return Q8gLayout("q8g", group)
         t = self._tensors[self._by_hf[name]]
         kind = t.tensor_type.name
         sub = ggml_sub_block(kind, self._block_sizes.get(t.tensor_type, 1))
-        return ("q8ga" if kind in ggml_blocks.WITH_OFFSETS else "q8g"), (group if sub is None else math.gcd(group, sub))
+        return Q8gLayout("q8ga" if kind in ggml_blocks.WITH_OFFSETS else "q8g",
+                         group if sub is None else math.gcd(group, sub),
+                         "f16" if kind in ggml_blocks.F16_SCALES else "f32")
 
     def q8g_rows(self, name: str, start: int, stop: int, group: int):
         """Rows [start, stop) of a tensor of a block type in ggml_blocks.EXACT_TYPES as (codes int8, scale f32,

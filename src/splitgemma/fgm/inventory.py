@@ -19,7 +19,7 @@ norms, layer_scalar, rope.<type>.inv_freq              f32
 =====================================================  =======================================
 
 "int8g" (docs/fgm-extensions.md) stores every linear above and the embed_tokens table as q8g (int8, one f32 scale
-per row and group of G inputs, unrotated, no .i8 twins); that table is also the tied LM head, so there is no lm_head
+per row and group of G inputs, f16 where a GGUF's blocks hold it so, unrotated, no .i8 twins); that table is also the tied LM head, so there is no lm_head
 tensor. embed_tokens_per_layer stays q4r.
 A tensor's group may be smaller than G when its source says so (a GGUF block type: gguf_source.ggml_sub_block).
 
@@ -32,7 +32,7 @@ q8g is never rotated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .errors import ConversionError
 from .hadamard import BLOCK as HADAMARD_BLOCK, rotatable
@@ -60,6 +60,14 @@ class Plain:
         return [TensorEntry(self.name, "f32", self.shape)]
 
 
+class Q8gLayout(NamedTuple):
+    """How an int8g tensor is stored: q8g or q8ga, its scale group, and its scales' dtype: "f32", or "f16" where the
+    source's scales are f16 already (a GGUF's Q8_0, Q5_0, …: half the bytes, the same values)."""
+    dtype: str
+    group: int
+    scale_dtype: str = "f32"
+
+
 @dataclass(frozen=True)
 class Linear:
     """A linear weight [N, K] = [out, in]: q4g, q8c, q8g or q8ga, optionally (q4g) with an int8 twin."""
@@ -70,6 +78,7 @@ class Linear:
     dtype: str          # "q4g", "q8c", "q8g" or "q8ga"
     group: int          # scale group along K (0 for q8c)
     twin: bool = False  # also store <name>.i8 (q8c) for prefill-sized GEMMs
+    scale_dtype: str = "f32"  # q8g/q8ga: "f32" or "f16" (Q8gLayout)
 
     @property
     def hadamard(self) -> int:
@@ -85,7 +94,7 @@ class Linear:
             out = [TensorEntry(self.name, "q4g", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f16", (self.k // self.group, self.n))]
         elif self.dtype in PANELED:
-            out = q8g_entries(self.name, self.n, self.k, self.group, self.dtype)
+            out = q8g_entries(self.name, self.n, self.k, self.group, self.dtype, self.scale_dtype)
         else:
             out = [TensorEntry(self.name, "q8c", self.shape, meta),
                    TensorEntry(self.name + ".scale", "f32", (self.n,))]
@@ -106,10 +115,12 @@ class Linear:
         return p
 
 
-def q8g_entries(name: str, n: int, k: int, group: int, dtype: str = "q8g") -> list[TensorEntry]:
-    """A q8g weight and its f32 scales, stored transposed [K/G, N]; a q8ga one also its f32 offsets, alike."""
+def q8g_entries(name: str, n: int, k: int, group: int, dtype: str = "q8g",
+                scale_dtype: str = "f32") -> list[TensorEntry]:
+    """A q8g weight and its f32 (or f16) scales, stored transposed [K/G, N]; a q8ga one also its f32 offsets,
+    alike."""
     out = [TensorEntry(name, dtype, (n, k), {"hadamard": 0, "group": group}),
-           TensorEntry(name + ".scale", "f32", (k // group, n))]
+           TensorEntry(name + ".scale", scale_dtype, (k // group, n))]
     if dtype == "q8ga":
         out.append(TensorEntry(name + ".offset", "f32", (k // group, n)))
     return out
@@ -135,6 +146,7 @@ class Table:
     k: int
     dtype: str = "q4r"
     group: int = 0      # q8g/q8ga only
+    scale_dtype: str = "f32"  # q8g/q8ga: "f32" or "f16" (Q8gLayout)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -142,7 +154,7 @@ class Table:
 
     def entries(self) -> list[TensorEntry]:
         if self.dtype in PANELED:
-            return q8g_entries(self.name, self.rows, self.k, self.group, self.dtype)
+            return q8g_entries(self.name, self.rows, self.k, self.group, self.dtype, self.scale_dtype)
         if self.dtype == "q8r":
             return [TensorEntry(self.name, "q8r", self.shape), TensorEntry(self.name + ".scale", "f32", (self.rows,))]
         return [TensorEntry(self.name, "q4r", self.shape),
@@ -239,13 +251,14 @@ def fitting_group(cfg: TextConfig, weights: str, emb_bits: int | None = None) ->
 
 def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT_GROUP,
                     emb_bits: int | None = None,
-                    layout_of: Callable[[str], tuple[str, int]] | None = None) -> list[Item]:
+                    layout_of: Callable[[str], Q8gLayout] | None = None) -> list[Item]:
     """All items of the file for this config, in emission order. emb_bits 8 stores the token
     embedding as q8r and the (tied) LM head as q8c instead of q4r / q4g (default 4); int8g stores both q8g
     (emb_bits None or 8).
 
-    layout_of (int8g only): (dtype, group) of the tensor made from a given source name, when the source
-    constrains it (a GGUF block type: q8ga for blocks with minimums, and the group); default ("q8g", ``group``).
+    layout_of (int8g only): the Q8gLayout of the tensor made from a given source name, when the source constrains
+    it (a GGUF block type: q8ga for blocks with minimums, the group, f16 scales where the blocks' are); default
+    Q8gLayout("q8g", ``group``).
     """
     check_options(weights, group, emb_bits)
     emb_bits = resolve_emb_bits(weights, emb_bits)
@@ -256,13 +269,14 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
     ffn_group = 0 if weights == "int8" else group
     ffn_twin = weights == "dual"
 
-    def q8g_layout(source):
-        return ("q8g", group) if layout_of is None else layout_of(source)
+    def q8g_layout(source) -> Q8gLayout:
+        return Q8gLayout("q8g", group) if layout_of is None else layout_of(source)
 
     def q8(name, source, n, k):
         """The int8 linears: q8c, or q8g/q8ga with int8g."""
         if weights == "int8g":
-            return Linear(name, source, n, k, *q8g_layout(source))
+            lay = q8g_layout(source)
+            return Linear(name, source, n, k, lay.dtype, lay.group, scale_dtype=lay.scale_dtype)
         return Linear(name, source, n, k, "q8c", 0)
 
     def ffn(name, source, n, k):
@@ -273,7 +287,8 @@ def build_inventory(cfg: TextConfig, weights: str = "dual", group: int = DEFAULT
     if weights == "int8g":
         emb = "embed_tokens.weight"
         # one q8g table is both the embedding and the tied LM head (no lm_head tensor: docs/fgm-extensions.md)
-        items: list[Item] = [Table("embed_tokens", emb, v, h, *q8g_layout(emb))]
+        lay = q8g_layout(emb)
+        items: list[Item] = [Table("embed_tokens", emb, v, h, lay.dtype, lay.group, lay.scale_dtype)]
     else:
         items = [
             Table("embed_tokens", "embed_tokens.weight", v, h, "q8r" if emb_bits == 8 else "q4r"),

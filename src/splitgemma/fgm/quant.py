@@ -4,7 +4,7 @@
 * q4g: int4 with one f16 scale per (row, group of G along K), AMX tile order, 64-block half-split
   nibbles (§3.3). Scales are stored transposed, [K/G, N].
 * q8r / q4r: row-major gather tables (§3.4, §3.5); q4r always uses group 64 and stores [R, K/64].
-* q8g (docs/fgm-extensions.md): int8 with one f32 scale per (row, group of G along K), 16-column panels,
+* q8g (docs/fgm-extensions.md): int8 with one f32 (or f16) scale per (row, group of G along K), 16-column panels,
   never rotated; scales stored transposed, [K/G, N]. Grid-aligned input (a GGUF's blocks) is kept exactly.
 
 The arithmetic follows fastgemma's converter closely enough to reproduce its files byte for byte:

@@ -106,12 +106,16 @@ int main(int argc, char** argv) {
           std::printf("MISMATCH amx %s n=%d k=%d group=%d m=%d guard=%d\n", what, sh.n, sh.k, sh.group, m, guard);
         }
       }
-  // q8g (weight-only, f32 activations): the zmm kernel of the VNNI/AMX hosts against the AVX2 one.
+  // q8g (weight-only, f32 activations): the zmm kernel of the VNNI/AMX hosts against the AVX2 one; with f32 scales,
+  // and with f16 ones (QLinear::scales_f16), where the AVX2 kernels must also match themselves on f32 copies.
   const std::vector<Shape> q8g_shapes = {{16, 64, 64, 0}, {48, 640, 32, 0}, {272, 640, 16, 0}, {64, 2048, 32, 0},
                                          {32, 40, 8, 0},  {400, 96, 1, 0}, {32, 256, 128, 0}};
   for (const Shape& sh : q8g_shapes)
     for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32, 33, 40})
-    for (bool with_offsets : {false, true}) {  // q8g, and q8ga (offsets)
+    for (bool with_offsets : {false, true})  // q8g, and q8ga (offsets)
+    for (bool f16 : {false, true}) {
+      // f16 scales on the row counts of each kernel's paths (one register block, several, the AMX stream, prefill)
+      if (f16 && m != 1 && m != 5 && m != 9 && m != 13 && m != 33) continue;
       std::vector<float> x(size_t(m) * sh.k);
       for (float& v : x) v = normal(rng);
       std::vector<uint8_t> codes(size_t(sh.n) * sh.k);
@@ -119,30 +123,48 @@ int main(int argc, char** argv) {
       for (uint8_t& c : codes)
         if (c == 0x80) c = 0x81;  // int8 codes are in [-127, 127]
       std::vector<float> scales(size_t(sh.k / sh.group) * sh.n);
-      for (float& v : scales) v = uni(rng);
+      std::vector<uint16_t> scales16(scales.size());
+      for (size_t i = 0; i < scales.size(); ++i) {
+        scales16[i] = _cvtss_sh(uni(rng), 0);
+        scales[i] = _cvtsh_ss(scales16[i]);  // the same values in f32
+      }
       QLinear w;
       w.dtype = DType::Q8G;
       w.n = sh.n;
       w.k = sh.k;
       w.group = sh.group;
       w.codes = codes.data();
-      w.scales = scales.data();
+      w.scales = f16 ? static_cast<const void*>(scales16.data()) : static_cast<const void*>(scales.data());
+      w.scales_f16 = f16;
+      QLinear w32 = w;  // the f32 copy of the same scales
+      w32.scales = scales.data();
+      w32.scales_f16 = false;
       std::vector<float> offsets(scales.size());
       for (float& v : offsets) v = normal(rng);
-      if (with_offsets) w.offsets = offsets.data();
+      if (with_offsets) w.offsets = w32.offsets = offsets.data();
       std::vector<float> xsum(size_t(m) * (sh.k / sh.group));  // the group sums gemm_q8g passes with offsets
       detail::q8g_group_sums(x.data(), sh.k, m, sh.k, sh.group, xsum.data());
       const float* xs = with_offsets ? xsum.data() : nullptr;
       std::vector<float> ya(size_t(m) * sh.n, -1.f), yz(ya);
       detail::gemm_q8g_panels(x.data(), sh.k, m, w, xs, ya.data(), sh.n, 0, sh.n / 16);
+      if (f16) {
+        std::vector<float> y32(ya.size(), -4.f);
+        detail::gemm_q8g_panels(x.data(), sh.k, m, w32, xs, y32.data(), sh.n, 0, sh.n / 16);
+        ++runs;
+        if (std::memcmp(ya.data(), y32.data(), ya.size() * sizeof(float))) {
+          ++failures;
+          std::printf("MISMATCH %s f16 scales avx2 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n,
+                      sh.k, sh.group, m);
+        }
+      }
       // the zmm kernel on another split of the panels (its result must not depend on it either)
       for (int p = 0; p < sh.n / 16; p += 5)
         detail::gemm_q8g_panels_avx512(x.data(), sh.k, m, w, xs, yz.data(), sh.n, p, std::min(p + 5, sh.n / 16));
       ++runs;
       if (std::memcmp(ya.data(), yz.data(), ya.size() * sizeof(float))) {
         ++failures;
-        std::printf("MISMATCH %s avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
-                    sh.group, m);
+        std::printf("MISMATCH %s%s avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g",
+                    f16 ? " f16 scales" : "", sh.n, sh.k, sh.group, m);
       }
       if (!q8g_runs_int8(w.k, w.group)) continue;
       // int8 activations: the VNNI kernel (vpdpbusd) against the AVX2 one (vpmaddubsw on the sign trick), each on
@@ -172,17 +194,27 @@ int main(int argc, char** argv) {
           if (l == kAmx) detail::gemm_q8g_int8_panels_amx(a, m, w, xs, yx.data(), sh.n, p, p1);
         }
         if (l == kAvx2) detail::gemm_q8g_int8_panels(a, m, w, xs, yi.data(), sh.n, 0, sh.n / 16);
+        if (l == kAvx2 && f16) {
+          std::vector<float> y32(yi.size(), -4.f);
+          detail::gemm_q8g_int8_panels(a, m, w32, xs, y32.data(), sh.n, 0, sh.n / 16);
+          ++runs;
+          if (std::memcmp(yi.data(), y32.data(), yi.size() * sizeof(float))) {
+            ++failures;
+            std::printf("MISMATCH %s f16 scales int8 avx2 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g",
+                        sh.n, sh.k, sh.group, m);
+          }
+        }
       }
       ++runs;
       if (std::memcmp(yi.data(), yv.data(), yi.size() * sizeof(float))) {
         ++failures;
-        std::printf("MISMATCH %s int8 avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
-                    sh.group, m);
+        std::printf("MISMATCH %s%s int8 avx512 n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g",
+                    f16 ? " f16 scales" : "", sh.n, sh.k, sh.group, m);
       }
       if (!guard && !loss && std::memcmp(yi.data(), yx.data(), yi.size() * sizeof(float))) {
         ++failures;
-        std::printf("MISMATCH %s int8 amx n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g", sh.n, sh.k,
-                    sh.group, m);
+        std::printf("MISMATCH %s%s int8 amx n=%d k=%d group=%d m=%d\n", with_offsets ? "q8ga" : "q8g",
+                    f16 ? " f16 scales" : "", sh.n, sh.k, sh.group, m);
       }
     }
   std::printf("runs %d failures %d recoveries %llu\n", runs, failures,
