@@ -184,6 +184,8 @@ def test_default_model_every_tensor_equals_the_gguf_dequantisation(default_model
         types[name] = t.tensor_type.name
         n, k = rd.info(name)["shape"]
         assert rd.info(name)["dtype"] == ("q8ga" if t.tensor_type.name == "Q4_K" else "q8g"), name
+        # converter revision 6: the blocks' own f16 scales stay f16 (the GEMMs and the gather below read them so)
+        assert rd.info(name + ".scale")["dtype"] == ("f16" if t.tensor_type.name in ("Q8_0", "Q5_0") else "f32"), name
         step = 16384  # rows at a time: the 262,144 × 640 table in 16 slices
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
