@@ -556,18 +556,20 @@ def test_q8g_int8_input_follows_the_contract_bit_for_bit(backend, n, k, group, w
 
 
 # (lo, hi, group, q8g_code_bound): narrow codes as the GGUF block formats hold them (Q5_0 -16..15, Q4_K 0..15 with
-# offsets, Q6_K -32..31 in groups of 16), at the bounds and just past them (17: the ±32 kernel; 33: full width).
-Q8G_NARROW = [(-16, 16, 32, 16), (0, 15, 32, 16), (-32, 32, 16, 32), (-16, 16, 64, 16), (-17, 17, 32, 32),
-              (-33, 33, 16, 127), (-32, 32, 32, 32)]
+# offsets, Q6_K -32..31 in groups of 16), at the bounds and just past them (16 or -1: the ±16 kernel; 17: the ±32
+# kernel; 33: full width).
+Q8G_NARROW = [(-16, 16, 32, 16), (0, 15, 32, 15), (0, 15, 16, 15), (0, 16, 32, 16), (-1, 15, 32, 16),
+              (-32, 32, 16, 32), (-16, 16, 64, 16), (-17, 17, 32, 32), (-33, 33, 16, 127), (-32, 32, 32, 32)]
 
 
 @pytest.mark.parametrize("lo,hi,group,bound", Q8G_NARROW)
 def test_q8g_int8_input_narrow_codes_are_exact_at_their_largest_sums(backend, lo, hi, group, bound):
     """A weight whose codes all lie within ±16 or ±32 runs the AVX2 int8 kernel without the sign trick (gemm_q8g.cpp,
     NARROW: code + 16 or + 32 against the activation code, 4 or 2 steps' pairs summed in int16, the bias dropped
-    per unit): exact up to the largest sums such codes allow (every code at the bound and every activation code
-    ±127: 4 × 2 × 32 × 127 = 32512, within int16), on random codes, and on every row count; codes past 32 keep the
-    sign trick's int32 sums, as exactly."""
+    per unit; codes in 0..15 as they are, a unit's 8 steps summed in int16): exact up to the largest sums such codes
+    allow (every code at the bound and every activation code ±127: 4 × 2 × 32 × 127 = 32512, 8 × 2 × 15 × 127 =
+    30480, within int16), on random codes, and on every row count; codes past 32 keep the sign trick's int32 sums,
+    as exactly."""
     rng = np.random.default_rng(hi * 37 + group - lo)
     n, k = 48, 256
     assert K.q8g_code_bound(np.arange(lo, hi + 1, dtype=np.int8)) == bound
@@ -591,6 +593,8 @@ def test_q8g_int8_input_narrow_codes_are_exact_at_their_largest_sums(backend, lo
 def test_q8g_code_bound_reads_past_its_chunks():
     """The scan stops early only on a code past 32: one wide code at the very end of a long weight is found."""
     q = np.zeros(3 * 4096 + 5, np.int8)
+    assert K.q8g_code_bound(q) == 15
+    q[-1] = -1
     assert K.q8g_code_bound(q) == 16
     q[-1] = -20
     assert K.q8g_code_bound(q) == 32

@@ -244,6 +244,7 @@ int q8g_code_bound(const uint8_t* codes, size_t n) {
     for (int j = 0; j < 16; ++j) h = std::max(h, his[j]), l = std::min(l, los[j]);
     if (h - 0x80 > 32 || 0x80 - l > 32) return 127;
   }
+  if (l >= 0x80 && h <= 0x80 + kQ8gNibbleCodes) return kQ8gNibbleCodes;
   return std::max(h - 0x80, 0x80 - l) <= 16 ? 16 : 32;
 }
 

@@ -163,8 +163,9 @@ void bind_kernels(py::module_& parent) {
         return sg::q8g_code_bound(reinterpret_cast<const uint8_t*>(codes.data()), size_t(codes.size()));
       },
       py::arg("codes"),
-      "16 or 32 when that bounds every |code| of these q8g codes, else 127: what the engine records for a q8g weight "
-      "(QLinear::max_code), below 127 of which the AVX2 int8 kernel runs without the sign trick.");
+      "15 when every one of these q8g codes lies in 0..15, else 16 or 32 when that bounds every |code|, else 127: what "
+      "the engine records for a q8g weight (QLinear::max_code), below 127 of which the AVX2 int8 kernel runs without "
+      "the sign trick (at 15 on the codes themselves).");
 
   m.def(
       "fwht128",

@@ -76,9 +76,10 @@ struct QLinear {
   // else f32 (docs/fgm-extensions.md).
   bool scales_f16 = false;
   const float* offsets = nullptr;  // q8g from a q8ga tensor: f32[k/group][n], W = code · s + o; else null
-  // q8g: a bound on every |code| (q8g_code_bound; 127 when not scanned). The GGUF block formats a converted Gemma 3
-  // keeps exactly hold narrow codes (Q4_K 0..15 and Q5_0 -16..15: 16; Q6_K: 32), on which the AVX2 int8 kernel
-  // needs no sign trick and sums several steps' products in int16 (gemm_q8g.cpp, q8g_int8_block's NARROW).
+  // q8g: a bound on every |code| (q8g_code_bound; 127 when not scanned), or kQ8gNibbleCodes (15): every code in
+  // 0..15. The GGUF block formats a converted Gemma 3 keeps exactly hold narrow codes (Q4_K 0..15: 15; Q5_0 -16..15:
+  // 16; Q6_K: 32), on which the AVX2 int8 kernel needs no sign trick and sums several steps' products in int16
+  // (gemm_q8g.cpp, q8g_int8_block's NARROW).
   int max_code = 127;
 };
 // A q8g weight's scales (f32 or f16) from some element on: `+ i` steps i elements of either width, so the kernels
@@ -90,7 +91,9 @@ struct Q8gScales {
   const char* bytes() const { return static_cast<const char*>(p); }
 };
 inline Q8gScales q8g_scales(const QLinear& w) { return {w.scales, w.scales_f16}; }
-// 16 or 32 when that bounds |code| for each of n q8g codes (int8), else 127 (codes of -128 included).
+// QLinear::max_code of n q8g codes (int8): kQ8gNibbleCodes when each lies in 0..15, else 16 or 32 when that bounds
+// every |code|, else 127 (codes of -128 included).
+constexpr int kQ8gNibbleCodes = 15;
 int q8g_code_bound(const uint8_t* codes, size_t n);
 // Throws FgmError when t is not a q8c/q4g/q8g/q8ga linear or its companion .scale (q8ga: .offset) is missing.
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);

@@ -131,6 +131,9 @@ void q8g_block(const F32Rows& rows, const int8_t* codes, Q8gScales scales, const
 // 32767) before vpmaddwd folds them into int32; the unit's sum then drops NARROW·Σc (Q8gActs.bias = -128·Σc, so
 // bias·NARROW/128, exactly). Per row and step two vpmaddubsw and two vpaddw in place of two vpsignb, two vpmaddubsw,
 // two vpmaddwd and two vpaddd. The same exact sums, so the same bits.
+// NARROW 15 (kQ8gNibbleCodes), for codes that all lie in 0..15 (Q4_K's and Q4_1's nibbles): the code itself is the
+// unsigned operand, a pair is at most 2·15·127 = 3810, so a whole unit's steps (8 at most: 30480) add up in int16
+// before one vpmaddwd, and there is nothing to drop.
 template <int MR, int NP, bool OFF, int U, bool TILED, int NARROW>
 void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, Q8gScales scales, const float* offsets,
                     const float* xsum, int n_total, int k_total, int group, float* y, int ldy, const int8_t* pf,
@@ -142,7 +145,8 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, Q8gScales scales,
   const __m256i ones = _mm256_set1_epi16(1);
   PrefetchTrickle next(pf, pf_bytes, size_t(k_total / 4));
   alignas(32) float tile[MR][NP][16];  // columns in the order above
-  constexpr int kFoldSteps = NARROW ? 64 / NARROW : 1;  // steps whose pairs int16 holds
+  constexpr bool kNibbles = NARROW == kQ8gNibbleCodes;
+  constexpr int kFoldSteps = kNibbles ? U / 4 : NARROW ? 64 / NARROW : 1;  // steps whose pairs int16 holds
   static_assert((U / 4) % kFoldSteps == 0, "a unit is a whole number of folds");
   const __m256i code_offset = _mm256_set1_epi8(char(NARROW));
   const int32_t* bias = (U == 16 ? a.bias16 : a.bias32) + rows.m0;  // -128·Σc of unit u at + u·m
@@ -176,7 +180,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, Q8gScales scales,
           w[p][1] = _mm256_unpackhi_epi16(p01, p23);  // columns 4-7 | 12-15
         }
         for (int h = 0; h < 2; ++h)
-          uw[p][h] = NARROW ? _mm256_add_epi8(w[p][h], code_offset) : _mm256_abs_epi8(w[p][h]);
+          uw[p][h] = kNibbles ? w[p][h] : NARROW ? _mm256_add_epi8(w[p][h], code_offset) : _mm256_abs_epi8(w[p][h]);
       }
       for (int i = 0; i < MR; ++i) {
         int32_t quad;
@@ -213,7 +217,7 @@ void q8g_int8_block(const Int8Rows& rows, const int8_t* codes, Q8gScales scales,
               }
       }
     }
-    if constexpr (NARROW)
+    if constexpr (NARROW && !kNibbles)
       for (int i = 0; i < MR; ++i) {
         const __m256i drop = _mm256_set1_epi32(bias[size_t(u) * a.m + i] / (128 / NARROW));
         for (int p = 0; p < NP; ++p)
@@ -334,7 +338,8 @@ void int8_panels(const Q8gActs& a, int m, const QLinear& w, const float* xsum, f
 template <int U>
 void int8_panels_for(const Q8gActs& a, int m, const QLinear& w, const float* xsum, float* y, int ldy, int p0,
                      int p1) {
-  if (w.max_code <= 16) int8_panels<U, 16>(a, m, w, xsum, y, ldy, p0, p1);
+  if (w.max_code == kQ8gNibbleCodes) int8_panels<U, kQ8gNibbleCodes>(a, m, w, xsum, y, ldy, p0, p1);
+  else if (w.max_code <= 16) int8_panels<U, 16>(a, m, w, xsum, y, ldy, p0, p1);
   else if (w.max_code <= 32) int8_panels<U, 32>(a, m, w, xsum, y, ldy, p0, p1);
   else int8_panels<U, 0>(a, m, w, xsum, y, ldy, p0, p1);
 }
