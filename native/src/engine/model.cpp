@@ -91,8 +91,8 @@ void GatherTable::row(int r, float mult, float* out) const {
                     cols, mult, out);
   else if (dtype == DType::Q8G)
     ops::gather_q8g(reinterpret_cast<const int8_t*>(codes) + int64_t(r / 16) * cols * 16, r % 16,
-                    static_cast<const char*>(scales) + (scales_f16 ? 2 : 4) * int64_t(r), scales_f16,
-                    offsets ? offsets + r : nullptr, rows, group, cols, mult, out);
+                    (Q8gScales{scales, scales_f16} + size_t(r)).p, scales_f16, offsets ? offsets + r : nullptr, rows,
+                    group, cols, mult, out);
   else
     ops::gather_q8r(reinterpret_cast<const int8_t*>(codes) + int64_t(r) * cols, static_cast<const float*>(scales)[r],
                     cols, mult, out);

@@ -1,6 +1,6 @@
 // zmm pieces of the q8g GEMM: the scales' loads, the panel transposition its VNNI kernels (gemm_q8g_avx512.cpp) want
-// (the AMX kernel, gemm_q8g_amx.cpp, does it in one vpermb) and the offsets' epilogue (q8ga) of both. Internal linkage on purpose, as
-// q8g_driver.h: each translation unit compiles its own copy with its own ISA flags.
+// (the AMX kernel, gemm_q8g_amx.cpp, does it in one vpermb) and the offsets' epilogue (q8ga) of both. Internal
+// linkage on purpose, as q8g_driver.h: each translation unit compiles its own copy with its own ISA flags.
 #pragma once
 
 #include <immintrin.h>

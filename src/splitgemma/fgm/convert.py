@@ -102,6 +102,10 @@ def _ordered_map(fn, args, pool: ThreadPoolExecutor | None, ahead: int):
         yield pending.popleft().result()
 
 
+# numpy's dtype of each float dtype of the format
+_FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
 class _Converter:
     """Fills the planned file. Chunks are converted in worker threads (numpy releases the GIL, so
     reading, rotating, quantising and laying out proceed in parallel); this thread writes the results
@@ -210,10 +214,9 @@ class _Converter:
                 out["twin"] = (quant.tile_order(q8), s8)
             return out
 
-        scale_dtype = {"q4g": np.float16, "q8g": np.float32, "q8ga": np.float32}.get(it.dtype)
-        if it.dtype in PANELED and it.scale_dtype == "f16":
-            scale_dtype = np.float16
-        scales = None if scale_dtype is None else np.empty((it.k // it.group, it.n), dtype=scale_dtype)
+        # [K/G, N] scales (q4g, q8g, q8ga) are assembled whole, in the dtype the plan gave them; q8c's go per chunk
+        planned = {e.name: e.dtype for e in it.entries()}[it.name + ".scale"]
+        scales = None if it.dtype == "q8c" else np.empty((it.k // it.group, it.n), dtype=_FLOAT_DTYPES[planned])
         offsets = np.empty((it.k // it.group, it.n), dtype=np.float32) if it.dtype == "q8ga" else None
         err_num = err_den = 0.0
         for out in _ordered_map(work, spans, self.pool, self.ahead):

@@ -19,8 +19,8 @@ norms, layer_scalar, rope.<type>.inv_freq              f32
 =====================================================  =======================================
 
 "int8g" (docs/fgm-extensions.md) stores every linear above and the embed_tokens table as q8g (int8, one f32 scale
-per row and group of G inputs, f16 where a GGUF's blocks hold it so, unrotated, no .i8 twins); that table is also the tied LM head, so there is no lm_head
-tensor. embed_tokens_per_layer stays q4r.
+per row and group of G inputs, f16 where a GGUF's blocks hold it so, unrotated, no .i8 twins); that table is also
+the tied LM head, so there is no lm_head tensor. embed_tokens_per_layer stays q4r.
 A tensor's group may be smaller than G when its source says so (a GGUF block type: gguf_source.ggml_sub_block).
 
 Gemma 3 configs have no per-layer-input tensors, no layer_scalar, and their norms are stored as 1 + w
