@@ -10,7 +10,9 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
+#include "line_prefetch.h"
 #include "ops.h"
 
 namespace sg::ops {
@@ -26,6 +28,26 @@ inline int ring_runs(int lo, int span, int cap, Run* runs) {
   if (n0 == span) return 1;
   runs[1] = Run{0, span - n0, n0};
   return 2;
+}
+
+// The decode kernels' software prefetch reads the K rows this many rows ahead (LinePrefetch, one line a step): ~8 KiB
+// of the head's elements, a multiple of 4 rows. The hardware prefetchers stop at each 4 KiB page, which a head's K or V crosses
+// every 8-16 rows, and a decode batch's attention streams every row's slot from DRAM (measured on a batch of cold
+// slots: 2 KiB is too short for 512-dim int8 heads, 16 KiB gains nothing more).
+inline int prefetch_ahead(int head_bytes) { return std::max(4, (8192 / head_bytes) & ~3); }
+
+// A LinePrefetch over `rows` cache rows of this head from ring row `row` of the K or V plane (c.k or c.v), `bytes`
+// each.
+inline LinePrefetch head_rows(const uint8_t* plane, const AttnCache& c, int row, int rows, int bytes) {
+  return LinePrefetch{plane + int64_t(row) * c.row_bytes + c.head_off, size_t(c.row_bytes), (bytes + 63) / 64, rows};
+}
+
+// f(std::integral_constant<int, n>, h0) for the blocks [h0, h0 + n) of NH heads: n = HB, then NH % HB for the rest.
+template <int NH, int HB, class F>
+inline void for_head_blocks(F&& f) {
+  int h0 = 0;
+  for (; h0 + HB <= NH; h0 += HB) f(std::integral_constant<int, HB>{}, h0);
+  if constexpr (NH % HB != 0) f(std::integral_constant<int, NH % HB>{}, h0);
 }
 
 // The exponentials of one head's scores (sh, by position) times the softmax normaliser inv and, for int8 K/V (E, the

@@ -64,55 +64,122 @@ float rms_inv(const float* x, int n, float eps) {
   return float(1.0 / std::sqrt(double(sum_squares(x, n)) / n + double(eps)));
 }
 
-// Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j (times kscale_j for int8).
+// Scores of NH heads (q rows q_stride apart) against J consecutive cache rows (row_bytes apart) from k on:
+// out[h * span + j] = q_h . k_j (times kscale_j for int8). Each score sums its dims in the same order whatever J and
+// the head blocks are, so they change the speed and not the bits. pf: PFS lines an 8-dim step, returned for the next
+// head block.
+template <int NH, int J, int E, int PFS = 0>
+inline LinePrefetch qk_positions(const float* q, int q_stride, int hd, const uint8_t* k, int row_bytes,
+                                 const float* ks, int span, float* out, LinePrefetch pf = {}) {
+  __m256 acc[J][NH];
+  for (int jj = 0; jj < J; ++jj)
+    for (int h = 0; h < NH; ++h) acc[jj][h] = _mm256_setzero_ps();
+  for (int d = 0; d < hd; d += 8) {
+    for (int i = 0; i < PFS; ++i) pf.step();
+    __m256 kf[J];
+    for (int jj = 0; jj < J; ++jj) kf[jj] = load_kv8<E>(k + int64_t(jj) * row_bytes, d);
+    for (int h = 0; h < NH; ++h) {
+      // One load of q for the J positions: GCC would fold it into each FMA as a memory operand (J loads, and the
+      // loads, not the FMAs, then bound the loop) unless the empty asm pins it in a register.
+      __m256 qv = _mm256_loadu_ps(q + h * q_stride + d);
+      if constexpr (J > 1) asm("" : "+x"(qv));
+      for (int jj = 0; jj < J; ++jj) acc[jj][h] = _mm256_fmadd_ps(qv, kf[jj], acc[jj][h]);
+    }
+  }
+  for (int jj = 0; jj < J; ++jj)
+    for (int h = 0; h < NH; ++h) out[h * span + jj] = E != 1 ? hsum(acc[jj][h]) : hsum(acc[jj][h]) * ks[jj];
+  return pf;
+}
+
+// Scores of NH heads (q rows q_stride apart): s[h * span + j] = q_h . k_j (times kscale_j for int8). Heads go in
+// blocks of up to 4 against 2 positions at a time (4 against 1 head or 2): an FMA takes 4 cycles and Zen 3 and Intel
+// cores start two a cycle, so fewer than 8 independent sums leave the FMA pipes idle (4 heads on one position: half
+// the rate). Each group of positions is read from memory once for all head blocks; the rows prefetch_ahead on are
+// prefetched one line a step (a decode batch streams every row's slot from DRAM, and the hardware prefetchers stop at
+// each 4 KiB page).
 template <int NH, int E>
 void qk_scores(const float* q, int q_stride, int hd, const AttnCache& c, const Run* runs, int n_runs, int span,
                float* s) {
+  constexpr int HB = NH < 4 ? NH : 4, J = HB <= 2 ? 4 : 2, blocks = (NH + HB - 1) / HB;
+  // The J rows' J * hd * E / 64 lines over blocks * hd / 8 steps.
+  constexpr int PFS = (J * E + 8 * blocks - 1) / (8 * blocks);
+  const int ahead = prefetch_ahead(hd * E);
   for (int ri = 0; ri < n_runs; ++ri) {
     const uint8_t* k = c.k + int64_t(runs[ri].row) * c.row_bytes + c.head_off;
     const float* ks = E != 1 ? nullptr : c.ks + runs[ri].row;
     float* out = s + runs[ri].off;
-    for (int j = 0; j < runs[ri].len; ++j, k += c.row_bytes) {
-      __m256 acc[NH];
-      for (int h = 0; h < NH; ++h) acc[h] = _mm256_setzero_ps();
-      for (int d = 0; d < hd; d += 8) {
-        const __m256 kf = load_kv8<E>(k, d);
-        for (int h = 0; h < NH; ++h) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + d), kf, acc[h]);
-      }
-      for (int h = 0; h < NH; ++h) out[h * span + j] = E != 1 ? hsum(acc[h]) : hsum(acc[h]) * ks[j];
+    const int len = runs[ri].len;
+    int j = 0;
+    for (; j + J <= len; j += J) {
+      LinePrefetch pf = head_rows(c.k, c, runs[ri].row + j + ahead, std::min(J, len - j - ahead), hd * E);
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        pf = qk_positions<decltype(hb)::value, J, E, PFS>(q + h0 * q_stride, q_stride, hd, k + int64_t(j) * c.row_bytes,
+                                                          c.row_bytes, ks ? ks + j : nullptr, span, out + h0 * span + j,
+                                                          pf);
+      });
     }
+    for (; j < len; ++j)
+      for_head_blocks<NH, HB>([&](auto hb, int h0) {
+        qk_positions<decltype(hb)::value, 1, E>(q + h0 * q_stride, q_stride, hd, k + int64_t(j) * c.row_bytes,
+                                                c.row_bytes, ks ? ks + j : nullptr, span, out + h0 * span + j);
+      });
   }
 }
 
+// One tile of tn positions (V rows row_bytes apart from v0) into HB heads' outputs (weights w0[h * span + j]): HB x DB
+// accumulators a pass over DB blocks of 8 dims, loaded from and stored back to out. pf: one line a position step,
+// returned for the next head block (a copy, not a reference: the compiler would reload it after every store of a
+// vector, whose type may alias anything).
+template <int HB, int DB, int E>
+inline LinePrefetch pv_tile(const float* w0, int span, int hd, const uint8_t* v0, int row_bytes, int tn, float* out,
+                            int out_stride, LinePrefetch pf) {
+  for (int d = 0; d < hd; d += 8 * DB) {
+    __m256 acc[HB][DB];
+    for (int h = 0; h < HB; ++h)
+      for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_loadu_ps(out + h * out_stride + d + 8 * b);
+    const uint8_t* v = v0 + E * d;
+    for (int j = 0; j < tn; ++j, v += row_bytes) {
+      pf.step();
+      __m256 vf[DB];
+      for (int b = 0; b < DB; ++b) vf[b] = load_kv8<E>(v, 8 * b);
+      for (int h = 0; h < HB; ++h) {
+        const __m256 wj = _mm256_broadcast_ss(w0 + h * span + j);
+        for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_fmadd_ps(wj, vf[b], acc[h][b]);
+      }
+    }
+    for (int h = 0; h < HB; ++h)
+      for (int b = 0; b < DB; ++b) _mm256_storeu_ps(out + h * out_stride + d + 8 * b, acc[h][b]);
+  }
+  return pf;
+}
+
 // out_h[d] = sum_j w[h * span + j] * vcode_j[d] (the weights already carry the softmax normaliser and the V scale).
-// Positions go in tiles whose V bytes stay in L1 while all dims are swept; each pass keeps NH x DB accumulators
-// (DB blocks of 8 dims) so that enough independent FMA chains are in flight when few heads share the KV head.
-template <int NH, int DB, int E>
+// Positions go in tiles of ~16 KiB of V that stay in L1 while every head block sweeps all dims; a pass keeps HB x DB
+// accumulators (DB blocks of 8 dims; heads in blocks of up to 4, so that DB >= 2 and each broadcast weight feeds two
+// FMAs) with enough independent FMA chains in flight. Each output element sums its positions in order whatever the
+// tiles and blocks are (the partial sums go through out exactly), so they change the speed and not the bits. The next
+// tile's V rows are prefetched one line a step.
+template <int NH, int E>
 void pv_accumulate(const float* w, int span, int hd, const AttnCache& c, const Run* runs, int n_runs, float* out,
                    int out_stride) {
   for (int h = 0; h < NH; ++h) std::memset(out + h * out_stride, 0, sizeof(float) * hd);
-  const int tile = hd >= 1024 ? 16 : 16384 / hd;
+  const int tile = std::max(16, 16384 / (hd * E));
   for (int ri = 0; ri < n_runs; ++ri) {
     for (int t0 = 0; t0 < runs[ri].len; t0 += tile) {
       const int tn = runs[ri].len - t0 < tile ? runs[ri].len - t0 : tile;
       const uint8_t* v0 = c.v + int64_t(runs[ri].row + t0) * c.row_bytes + c.head_off;
       const float* w0 = w + runs[ri].off + t0;
-      for (int d = 0; d < hd; d += 8 * DB) {
-        __m256 acc[NH][DB];
-        for (int h = 0; h < NH; ++h)
-          for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_loadu_ps(out + h * out_stride + d + 8 * b);
-        const uint8_t* v = v0 + E * d;
-        for (int j = 0; j < tn; ++j, v += c.row_bytes) {
-          __m256 vf[DB];
-          for (int b = 0; b < DB; ++b) vf[b] = load_kv8<E>(v, 8 * b);
-          for (int h = 0; h < NH; ++h) {
-            const __m256 wj = _mm256_broadcast_ss(w0 + h * span + j);
-            for (int b = 0; b < DB; ++b) acc[h][b] = _mm256_fmadd_ps(wj, vf[b], acc[h][b]);
-          }
+      LinePrefetch pf = head_rows(c.v, c, runs[ri].row + t0 + tile, std::min(tile, runs[ri].len - t0 - tile), hd * E);
+      for_head_blocks<NH, 4>([&](auto hb, int h0) {
+        constexpr int HB = decltype(hb)::value;
+        const float* wh = w0 + h0 * span;
+        float* oh = out + h0 * out_stride;
+        if constexpr (HB <= 2) {
+          if (hd % 32 == 0) return void(pf = pv_tile<HB, 4, E>(wh, span, hd, v0, c.row_bytes, tn, oh, out_stride, pf));
         }
-        for (int h = 0; h < NH; ++h)
-          for (int b = 0; b < DB; ++b) _mm256_storeu_ps(out + h * out_stride + d + 8 * b, acc[h][b]);
-      }
+        if (hd % 16 == 0) return void(pf = pv_tile<HB, 2, E>(wh, span, hd, v0, c.row_bytes, tn, oh, out_stride, pf));
+        pf = pv_tile<HB, 1, E>(wh, span, hd, v0, c.row_bytes, tn, oh, out_stride, pf);
+      });
     }
   }
 }
@@ -147,13 +214,7 @@ void attend_block(const float* q, int q_stride, int hd, const AttnCache& c, int 
     // Fold the normaliser and each position's V scale into the weights.
     fold_weights<E>(sh, c, runs, n_runs, 1.0f / sum);
   }
-  if constexpr (NH <= 2) {
-    if (hd % 32 == 0) return pv_accumulate<NH, 4, E>(s, span, hd, c, runs, n_runs, out, out_stride);
-  }
-  if constexpr (NH <= 4) {
-    if (hd % 16 == 0) return pv_accumulate<NH, 2, E>(s, span, hd, c, runs, n_runs, out, out_stride);
-  }
-  pv_accumulate<NH, 1, E>(s, span, hd, c, runs, n_runs, out, out_stride);
+  pv_accumulate<NH, E>(s, span, hd, c, runs, n_runs, out, out_stride);
 }
 
 // Folds one part's outputs (part, nq heads of hd) with its stats into out, whose parts so far have the running

@@ -47,18 +47,6 @@ inline __m512 load_kv16(const uint8_t* p, int i) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
 }
 
-// Q·K's software prefetch reads the K rows this many rows ahead (LinePrefetch, one line a step): ~8 KiB of the head's
-// elements, a multiple of 4 rows. The hardware prefetchers stop at each 4 KiB page, which a head's K or V crosses
-// every 8-16 rows, and a decode batch's attention streams every row's slot from DRAM (measured on a batch of cold
-// slots: 2 KiB is too short for 512-dim int8 heads, 16 KiB gains nothing more).
-inline int prefetch_ahead(int head_bytes) { return std::max(4, (8192 / head_bytes) & ~3); }
-
-// A LinePrefetch over `rows` cache rows of this head from ring row `row` of the K or V plane (c.k or c.v), `bytes`
-// each.
-inline LinePrefetch head_rows(const uint8_t* plane, const AttnCache& c, int row, int rows, int bytes) {
-  return LinePrefetch{plane + int64_t(row) * c.row_bytes + c.head_off, size_t(c.row_bytes), (bytes + 63) / 64, rows};
-}
-
 // The sums of the 16 lanes of a0..a3, as the 4 lanes of the result (lane i: a_i). Transposes while it adds: 13
 // shuffles and adds for four dot products, where _mm512_reduce_add_ps takes ~8 dependent steps for each one.
 inline __m128i hsum4(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
@@ -78,14 +66,6 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// f(std::integral_constant<int, n>, h0) for the blocks [h0, h0 + n) of NH heads: n = HB, then NH % HB for the rest.
-template <int NH, int HB, class F>
-inline void for_head_blocks(F&& f) {
-  int h0 = 0;
-  for (; h0 + HB <= NH; h0 += HB) f(std::integral_constant<int, HB>{}, h0);
-  if constexpr (NH % HB != 0) f(std::integral_constant<int, NH % HB>{}, h0);
 }
 
 // Scores of HB heads (q rows q_stride apart) against P consecutive cache rows (P = 4, or 1 for a run's last
