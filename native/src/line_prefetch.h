@@ -1,7 +1,7 @@
 // A software prefetch spread over a loop's steps: one cache line per step() instead of a burst of them. A burst of
 // prefetches fills the core's queue of outstanding misses and stalls the loads behind it; one line a step keeps the
-// stream at the pace of the arithmetic. Used by the decode-batch GEMM panels (kernels/gemm_vnni.cpp) and the zmm
-// decode attention (engine/ops_avx512.cpp).
+// stream at the pace of the arithmetic. Used by the decode-batch GEMM panels (kernels/gemm_vnni.cpp) and the decode
+// attention (engine/ops_avx512.cpp, engine/ops_avx2.cpp).
 #pragma once
 
 #include <xmmintrin.h>
