@@ -1,6 +1,7 @@
 // The ISA-independent half of the attention kernels, shared by ops_avx2.cpp (ymm) and ops_avx512.cpp (zmm): the ring
-// runs of the cached positions, the folding of the softmax normaliser and the V scales into the weights, and the
-// loop over blocks of up to 8 query heads; and by the tile kernels (attend_rows_avx2.cpp, attend_rows_avx512.cpp):
+// runs of the cached positions, the software prefetch of the rows ahead (prefetch_ahead, head_rows), the blocks of
+// heads a pass takes (for_head_blocks), the folding of the softmax normaliser and the V scales into the weights, and
+// the loop over blocks of up to 8 query heads; and by the tile kernels (attend_rows_avx2.cpp, attend_rows_avx512.cpp):
 // the spans of a prefill block, their union, the stats a span row asks for; and the merge of a row's parts.
 // Everything here has internal linkage (an unnamed namespace), so each file compiles its own copy with its own ISA
 // flags and the linker never hands the AVX-512 copy to the AVX2 path.

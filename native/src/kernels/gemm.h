@@ -91,9 +91,10 @@ struct Q8gScales {
   const char* bytes() const { return static_cast<const char*>(p); }
 };
 inline Q8gScales q8g_scales(const QLinear& w) { return {w.scales, w.scales_f16}; }
+// QLinear::max_code of q8g codes that all lie in 0..15 (Q4_K's and Q4_1's nibbles).
+constexpr int kQ8gNibbleCodes = 15;
 // QLinear::max_code of n q8g codes (int8): kQ8gNibbleCodes when each lies in 0..15, else 16 or 32 when that bounds
 // every |code|, else 127 (codes of -128 included).
-constexpr int kQ8gNibbleCodes = 15;
 int q8g_code_bound(const uint8_t* codes, size_t n);
 // Throws FgmError when t is not a q8c/q4g/q8g/q8ga linear or its companion .scale (q8ga: .offset) is missing.
 QLinear qlinear_from(const FgmFile& f, const TensorInfo& t);
