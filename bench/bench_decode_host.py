@@ -5,9 +5,9 @@ the worker's metrics split them (splitgemma_decode_step_seconds / splitgemma_dec
     python bench/bench_decode_host.py --model /tmp/e2b.fgm --tokenizer tok.json [--batches 1,8,32] [--steps 8]
 
 It runs services/decode/batch.py's BatchLoop itself, in process, over an anonymous arena: every batch size B
-admits B sequences (prompts of --prompt-tokens random ids, prefilled once) and decodes --steps tokens each. Five
+admits B sequences (prompts of --prompt-tokens random ids, prefilled once) and decodes --steps tokens each. Six
 sampling arms, alternated and repeated (--repeats): greedy without logprobs (the argmax path), greedy with the
-token's logprob, sampled (temperature 1, top-k 64, top-p 0.95) with logprobs and 5 alternatives, and the greedy and
+token's logprob, temperature 1 over the whole vocabulary (the OpenAI API's defaults), sampled (temperature 1, top-k 64, top-p 0.95) with logprobs and 5 alternatives, and the greedy and
 sampled arms with the logits-processing parameters on (docs/sampling.md: 16 logit_bias entries, presence and
 frequency penalties 0.5, repetition_penalty 1.2 over the prompt and output, min_tokens holding off two stop ids for
 the whole run; the sampled one also min_p 0.05). Medians per step are printed, with the load average (the machine is
@@ -34,6 +34,7 @@ _PARAMS = {"logit_bias": {1000 + 37 * i: 0.5 for i in range(16)}, "presence_pena
            "repetition_penalty": 1.2, "min_tokens": 1 << 20}
 ARMS = {"greedy": pb.SamplingParams(temperature=0.0),
         "greedy+logprobs": pb.SamplingParams(temperature=0.0, logprobs=True),
+        "temperature 1": pb.SamplingParams(temperature=1.0),
         "sampled+logprobs": pb.SamplingParams(temperature=1.0, top_k=64, top_p=0.95, logprobs=True, top_logprobs=5),
         "greedy+params": pb.SamplingParams(temperature=0.0, **_PARAMS),
         "sampled+params": pb.SamplingParams(temperature=1.0, top_k=64, top_p=0.95, logprobs=True, top_logprobs=5,

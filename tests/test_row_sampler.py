@@ -223,16 +223,20 @@ def test_best_ids_are_a_full_sorts_first():
 
 def test_a_draw_takes_the_first_id_whose_running_total_exceeds_it():
     # Whole-vocabulary sampling: u is the documented SplitMix64 draw, and the token the first id whose running sum of
-    # exp((x - max) / T), in id order, exceeds u times the total (here in float64 with numpy's exp).
+    # exp((x - max) / T), in id order, exceeds u times the total (here in float64 with numpy's exp and numpy's order of
+    # additions: the engine sums in blocks of 64 ids, so only a draw within round-off of a boundary could differ).
+    # Lengths past and short of whole blocks and whole vectors, and a row whose mass sits in its last ids.
     from test_engine import splitmix64
     rng = np.random.default_rng(8)
-    row = (rng.standard_normal(3000) * 4).astype(np.float32)
-    e = np.exp((row.astype(np.float64) - row.max()) / 0.8)
-    running = np.cumsum(e)
-    state = 77
-    for _ in range(50):
-        s = sample(row, temperature=0.8, rng_state=state)
-        state, out = splitmix64(state)
-        u = (out >> 11) * 2.0**-53
-        assert s.rng_state == state
-        assert s.token == min(int(np.searchsorted(running, u * running[-1], side="right")), len(row) - 1)
+    rows = [(rng.standard_normal(n) * 4).astype(np.float32) for n in (3000, 3003, 61, 7)]
+    rows.append(np.linspace(-20, 5, 1001).astype(np.float32))
+    for row in rows:
+        e = np.exp((row.astype(np.float64) - row.max()) / 0.8)
+        running = np.cumsum(e)
+        state = 77
+        for _ in range(50):
+            s = sample(row, temperature=0.8, rng_state=state)
+            state, out = splitmix64(state)
+            u = (out >> 11) * 2.0**-53
+            assert s.rng_state == state
+            assert s.token == min(int(np.searchsorted(running, u * running[-1], side="right")), len(row) - 1)

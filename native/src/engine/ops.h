@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace sg::ops {
 
@@ -161,11 +162,21 @@ void attend_rows_avx2(const float* q, int q_row_stride, int rows, int nq, int hd
                       int window, float* out, int out_row_stride, float* scratch);
 void attend_spans_avx2(const AttnSpanRow* rows, int n_rows, int nq, int hd, const AttnCache& c, float* scratch);
 
-// Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: adds
-// e_i = exp((x_i - max) * inv_t) in index order in double and returns the total; running (null, or n doubles)
-// receives the total after each i, so a draw finds its id by a binary search where a second walk re-added them all.
+// Sampling helpers over a logits row. max_finite: the maximum, and whether every value is finite. exp_scan: the total
+// of e_i = exp((x_i - max) * inv_t) in double, summed in blocks of kExpBlock ids (each block in four vector chains,
+// then the blocks' totals in block order: fixed by n alone); block_totals (null, or exp_blocks(n) doubles) receives
+// each block's total. exp_find: the draw's id for a target in [0, total): the running total over the blocks in order
+// to the first block whose end exceeds the target, then that block's e_i one by one to the first id whose running
+// total exceeds it (the block's last id where round-off leaves none, the row's last where no block's end does).
+constexpr int kExpBlock = 64;
+inline int exp_blocks(int n) { return (n + kExpBlock - 1) / kExpBlock; }
 float max_finite(const float* x, int n, bool* all_finite);
-double exp_scan(const float* x, int n, float max, float inv_t, double* running);
+double exp_scan(const float* x, int n, float max, float inv_t, double* block_totals);
+int exp_find(const float* x, int n, float max, float inv_t, const double* block_totals, double target);
+// exclude_below: every x_i < thr that is not `out` already becomes `out`; returns how many did. ids_not_equal:
+// appends the ids i with x_i != out to ids, ascending.
+int exclude_below(float* x, int n, float thr, float out);
+void ids_not_equal(const float* x, int n, float out, std::vector<int>& ids);
 // The k best ids of x[0..n) (no NaN), best first: by value, ties to the lower id; exactly a full sort's first k
 // (0 < k <= n). A vector pass compares 8 values at a time with the k-th best so far, and only a value that can enter
 // goes to a k-id heap: ~n/8 compares where a partial sort took ~n indirect ones (0.25-0.3 ms over a 262144-id row).

@@ -94,17 +94,20 @@ SampleResult RowSampler::next(float* x, const uint32_t* mask, int mask_words) {
     bool finite = true;
     const float mx = ops::max_finite(x, V, &finite);
     if (!finite) throw std::invalid_argument("sample: logits contain NaN or infinity");
-    if (cut) {
-      // p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
-      const float thr = mx + float(double(T) * std::log(double(p_.min_p)));
-      for (int i = 0; i < V; ++i)
-        if (x[i] < thr && x[i] != kOut) x[i] = kOut, --left;
-    }
+    if (cut)  // p_i >= min_p * p_max  <=>  z_i / T >= z_max / T + log(min_p): the maximum always stays
+      left -= ops::exclude_below(x, V, mx + float(double(T) * std::log(double(p_.min_p))), kOut);
     SampleResult r;
     if (left == 1 || argmax_only) {  // one id left is forced: no draw
       r.token = int(std::find(x, x + V, mx) - x);
       if (left == 1 && p_.sample.n_logprobs > 0) r.top.emplace_back(r.token, 0.0f);
       return r;
+    }
+    if (left <= V / 8) {
+      // Most of the row excluded (min_p usually leaves a few dozen ids): draw among the ids left, gathered, rather
+      // than walk the whole row's exponentials and best ids (1.4 ms a row over 262144 ids on Zen 3, against 0.1).
+      ids_.clear();
+      ops::ids_not_equal(x, V, kOut, ids_);
+      return from_ids(x, false, false);
     }
     SampleParams q = p_.sample;  // as sample() over the ids left would take them
     q.n_logprobs = std::min(q.n_logprobs, left);

@@ -123,13 +123,12 @@ SampleResult sample(const float* x, int n, const SampleParams& p, uint64_t* rng_
   const bool by_k = p.top_k > 0 && p.top_k < n, by_p = p.top_p < 1;
 
   if (!by_k && !by_p) {
-    // The whole vocabulary: the running totals in id order, then the first id whose total exceeds the draw (the
-    // last id when none does, as round-off can leave u * z above every total).
-    thread_local std::vector<double> running;
-    running.resize(n);
-    const double z = ops::exp_scan(x, n, mx, float(inv_t), running.data());
-    const double u = uniform01(rng_state) * z;
-    const int tok = std::min(n - 1, int(std::upper_bound(running.begin(), running.end(), u) - running.begin()));
+    // The whole vocabulary: the blocks' totals of the normaliser's pass, then the first id whose running total
+    // exceeds the draw (ops::exp_find walks the blocks' totals and one block's exponentials, not the row again).
+    thread_local std::vector<double> blocks;
+    blocks.resize(ops::exp_blocks(n));
+    const double z = ops::exp_scan(x, n, mx, float(inv_t), blocks.data());
+    const int tok = ops::exp_find(x, n, mx, float(inv_t), blocks.data(), uniform01(rng_state) * z);
     res.token = tok;
     const double log_z = std::log(z);
     res.logprob = float((double(x[tok]) - mx) * inv_t - log_z);
