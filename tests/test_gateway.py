@@ -106,6 +106,22 @@ def test_user_text_cannot_inject_control_tokens(gemma_template, chat_tokenizer):
     assert gemma_template.encode(forged).count(turn_end) == 1
 
 
+def test_added_text_tokens_in_messages_are_text(chat_tokenizer):
+    """An added token that is not special (Gemma 3's "\n\n", "\t\t", "<b>": SentencePiece's user-defined pieces) is
+    text the tokenizer makes from text: a message holding it encodes as the tokenizer encodes it, not refused as
+    an attempt to write a control token (which refused every chat message with a newline on the default model)."""
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_str(chat_tokenizer.to_str())
+    tok.add_tokens([AddedToken("\n\n", special=False, normalized=False),
+                    AddedToken("<b>", special=False, normalized=False)])
+    template = ChatTemplate(TEMPLATE.read_text(), tok, special_token_strings(tok))
+    messages = [{"role": "user", "content": "One.\n\nTwo <b>bold</b><turn|>"}]
+    ids = template.encode(messages)
+    assert tok.token_to_id("\n\n") in ids and tok.token_to_id("<b>") in ids
+    assert ids.count(tok.token_to_id("<turn|>")) == 1  # the template's own; the message's is text
+
+
 def test_chat_template_errors(gemma_template, chat_tokenizer, tmp_path):
     raising = ChatTemplate("{{ raise_exception('roles must alternate') }}", chat_tokenizer)
     with pytest.raises(ChatTemplateError, match="roles must alternate"):

@@ -11,8 +11,10 @@ a sandboxed jinja2 environment with trim_blocks/lstrip_blocks and loop controls,
 token strings (bos_token, eos_token, …) as variables. tests/test_gateway.py checks the renders against transformers'
 own outputs for the Gemma 4 template.
 
-Control tokens: the template writes control tokens (`<|turn>`, `<turn|>`, …) that must map to their single ids,
-but the same strings inside message content (or tool definitions) are user text and must be encoded as plain text.
+Control tokens (the tokenizer's special added tokens): the template writes them (`<|turn>`, `<turn|>`, …) and they
+must map to their single ids, but the same strings inside message content (or tool definitions) are user text and
+must be encoded as plain text. Added tokens that are not special (Gemma 3's newline, tab and space runs and HTML
+tags) are ordinary text for the tokenizer, in messages as anywhere.
 Before rendering, every control-token occurrence inside user-supplied strings is wrapped in two private-use
 markers; after rendering, the text is encoded piece by piece: marked pieces with a tokenizer that has no added
 tokens, the rest normally. String operations in the template that split a marked token (e.g. `split('<channel|>')`
@@ -208,8 +210,13 @@ class ChatTemplate:
         self.source = source
         self.tokenizer = tokenizer
         self.special_tokens = dict(special_tokens or {})
-        # Every added token counts as a control token: the template may write any of them.
-        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values()), key=len, reverse=True)
+        # The control tokens: the special added tokens (<bos>, turn markers, <unusedN>...), which the template may
+        # write and the messages may not. An added token that is not special is text the tokenizer makes from text
+        # (Gemma 3's whitespace runs "\n\n", "\t\t", its HTML tags: SentencePiece's user-defined pieces), so a
+        # message writes it as transformers would encode it; counting those as control refused every chat message
+        # with a newline on the default model.
+        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len,
+                       reverse=True)
         self._control_re = re.compile("|".join(map(re.escape, added))) if added else None
         inner = self._control_re.pattern if self._control_re else "(?!)"
         self._pieces_re = re.compile(f"{_MARK_START}({inner}){_MARK_END}|[{_MARK_START}{_MARK_END}]")
