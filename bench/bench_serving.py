@@ -16,7 +16,7 @@ the .fgm was converted from (the default model's Q4_K_M file) and both serve the
     python bench/bench_serving.py --model m.fgm --gguf m.gguf --concurrency 1,8,32 --passes 2
     python bench/bench_serving.py --peer llama-server --gguf ~/.cache/splitgemma/peer/models/.../x-q4_0.gguf
 
-The stack runs with prompt-lookup speculation as `splitgemma up` does by default (single-stream greedy only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
+The stack runs with prompt-lookup speculation as `splitgemma up` does by default (single streams only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
 above the engine's; --lookup-k 0 gives plain decoding, as llama-server runs.
 
 Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly

@@ -1,6 +1,6 @@
 """Forced-token runs and prompt-lookup speculation in the decode worker (docs/speculation.md), with the official
 openai client against real processes: a stack with both on and a stack with both off return the same tokens, texts,
-logprobs and finish reasons, greedy and constrained, with stop strings, max_tokens and concurrency; the on stack
+logprobs and finish reasons, greedy, sampled and constrained, with stop strings, max_tokens and concurrency; the on stack
 reports what it forced, drafted and accepted (Stats and Prometheus), the off stack nothing.
 
 The oracle is plain decoding (the off stack): the engine's one-token steps, checked against transformers' logits
@@ -66,6 +66,24 @@ def test_greedy_outputs_are_identical(stacks, max_tokens):
         assert _complete(on, **kw) == _complete(off, **kw), prompt
         kw = dict(prompt=prompt, max_tokens=max_tokens, temperature=0)
         assert _stream(on, **kw) == _stream(off, **kw), prompt
+
+
+@pytest.mark.parametrize("max_tokens", [2, 60])
+def test_sampled_outputs_are_identical(stacks, max_tokens):
+    """Sampled rows speculate too: each draft row is sampled with the random state plain decoding has at that
+    position (one draw per sampled token), so a seeded request returns the off stack's tokens, logprobs and text."""
+    on, off = stacks
+    drafted, accepted = on.stats().lookup_drafted, on.stats().lookup_accepted
+    for seed, prompt in enumerate(PROMPTS):
+        for sampling in (dict(temperature=0.8),
+                         dict(temperature=1.0, top_p=0.9, extra_body={"top_k": 40, "repetition_penalty": 1.1}),
+                         dict(temperature=0.7, extra_body={"min_p": 0.05})):
+            kw = dict(prompt=prompt, max_tokens=max_tokens, seed=seed, n=2, logprobs=2, **sampling)
+            assert _complete(on, **kw) == _complete(off, **kw), (prompt, sampling)
+        kw = dict(prompt=prompt, max_tokens=max_tokens, seed=seed, temperature=0.8)
+        assert _stream(on, **kw) == _stream(off, **kw), prompt
+    if max_tokens > 2:  # the sampled rows drafted, and took drafts (68 and 41 here)
+        assert on.stats().lookup_drafted > drafted and on.stats().lookup_accepted > accepted
 
 
 def test_greedy_rows_with_logits_processing_are_speculated_and_identical(stacks):

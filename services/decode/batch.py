@@ -15,9 +15,8 @@ no logprobs is one argmax over its logits row there.
 A constrained row (structured outputs, splitgemma/serving/grammar.py) is sampled among the ids its constraint
 admits (its llguidance bitmask, read natively); the masks of a step's constrained rows are computed on a helper
 thread while Model.decode runs, or, with forced tokens on, before the step (a token the constraint forces is taken
-without the model, and a run of them is fed as one multi-token run). Prompt-lookup drafts of greedy rows are verified
-in the same step (speculation.py, docs/speculation.md); either way every stream gets the tokens plain decoding gives
-it.
+without the model, and a run of them is fed as one multi-token run). Prompt-lookup drafts are verified in the same
+step (speculation.py, docs/speculation.md); either way every stream gets the tokens plain decoding gives it.
 """
 
 from __future__ import annotations
@@ -65,7 +64,6 @@ class Sequence:
     queue: asyncio.Queue
     matcher: object = None  # splitgemma.serving.grammar.Matcher of a constrained sequence
     prompt_ids: tuple = ()  # the prompt's ids when the gateway sent them (prompt lookup drafts from them)
-    greedy: bool = False  # temperature 0: the token is a function of the logits and the sampler's history alone
     # state, written by the batch thread only (except cancelled, set by the stream handler or Release)
     generated: int = 0
     # Tokens taken but not yet fed to the model, in order (one after a plain step; a forced run after that); the
@@ -245,9 +243,10 @@ class BatchLoop:
         if seq.cancelled:
             out.append((seq, seq.end(pb.FINISH_REASON_CANCELLED)))
             return
-        if self.spec.lookup_k and seq.prompt_ids and seq.greedy:
-            # Greedy: a row's token depends on its logits and the sampler's history alone, so a draft verified
-            # against them, row after row, yields plain decoding's tokens.
+        if self.spec.lookup_k and seq.prompt_ids:
+            # A row's token is a function of its logits and of its sampler's state (history and random state: one
+            # draw per sampled token), so a draft verified row after row, each row sampled only once the one before
+            # was taken, yields plain decoding's tokens, greedy or sampled.
             seq.lookup = LookupState(NgramIndex(seq.prompt_ids))
         if self._accept_row(seq, seq.first, len(self._running) + 1, out) and not seq.done:
             self._running.append(seq)
@@ -356,8 +355,9 @@ class BatchLoop:
         for j in range(len(draft) + 1):
             if j and seq.matcher is not None:
                 seq.matcher.mask()  # the state after the previous row's token
-            # Row 0 was sampled with the batch; a draft row only now, after the sampler observed the token before it
-            # (greedy rows only: no random state, so the order of the calls changes nothing).
+            # Row 0 was sampled with the batch; a draft row only now, after the sampler observed the token before it,
+            # with the random state plain decoding has at that position (one draw per sampled row; the rows past the
+            # first mismatch are never sampled, so their draws are not spent).
             s = first if j == 0 else self._sample([seq], rows[j:j + 1])[0]
             if not self._accept_row(seq, s, batch_size, out) or seq.done:
                 break

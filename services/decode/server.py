@@ -397,7 +397,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                              include_stop=request.include_stop_str_in_output)
                   if self.tokenizer is not None else None),
             token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher,
-            prompt_ids=tuple(request.prompt_token_ids), greedy=request.sampling.temperature == 0)
+            prompt_ids=tuple(request.prompt_token_ids))
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()

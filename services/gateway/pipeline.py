@@ -294,9 +294,8 @@ class Pipelines:
             stop_token_ids=spec.stop_token_ids, stop=spec.stop, ignore_eos=spec.ignore_eos,
             rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens,
             include_stop_str_in_output=spec.include_stop_str_in_output,
-            # the decode worker reads the prompt's ids for repetition_penalty and for prompt lookup (greedy rows)
-            prompt_token_ids=spec.prompt_ids if spec.sampling.repetition_penalty not in (0.0, 1.0)
-            or spec.sampling.temperature == 0 else (),
+            # the decode worker reads the prompt's ids for repetition_penalty and for prompt lookup
+            prompt_token_ids=spec.prompt_ids,
             response_id=run.response_id, operation=run.operation)
         w.in_flight += 1
         reader = _StreamReader(w.stub.Generate(request))

@@ -37,7 +37,7 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
                    help="take the tokens a constraint forces (its mask admits one id) without the model and feed a "
                         "run of them as one multi-token step whose rows compute no logits (default: %(default)s)")
     p.add_argument("--lookup-k", type=non_negative_int, default=d.lookup_k, metavar="K",
-                   help="prompt-lookup speculation for greedy rows: drafts of up to K tokens (at most 8) copied from "
+                   help="prompt-lookup speculation: drafts of up to K tokens (at most 8) copied from "
                         "the prompt and output, verified in the step; 0 = off (default: %(default)s)")
     p.add_argument("--lookup-max-batch", type=positive_int, default=d.lookup_max_batch, metavar="N",
                    help="draft only in steps of at most N sequences, where the extra rows are nearly free "
