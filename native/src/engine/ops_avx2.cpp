@@ -542,13 +542,14 @@ void ids_not_equal(const float* x, int n, float out, std::vector<int>& ids) {
 
 namespace {
 
-// The block's exponentials (x[b0 .. b0 + kExpBlock) ∩ [0, n)) as floats in e[], exp8's values (exp1 = exp8 of a
-// broadcast, so the tail's are the same).
+// The block's exponentials (x[b0 .. b0 + kExpBlock) ∩ [0, n)) as floats in e[]: exp8's values (exp1 is exp8 of a
+// broadcast, so a row's tail gets the same ones). exp_scan sums them and exp_find walks them, from the same floats.
 int exp_block(const float* x, int n, int b0, float max, float inv_t, float* e) {
   const int end = std::min(n, b0 + kExpBlock);
   const __m256 m8 = _mm256_set1_ps(max), t8 = _mm256_set1_ps(inv_t);
   int i = b0;
-  for (; i + 8 <= end; i += 8) _mm256_storeu_ps(e + i - b0, exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), t8)));
+  for (; i + 8 <= end; i += 8)
+    _mm256_storeu_ps(e + i - b0, exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), t8)));
   for (; i < end; ++i) e[i - b0] = exp1((x[i] - max) * inv_t);
   return end - b0;
 }
@@ -556,32 +557,24 @@ int exp_block(const float* x, int n, int b0, float max, float inv_t, float* e) {
 }  // namespace
 
 double exp_scan(const float* x, int n, float max, float inv_t, double* block_totals) {
-  const __m256 m8 = _mm256_set1_ps(max), t8 = _mm256_set1_ps(inv_t);
-  const int whole = n / 8 * 8;
   double total = 0;
   for (int b0 = 0; b0 < n; b0 += kExpBlock) {
     // Four double chains per block (a vector's low and high halves, two vectors a round): one chain in id order
     // was bound by its additions' latency (388 us for 262144 ids on Zen 3, against 166 for these).
-    const int end = std::min(whole, b0 + kExpBlock);
+    alignas(32) float e[kExpBlock];
+    const int cnt = exp_block(x, n, b0, max, inv_t, e), whole = cnt / 16 * 16;
     __m256d a0 = _mm256_setzero_pd(), a1 = a0, a2 = a0, a3 = a0;
-    int i = b0;
-    for (; i + 16 <= end; i += 16) {
-      const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), t8));
-      const __m256 f = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m8), t8));
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-      a2 = _mm256_add_pd(a2, _mm256_cvtps_pd(_mm256_castps256_ps128(f)));
-      a3 = _mm256_add_pd(a3, _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1)));
+    for (int i = 0; i < whole; i += 16) {
+      const __m256 v = _mm256_load_ps(e + i), w = _mm256_load_ps(e + i + 8);
+      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+      a2 = _mm256_add_pd(a2, _mm256_cvtps_pd(_mm256_castps256_ps128(w)));
+      a3 = _mm256_add_pd(a3, _mm256_cvtps_pd(_mm256_extractf128_ps(w, 1)));
     }
-    for (; i < end; i += 8) {
-      const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8), t8));
-      a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-      a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-    }
-    const __m256d s = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
-    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+    const __m256d s4 = _mm256_add_pd(_mm256_add_pd(a0, a1), _mm256_add_pd(a2, a3));
+    const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
     double t = _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
-    for (i = std::max(i, b0); i < std::min(n, b0 + kExpBlock); ++i) t += double(exp1((x[i] - max) * inv_t));
+    for (int i = whole; i < cnt; ++i) t += double(e[i]);  // a row's last, partial block
     if (block_totals) block_totals[b0 / kExpBlock] = t;
     total += t;
   }
