@@ -199,6 +199,27 @@ def test_ngram_index_drafts_what_followed_the_last_occurrence():
     assert idx.draft(8) == [2, 3, 9, 4, 5, 1]  # (4, 5, 1): its first occurrence; the draft stops at the end
 
 
+def test_ngram_index_built_at_its_first_draft_equals_one_built_token_by_token():
+    """The table is built at the first draft() (admission only keeps the ids): whenever that happens, the drafts are
+    those of an index that recorded every token as it came."""
+    import random
+    for trial in range(300):
+        rnd = random.Random(trial)
+        prompt = [rnd.randrange(5) for _ in range(rnd.randrange(0, 60))]
+        late, early = NgramIndex(prompt), NgramIndex([])
+        early.draft(1)  # builds the empty table: from here on every append records its n-grams
+        for t in prompt:
+            early.append(t)
+        output = [rnd.randrange(5) for _ in range(rnd.randrange(0, 10))]
+        first = rnd.randrange(0, len(output) + 1)
+        for i, t in enumerate(output):
+            if i == first:
+                assert late.draft(4) == early.draft(4)
+            late.append(t)
+            early.append(t)
+        assert late.draft(8) == early.draft(8), (prompt, output)
+
+
 def test_draft_length_follows_acceptance_and_measured_cost():
     from splitgemma.services.decode.speculation import StepCosts, choose_k
     costs = StepCosts()
