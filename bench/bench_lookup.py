@@ -87,7 +87,7 @@ def main() -> None:
         from splitgemma.default_model import resolve_default_model
         fgm, tok, _ = resolve_default_model(progress=True)
         args.model, args.tokenizer = str(fgm), args.tokenizer or str(tok)
-    args.concurrency = [1]
+    args.concurrency = [1]  # start_stack gives the stack a slot per concurrent stream: one
     rates: dict[tuple, list[float]] = {}
     texts: dict[tuple, str] = {}
     mismatches = []
