@@ -5,12 +5,18 @@ stacks alternated over --passes, and every output compared: the same seed must g
 (docs/speculation.md).
 
     python bench/bench_lookup.py [--model m.fgm --tokenizer tok.json] [--passes 2] [--max-tokens 200]
+    python bench/bench_lookup.py --clients 8        # batched: the aggregate rate of 8 concurrent clients
 
 The requests are chat turns whose answer repeats much of the prompt (repeat a passage; rename a function in a
 piece of code), the case prompt lookup is for, at temperature 0, 0.7 and 1.0, two seeds each. Per request: decode
 rate = (chunks - 1) / (last chunk - first chunk), one token a chunk; per arm and setting, the median over seeds and
 passes; the lookup counters of the decode worker (drafted, accepted) per pass. Without --model, the default model
 (Gemma 3 270M).
+
+With --clients N (N > 1) the stack has N slots and N clients each send every request of the list above, one after
+the other (client c starts at request c and seeds its requests c·100 + seed), so the decode worker runs batches of
+up to N sequences: the figure is the aggregate rate, completion tokens over the wall time of all N·12 requests,
+per arm and pass (the drafts of a batch are chosen for the whole step: docs/speculation.md).
 """
 
 from __future__ import annotations
@@ -63,6 +69,35 @@ def one(client, model: str, prompt: str, temperature: float, seed: int, max_toke
     return text, rate
 
 
+def batched(client, model: str, clients: int, max_tokens: int) -> tuple[dict, float]:
+    """Every client sends every request once, in turn; the texts by (client, task, temperature, seed) and the
+    aggregate completion tokens per second."""
+    import threading
+    requests = [(task, t, seed) for task in TASKS for t in TEMPERATURES for seed in SEEDS]
+    texts, tokens, errors = {}, [0] * clients, []
+
+    def run(c: int) -> None:
+        try:
+            for i in range(len(requests)):
+                task, t, seed = requests[(c + i) % len(requests)]
+                r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": TASKS[task]}],
+                                                   max_tokens=max_tokens, temperature=t, seed=c * 100 + seed)
+                texts[(c, task, t, seed)] = r.choices[0].message.content
+                tokens[c] += r.usage.completion_tokens
+        except Exception as e:  # noqa: BLE001 - reported below, the run is void
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise SystemExit(f"a request failed: {errors[0]!r}")
+    return texts, sum(tokens) / (time.perf_counter() - t0)
+
+
 def lookup_counters(metrics_url: str) -> tuple[float, float]:
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     got = [float(re.search(rf"^splitgemma_decode_lookup_{k}_tokens_total (\S+)$", text, re.M).group(1))
@@ -78,6 +113,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--max-context", type=int, default=2048)
+    ap.add_argument("--clients", type=int, default=1,
+                    help="concurrent clients; more than 1 measures the aggregate rate of batched decoding")
     args = ap.parse_args()
     import openai
 
@@ -87,7 +124,7 @@ def main() -> None:
         from splitgemma.default_model import resolve_default_model
         fgm, tok, _ = resolve_default_model(progress=True)
         args.model, args.tokenizer = str(fgm), args.tokenizer or str(tok)
-    args.concurrency = [1]  # start_stack gives the stack a slot per concurrent stream: one
+    args.concurrency = [args.clients]  # start_stack gives the stack a slot per concurrent stream
     rates: dict[tuple, list[float]] = {}
     texts: dict[tuple, str] = {}
     mismatches = []
@@ -99,26 +136,38 @@ def main() -> None:
                 try:
                     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
                     model = client.models.list().data[0].id
-                    for task, prompt in TASKS.items():
-                        for t in TEMPERATURES:
-                            for seed in SEEDS:
-                                text, rate = one(client, model, prompt, t, seed, args.max_tokens)
-                                rates.setdefault((arm, task, t), []).append(rate)
-                                key = (task, t, seed)
-                                if key in texts and texts[key] != text:
-                                    mismatches.append((arm, p) + key)
-                                texts.setdefault(key, text)
+                    if args.clients > 1:
+                        got, rate = batched(client, model, args.clients, args.max_tokens)
+                        rates.setdefault((arm,), []).append(rate)
+                        print(f"pass {p + 1} {arm:10s} {rate:.1f} tok/s aggregate", flush=True)
+                    else:
+                        got = {}
+                        for task, prompt in TASKS.items():
+                            for t in TEMPERATURES:
+                                for seed in SEEDS:
+                                    got[(task, t, seed)], rate = one(client, model, prompt, t, seed, args.max_tokens)
+                                    rates.setdefault((arm, task, t), []).append(rate)
+                    for key, text in got.items():
+                        if key in texts and texts[key] != text:
+                            mismatches.append((arm, p) + key)
+                        texts.setdefault(key, text)
                     drafted, accepted = lookup_counters(f"http://127.0.0.1:{metrics_port}/metrics")
                     print(f"pass {p + 1} {arm:10s} drafted {drafted:.0f}, accepted {accepted:.0f}", flush=True)
                 finally:
                     proc.terminate()
                     proc.wait(60)
-    print(f"\n{'task':8s} {'temperature':>11s} {'lookup off':>11s} {'lookup on':>10s} {'ratio':>6s}  (tok/s, one stream)")
-    for task in TASKS:
-        for t in TEMPERATURES:
-            off = statistics.median(rates[("lookup off", task, t)])
-            on = statistics.median(rates[("lookup on", task, t)])
-            print(f"{task:8s} {t:11.1f} {off:11.1f} {on:10.1f} {on / off:5.2f}x")
+    if args.clients > 1:
+        off, on = (statistics.median(rates[(arm,)]) for arm in ("lookup off", "lookup on"))
+        print(f"\n{args.clients} clients, aggregate tok/s (median of {args.passes} passes): lookup off {off:.1f}, "
+              f"lookup on {on:.1f}, {on / off:.2f}x")
+    else:
+        print(f"\n{'task':8s} {'temperature':>11s} {'lookup off':>11s} {'lookup on':>10s} {'ratio':>6s}  "
+              "(tok/s, one stream)")
+        for task in TASKS:
+            for t in TEMPERATURES:
+                off = statistics.median(rates[("lookup off", task, t)])
+                on = statistics.median(rates[("lookup on", task, t)])
+                print(f"{task:8s} {t:11.1f} {off:11.1f} {on:10.1f} {on / off:5.2f}x")
     print("outputs: " + ("identical with lookup on and off (every seed, every pass)" if not mismatches
                          else f"{len(mismatches)} DIFFER: {mismatches}"))
     if mismatches:

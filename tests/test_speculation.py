@@ -17,7 +17,7 @@ import httpx
 import pytest
 from test_structured_output import SCHEMA, gemma_style_stack
 
-from splitgemma.services.decode.speculation import NgramIndex
+from splitgemma.services.decode.speculation import NgramIndex, StepCosts, choose_drafts
 
 MODEL_NAME = "mini-e2b-tame"
 # Prompts that repeat themselves, so prompt lookup finds n-grams to draft from, and one that does not.
@@ -220,15 +220,64 @@ def test_ngram_index_built_at_its_first_draft_equals_one_built_token_by_token():
         assert late.draft(8) == early.draft(8), (prompt, output)
 
 
-def test_draft_length_follows_acceptance_and_measured_cost():
-    from splitgemma.services.decode.speculation import StepCosts, choose_k
-    costs = StepCosts()
-    assert choose_k(0.5, costs, 1, 8) == 1  # nothing measured: explore one row
+def observe(costs, ms_by_rows: dict[int, float]) -> None:
+    """Steps of these costs, each count as often as StepCosts needs to trust it."""
+    for _ in range(costs.min_samples):
+        for rows, ms in ms_by_rows.items():
+            costs.observe(rows, ms / 1000)
+
+
+def test_step_costs_are_robust_medians():
+    """A count's cost is trusted only after min_samples steps, and it is their median: one step slowed by a
+    prefill beside it neither prices a draft length out nor makes it look cheap."""
+    costs = StepCosts(window=8, min_samples=3)
     costs.observe(1, 0.100)
-    costs.observe(2, 0.116)  # one more logits row costs 16% (measured on E2B, docs/speculation.md)
-    assert choose_k(0.5, costs, 1, 8) == 2  # 1.75 tokens at (assumed) 1.16: try the next length
-    costs.observe(3, 0.153)
-    assert choose_k(0.5, costs, 1, 8) == 1  # 1.75 / 1.53 < 1.5 / 1.16
-    assert choose_k(0.1, costs, 1, 8) == 0  # 1.1 tokens for 1.16: not worth a row
-    assert choose_k(0.9, costs, 1, 8) == 3  # long drafts pay while they are accepted
-    assert choose_k(0.9, costs, 1, 1) == 1  # never past k_max
+    costs.observe(2, 0.230)  # beside a prefill
+    assert costs.ratio(2, 1) is None
+    costs.observe(1, 0.100), costs.observe(1, 0.101), costs.observe(2, 0.115), costs.observe(2, 0.117)
+    assert costs.ratio(2, 1) == pytest.approx(0.117 / 0.100)
+    for _ in range(8):
+        costs.observe(2, 0.200)  # the window holds the last 8: the host got slower
+    assert costs.ratio(2, 1) == pytest.approx(2.0)
+
+
+def test_draft_length_follows_acceptance_and_measured_cost():
+    costs = StepCosts()
+    # Logits rows 1..9 of one sequence's step (E2B's ratios in docs/speculation.md up to 5 rows, then steeper).
+    observe(costs, {1: 100, 2: 116, 3: 153, 4: 190, 5: 234, 6: 280, 7: 320, 8: 360, 9: 400})
+    assert choose_drafts([0.5], [8], costs, 1) == [1]  # 1.5 tokens at 1.16 beat 1.75 at 1.53
+    assert choose_drafts([0.1], [8], costs, 1) == [0]  # 1.1 tokens for 1.16: not worth a row
+    assert choose_drafts([0.9], [8], costs, 1) == [3]  # long drafts pay while they are accepted
+    assert choose_drafts([0.9], [1], costs, 1) == [1]  # never past the draft the index offered
+
+
+def test_draft_lengths_are_explored():
+    """A count of rows not measured yet is tried when it could pay at the cost of the largest measured count below
+    it, smallest first; nothing is drafted before a plain step is measured."""
+    costs = StepCosts()
+    assert choose_drafts([0.5], [8], costs, 1) == [0]  # a plain step first
+    observe(costs, {1: 100})
+    assert choose_drafts([0.5], [8], costs, 1) == [1]
+    observe(costs, {2: 116})
+    assert choose_drafts([0.5], [8], costs, 1) == [2]  # 1.75 tokens for at least 1.16: try it
+    observe(costs, {3: 153})
+    assert choose_drafts([0.5], [4], costs, 1) == [1]  # 4 draft rows cost at least what 2 do: 1.94 / 1.53 < 1.5 / 1.16
+    # Eight sequences on AVX2 (Gemma 3 270M, measured): one more row costs 1.33x (the GEMMs take rows in blocks)
+    # but 8 + 8 rows only 1.62x, so a dear count must not stop the search: 2 rows cannot pay at 1.33x, 3 could.
+    costs = StepCosts()
+    observe(costs, {8: 27.7, 9: 36.6})
+    assert choose_drafts([0.9] * 8, [4] * 8, costs, 8) == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+def test_drafts_are_chosen_for_the_whole_step():
+    """In a batch every draft row is paid by the whole step: the rows go to the most likely draft tokens, whichever
+    sequence they belong to, and only as many as raise the step's expected tokens per unit of time."""
+    costs = StepCosts()
+    observe(costs, {4: 100, 5: 104, 6: 108, 7: 112, 8: 140, 9: 175})
+    # Four sequences: the rows 5-7 cost 4% each, the 8th 25%: the three best draft tokens are 0.9, 0.81 (the same
+    # sequence's second) and 0.8; 0.729 more for 25% more time does not pay (6.51 at 1.12 against 7.24 at 1.4), nor
+    # could any longer draft at the 9th row's cost or more.
+    assert choose_drafts([0.9, 0.8, 0.3, 0.0], [4, 4, 4, 0], costs, 4) == [2, 1, 0, 0]
+    # Equal drafts: the cheap rows take one token each (the first sequences' on a tie); the 8th row's 25% buys 0.3.
+    assert choose_drafts([0.3, 0.3, 0.3, 0.3], [4, 4, 4, 4], costs, 4) == [1, 1, 1, 0]
+    assert choose_drafts([0.9, 0.9], [0, 0], costs, 2) == [0, 0]  # no draft offered

@@ -36,7 +36,7 @@ from splitgemma.serving.grammar import compute_masks, forced_sample
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
 
-from .speculation import LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_k
+from .speculation import LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_drafts
 
 log = logging.getLogger("splitgemma.decode.batch")
 
@@ -289,13 +289,14 @@ class BatchLoop:
             masks.result()
         self._engine_seconds = dt
         self.stats.decode_seconds += dt
-        self.costs.observe(len(batch) + sum(map(len, drafts)), dt)
         n = len(batch)
         generated = sum(s.generated for s in batch)
         starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
         firsts = self._sample(batch, np.ascontiguousarray(logits[starts]) if any(drafts) else logits)
         for seq, draft, first, i in zip(batch, drafts, firsts, starts):
             self._verify(seq, draft, first, logits[i:i + 1 + len(draft)], n, out)
+        # A draft's cost is its rows in Model.decode and its verification (each draft row sampled on its own).
+        self.costs.observe(len(batch) + sum(map(len, drafts)), time.perf_counter() - t0)
         generated = sum(s.generated for s in batch) - generated
         self.stats.steps += 1
         self.stats.tokens += generated
@@ -327,7 +328,7 @@ class BatchLoop:
     def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
         """Each sequence's prompt-lookup draft for this step ([] for none)."""
         cfg = self.spec
-        if not cfg.lookup_k or len(batch) > cfg.lookup_max_batch:
+        if not cfg.lookup_k or 0 < cfg.lookup_max_batch < len(batch):
             return [[] for _ in batch]
         chunk, ctx = self.model.chunk, self.model.max_context
         drafts = []
@@ -339,9 +340,11 @@ class BatchLoop:
                 k = min(cfg.lookup_k, chunk - len(seq.pending), ctx - seq.position - len(seq.pending))
                 if seq.max_tokens:
                     k = min(k, seq.max_tokens - seq.generated - 1)
-                if k > 0 and cfg.lookup_policy == "adaptive":
-                    k = choose_k(seq.lookup.p, self.costs, len(batch), k)
             drafts.append(seq.lookup.index.draft(k) if k > 0 else [])
+        if cfg.lookup_policy == "adaptive" and any(drafts):
+            ks = choose_drafts([s.lookup.p if d else 0.0 for s, d in zip(batch, drafts)], list(map(len, drafts)),
+                               self.costs, len(batch))
+            drafts = [d[:k] for d, k in zip(drafts, ks)]
         return drafts
 
     def _verify(self, seq: Sequence, draft: list[int], first, rows, batch_size: int, out: list) -> None:

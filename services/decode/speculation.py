@@ -5,8 +5,8 @@ beyond its next token.
   (the Sample a sampled row would give: grammar.forced_sample), and a run of them is fed in the next step as one
   multi-token run whose rows compute no logits (Model.decode's logits flags), except the last one's.
 * Prompt lookup: a draft of up to k tokens (k chosen per step from the sequence's acceptance and the measured cost
-  of a step with that many more logits rows: choose_k) copied from what followed the most recent earlier occurrence of the
-  sequence's last n tokens (n = 3, else 2) in its prompt and output so far; the step computes logits for every
+  of a step with that many more logits rows, jointly for the step's sequences: choose_drafts) copied from what
+  followed the most recent earlier occurrence of the sequence's last n tokens (n = 3, else 2) in its prompt and output so far; the step computes logits for every
   draft row and the batch loop keeps the drafts its own choice confirms, one by one. A row's choice is a function of
   its logits row and its sampler's state (history; for a sampled row the random state, one draw per token), and
   each draft row is sampled only once the one before was taken: the tokens are those of plain decoding, greedy or
@@ -18,6 +18,9 @@ This module owns the per-sequence lookup index and the rule for when to draft; b
 
 from __future__ import annotations
 
+import itertools
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better
@@ -27,59 +30,84 @@ NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better
 class SpeculationConfig:
     forced: bool = True  # take grammar-forced tokens without the model, fed as one run
     lookup_k: int = 4  # longest draft (0: no prompt lookup); at most 8
-    # Draft only in steps with at most this many sequences: a draft's rows are paid by the whole step, and the
-    # draft length is chosen for one sequence's acceptance against the step's measured cost (choose_k).
-    lookup_max_batch: int = 1
-    # "adaptive": the draft length choose_k picks from the acceptance and the measured step costs; "fixed": the
-    # longest draft the index has, every step (a policy that does not depend on timing: tests, measurements).
+    # Draft only in steps with at most this many sequences (0: in any step; choose_drafts weighs a draft's rows
+    # against the whole step's measured cost, so a wide step drafts only where its extra rows pay).
+    lookup_max_batch: int = 0
+    # "adaptive": the draft lengths choose_drafts picks from the acceptances and the measured step costs; "fixed":
+    # the longest draft the index has, every step (a policy that does not depend on timing: tests, measurements).
     lookup_policy: str = "adaptive"
 
     def __post_init__(self):
         if not 0 <= self.lookup_k <= 8:
             raise ValueError(f"lookup_k must be in [0, 8], got {self.lookup_k}")
-        if self.lookup_max_batch < 1:
-            raise ValueError(f"lookup_max_batch must be at least 1, got {self.lookup_max_batch}")
+        if self.lookup_max_batch < 0:
+            raise ValueError(f"lookup_max_batch must be 0 (no limit) or positive, got {self.lookup_max_batch}")
         if self.lookup_policy not in ("adaptive", "fixed"):
             raise ValueError(f"lookup_policy must be adaptive or fixed, got {self.lookup_policy!r}")
 
 
 class StepCosts:
-    """Model.decode's time by the number of logits rows in the step (a moving average per count), measured by the
-    batch loop as it runs: what a draft's extra rows cost on this host, with these kernels, at this load. Rows
-    without logits are nearly free (no LM head, no shared layers), so they do not count."""
+    """A step's time (Model.decode, then sampling and verifying its rows) by the number of logits rows in it,
+    measured by the batch loop as it runs: what a draft's extra rows cost on this host, with these kernels, at this
+    load. Rows without logits are nearly free (no LM head, no shared layers), so they do not count. A count's cost is the median of its last `window` steps, and
+    counts as measured once `min_samples` were seen: a step that ran beside a prefill (the workers share the cores)
+    takes up to twice as long, and one such reading must not price a draft length out for good (a length that is not
+    chosen is not measured again)."""
 
-    def __init__(self, alpha: float = 0.2):
-        self.alpha = alpha
-        self.seconds: dict[int, float] = {}
+    def __init__(self, window: int = 8, min_samples: int = 3):
+        self.window, self.min_samples = window, min_samples
+        self._seconds: dict[int, deque] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
-        old = self.seconds.get(rows)
-        self.seconds[rows] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._seconds.setdefault(rows, deque(maxlen=self.window)).append(seconds)
+
+    def cost(self, rows: int) -> float | None:
+        """The median step time with `rows` logits rows, None while fewer than min_samples were seen."""
+        s = self._seconds.get(rows)
+        return statistics.median(s) if s is not None and len(s) >= self.min_samples else None
 
     def ratio(self, rows: int, base: int) -> float | None:
         """cost(rows) / cost(base), None while either is unmeasured."""
-        a, b = self.seconds.get(rows), self.seconds.get(base)
+        a, b = self.cost(rows), self.cost(base)
         return a / b if a is not None and b else None
 
 
-def choose_k(p: float, costs: StepCosts, base_rows: int, k_max: int) -> int:
-    """The draft length that maximises expected tokens per second for a sequence whose drafted tokens are accepted
-    with probability p each (given the previous one was): a step with a k-token draft yields 1 + p + … + p^k tokens
-    and costs ratio(base_rows + k) plain steps. Lengths are explored one row at a time: an unmeasured length counts
-    at the cost of the one below it, and only once that one is measured, so the table fills only as far as longer
-    drafts could still pay."""
-    best, best_rate = 0, 1.0
-    expect, prev = 1.0, 1.0
-    for k in range(1, k_max + 1):
-        expect += p ** k
-        r = costs.ratio(base_rows + k, base_rows)
-        rate = expect / (r if r is not None else prev)
-        if rate > best_rate:
-            best, best_rate = k, rate
-        if r is None:
+def choose_drafts(ps: list[float], lengths: list[int], costs: StepCosts, base_rows: int) -> list[int]:
+    """How many tokens of each sequence's draft the step feeds: the choice that maximises the whole step's expected
+    tokens per unit of time. Sequence i's j-th draft token is taken with probability ps[i]**j (its acceptance p per
+    token, given the one before was taken), lengths[i] are the drafts the index offered, and a step of base_rows + x
+    logits rows (base_rows: one per sequence, one token each) costs what StepCosts measured. Every draft row costs
+    the same, so the x rows fed are the x most likely draft tokens (each sequence's in its own order, as p**j falls
+    with j), and x is the count with the most expected tokens per second: with one sequence, the draft length that
+    maximises (1 + p + … + p**k) / cost(1 + k).
+
+    The cost is not smooth in the rows (the GEMM kernels take rows in blocks: on AVX2, 8 sequences and one draft row
+    cost 1.33× a plain step and 8 + 8 rows 1.62×), so every count may have to be tried: a count not measured yet is
+    assumed to cost what the largest measured count below it costs (it cannot cost less), and the smallest count
+    that could beat the best measured one on that assumption is tried next. Once the counts that could pay are
+    measured, the best of them is fed. No drafts until a plain step of base_rows rows is measured."""
+    base = costs.cost(base_rows)
+    if base is None:
+        return [0] * len(ps)
+    worth = sorted(((p ** j, i) for i, (p, n) in enumerate(zip(ps, lengths)) for j in range(1, n + 1)),
+                   key=lambda w: w[0], reverse=True)
+    expects = list(itertools.accumulate((w for w, _ in worth), initial=float(base_rows)))
+    measured = [costs.cost(base_rows + x) for x in range(len(worth) + 1)]
+    best, best_rate = 0, base_rows / base
+    for x, c in enumerate(measured):
+        if c is not None and expects[x] / c > best_rate:
+            best, best_rate = x, expects[x] / c
+    below = base
+    for x, c in enumerate(measured):
+        if c is not None:
+            below = c
+        elif expects[x] / below > best_rate:
+            best = x  # try it: the most it could cost is unknown, the least is `below`
             break
-        prev = r
-    return best
+    ks = [0] * len(ps)
+    for _, i in worth[:best]:
+        ks[i] += 1
+    return ks
 
 
 class NgramIndex:
@@ -87,8 +115,8 @@ class NgramIndex:
     last n tokens in O(1) per size.
 
     The table is built at the first draft(), not at admission: every sequence gets an index, but one decoded in
-    batches wider than --lookup-max-batch never drafts, and the build is O(prompt) on the decode loop's thread
-    (~10 ms for 4,096 ids one append at a time; the comprehension below takes about a third of that)."""
+    batches wider than --lookup-max-batch (or with lookup off) never drafts, and the build is O(prompt) on the decode
+    loop's thread (~10 ms for 4,096 ids one append at a time; the comprehension below takes about a third of that)."""
 
     def __init__(self, tokens):
         self.tokens: list[int] = list(tokens)

@@ -30,7 +30,7 @@ def add_capacity_options(p: argparse.ArgumentParser) -> None:
 
 def add_speculation_options(p: argparse.ArgumentParser) -> None:
     """The weight-free multi-token paths (docs/speculation.md); the output is the same with them on or off."""
-    from splitgemma.commands import non_negative_int, positive_int
+    from splitgemma.commands import non_negative_int
     from splitgemma.services.decode.speculation import SpeculationConfig
     d = SpeculationConfig()
     p.add_argument("--forced-tokens", choices=("on", "off"), default="on" if d.forced else "off",
@@ -39,9 +39,9 @@ def add_speculation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-k", type=non_negative_int, default=d.lookup_k, metavar="K",
                    help="prompt-lookup speculation: drafts of up to K tokens (at most 8) copied from "
                         "the prompt and output, verified in the step; 0 = off (default: %(default)s)")
-    p.add_argument("--lookup-max-batch", type=positive_int, default=d.lookup_max_batch, metavar="N",
-                   help="draft only in steps of at most N sequences, where the extra rows are nearly free "
-                        "(default: %(default)s)")
+    p.add_argument("--lookup-max-batch", type=non_negative_int, default=d.lookup_max_batch, metavar="N",
+                   help="draft only in steps of at most N sequences; 0 = in any step (the adaptive policy feeds a "
+                        "step's drafts only as far as their rows pay for the whole step) (default: %(default)s)")
     p.add_argument("--lookup-policy", choices=("adaptive", "fixed"), default=d.lookup_policy,
                    help="the draft length: 'adaptive' picks it each step from the sequence's acceptance rate and the "
                         "measured cost of the extra rows; 'fixed' drafts as much as the prompt offers, up to K, every "
