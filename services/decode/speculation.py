@@ -30,9 +30,10 @@ NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better
 class SpeculationConfig:
     forced: bool = True  # take grammar-forced tokens without the model, fed as one run
     lookup_k: int = 4  # longest draft (0: no prompt lookup); at most 8
-    # Draft only in steps with at most this many sequences (0: in any step; choose_drafts weighs a draft's rows
-    # against the whole step's measured cost, so a wide step drafts only where its extra rows pay).
-    lookup_max_batch: int = 0
+    # Draft only in steps with at most this many sequences (0: in any step). choose_drafts weighs a step's draft
+    # rows against its measured cost, yet where extra rows cost about what they yield it still lost a little: on
+    # AVX2, any step against none gave 1.15x at 4 clients, 1.00x at 8, 0.96x at 32 (docs/speculation.md).
+    lookup_max_batch: int = 8
     # "adaptive": the draft lengths choose_drafts picks from the acceptances and the measured step costs; "fixed":
     # the longest draft the index has, every step (a policy that does not depend on timing: tests, measurements).
     lookup_policy: str = "adaptive"
