@@ -4,10 +4,11 @@ beyond its next token.
 * Forced tokens: where a sequence's constraint admits exactly one token, that token is taken without the model
   (the Sample a sampled row would give: grammar.forced_sample), and a run of them is fed in the next step as one
   multi-token run whose rows compute no logits (Model.decode's logits flags), except the last one's.
-* Prompt lookup: a draft of up to k tokens (k chosen per step from the sequence's acceptance and the measured cost
-  of a step with that many more logits rows, jointly for the step's sequences: choose_drafts) copied from what
-  followed the most recent earlier occurrence of the sequence's last n tokens (n = 3, else 2) in its prompt and output so far; the step computes logits for every
-  draft row and the batch loop keeps the drafts its own choice confirms, one by one. A row's choice is a function of
+* Prompt lookup: a draft of up to k tokens (k chosen per step for all the step's sequences at once from their
+  acceptances and the measured cost of a step with that many more logits rows: choose_drafts) copied from what
+  followed the most recent earlier occurrence of the sequence's last n tokens (n = 3, else 2) in its prompt and
+  output so far; the step computes logits for every draft row and the batch loop keeps the drafts its own choice
+  confirms, one by one. A row's choice is a function of
   its logits row and its sampler's state (history; for a sampled row the random state, one draw per token), and
   each draft row is sampled only once the one before was taken: the tokens are those of plain decoding, greedy or
   sampled. (For a sampled row a draft token is accepted with the probability the model gives it, as rejection
@@ -50,10 +51,10 @@ class SpeculationConfig:
 class StepCosts:
     """A step's time (Model.decode, then sampling and verifying its rows) by the number of logits rows in it,
     measured by the batch loop as it runs: what a draft's extra rows cost on this host, with these kernels, at this
-    load. Rows without logits are nearly free (no LM head, no shared layers), so they do not count. A count's cost is the median of its last `window` steps, and
-    counts as measured once `min_samples` were seen: a step that ran beside a prefill (the workers share the cores)
-    takes up to twice as long, and one such reading must not price a draft length out for good (a length that is not
-    chosen is not measured again)."""
+    load. Rows without logits are nearly free (no LM head, no shared layers), so they do not count. A count's cost
+    is the median of its last `window` steps, and counts as measured once `min_samples` were seen: a step that ran
+    beside a prefill (the workers share the cores) takes up to twice as long, and one such reading must not price a
+    draft length out for good (a length that is not chosen is not measured again)."""
 
     def __init__(self, window: int = 8, min_samples: int = 3):
         self.window, self.min_samples = window, min_samples
@@ -66,11 +67,6 @@ class StepCosts:
         """The median step time with `rows` logits rows, None while fewer than min_samples were seen."""
         s = self._seconds.get(rows)
         return statistics.median(s) if s is not None and len(s) >= self.min_samples else None
-
-    def ratio(self, rows: int, base: int) -> float | None:
-        """cost(rows) / cost(base), None while either is unmeasured."""
-        a, b = self.cost(rows), self.cost(base)
-        return a / b if a is not None and b else None
 
 
 def choose_drafts(ps: list[float], lengths: list[int], costs: StepCosts, base_rows: int) -> list[int]:
@@ -85,9 +81,9 @@ def choose_drafts(ps: list[float], lengths: list[int], costs: StepCosts, base_ro
     The cost is not smooth in the rows (the GEMM kernels take rows in blocks: on AVX2 with 8 sequences, 12 rows cost
     1.40x a plain step, 13 rows 1.59x; and a reading can be taken while the host is busy), so one dear count must
     not end the search: a count not measured yet is assumed to cost what the largest measured count below it costs
-    (it cannot cost less), and the smallest count that could beat the best measured one on that assumption is tried
-    next. Once the counts that could pay are
-    measured, the best of them is fed. No drafts until a plain step of base_rows rows is measured."""
+    (more rows should not cost less), and the smallest count that could beat the best measured one on that
+    assumption is tried next. Once the counts that could pay are measured, the best of them is fed. No drafts until
+    a plain step of base_rows rows is measured."""
     base = costs.cost(base_rows)
     if base is None:
         return [0] * len(ps)
