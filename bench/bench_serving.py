@@ -16,8 +16,9 @@ the .fgm was converted from (the default model's Q4_K_M file) and both serve the
     python bench/bench_serving.py --model m.fgm --gguf m.gguf --concurrency 1,8,32 --passes 2
     python bench/bench_serving.py --peer llama-server --gguf ~/.cache/splitgemma/peer/models/.../x-q4_0.gguf
 
-The stack runs with prompt-lookup speculation as `splitgemma up` does by default (single streams only): on these repetitive greedy outputs it accepts many drafts and lifts the 1-client decode rate far
-above the engine's; --lookup-k 0 gives plain decoding, as llama-server runs.
+The stack runs with prompt-lookup speculation as `splitgemma up` does by default (in steps of up to 8 sequences):
+on these repetitive greedy outputs it accepts many drafts and lifts the decode rate far above the engine's;
+--lookup-k 0 gives plain decoding, as llama-server runs.
 
 Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
 --gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
