@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -72,30 +73,26 @@ def one(client, model: str, prompt: str, temperature: float, seed: int, max_toke
 def batched(client, model: str, clients: int, max_tokens: int) -> tuple[dict, float]:
     """Every client sends every request once, in turn; the texts by (client, task, temperature, seed) and the
     aggregate completion tokens per second."""
-    import threading
     requests = [(task, t, seed) for task in TASKS for t in TEMPERATURES for seed in SEEDS]
-    texts, tokens, errors = {}, [0] * clients, []
+    texts = {}
 
-    def run(c: int) -> None:
-        try:
-            for i in range(len(requests)):
-                task, t, seed = requests[(c + i) % len(requests)]
-                r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": TASKS[task]}],
-                                                   max_tokens=max_tokens, temperature=t, seed=c * 100 + seed)
-                texts[(c, task, t, seed)] = r.choices[0].message.content
-                tokens[c] += r.usage.completion_tokens
-        except Exception as e:  # noqa: BLE001 - reported below, the run is void
-            errors.append(e)
+    def run(c: int) -> int:
+        tokens = 0
+        for i in range(len(requests)):
+            task, t, seed = requests[(c + i) % len(requests)]
+            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": TASKS[task]}],
+                                               max_tokens=max_tokens, temperature=t, seed=c * 100 + seed)
+            texts[(c, task, t, seed)] = r.choices[0].message.content
+            tokens += r.usage.completion_tokens
+        return tokens
 
-    threads = [threading.Thread(target=run, args=(c,)) for c in range(clients)]
     t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise SystemExit(f"a request failed: {errors[0]!r}")
-    return texts, sum(tokens) / (time.perf_counter() - t0)
+    with ThreadPoolExecutor(clients) as pool:
+        try:
+            tokens = sum(pool.map(run, range(clients)))
+        except Exception as e:  # noqa: BLE001 - any failed request voids the run
+            raise SystemExit(f"a request failed: {e!r}") from e
+    return texts, tokens / (time.perf_counter() - t0)
 
 
 def lookup_counters(metrics_url: str) -> tuple[float, float]:
