@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import threading
 
 import numpy as np
 import pytest
@@ -217,3 +218,53 @@ def test_a_failing_row_ends_alone(ref_model):
         assert got[i][-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert tokens == [s.token for s in reference(ref_model, prompts[i], 12, pb.SamplingParams(temperature=0))]
     assert max(batches) == 2
+
+
+class _GatedModel:
+    """The real model, whose decode steps wait for a gate the test opens: what a slow step looks like, on time."""
+
+    def __init__(self, model: Model):
+        self._model = model
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def decode(self, *args, **kwargs):
+        self.gate.wait()
+        return self._model.decode(*args, **kwargs)
+
+
+def test_first_token_goes_out_before_the_step(ref_model):
+    """A stream's first token (the prefill worker's draw) reaches its queue while the decode step that admitted it
+    is still running: time to first token does not wait for a step of the whole batch."""
+
+    async def run():
+        gated = _GatedModel(ref_model)
+        arena = open_arena(ref_model, 1)
+        prompt = prompt_of(710, 9)
+        first = sample(ref_model.prefill(arena, 0, prompt), temperature=0)
+        loop = BatchLoop(gated, arena, SlotTable(1, stamp=lambda s, g, secret: None, revoke=lambda s: True,
+                                                 writing=lambda s: False),
+                         asyncio.get_running_loop(), _Metrics())
+        seq = Sequence(request_id="row", slot=0, prompt_tokens=9, first=first,
+                       sampler=RowSampler(ref_model.vocab_size, temperature=0.0, want_logprob=False),
+                       max_tokens=6, max_context=CTX, stop_ids=frozenset(), text=None, token_name=str,
+                       queue=asyncio.Queue())
+        loop.start()
+        loop.admit(seq)
+        try:
+            early = await asyncio.wait_for(seq.queue.get(), RPC_TIMEOUT)
+        finally:
+            gated.gate.set()  # the step runs once the first event is in (or the wait has failed)
+        items = [early]
+        while not items[-1].finish_reason:
+            items.append(await asyncio.wait_for(seq.queue.get(), RPC_TIMEOUT))
+        loop.stop()
+        return prompt, first, items
+
+    prompt, first, items = asyncio.run(run())
+    assert [t.token_id for t in items[0].tokens] == [first.token]
+    tokens = [t.token_id for ev in items for t in ev.tokens]
+    assert tokens == [s.token for s in reference(ref_model, prompt, 6, pb.SamplingParams(temperature=0))]
+    assert items[-1].finish_reason == pb.FINISH_REASON_LENGTH

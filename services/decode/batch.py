@@ -221,6 +221,10 @@ class BatchLoop:
                 for seq in new:
                     self._start(seq, out)
                 self._drop_cancelled(out)
+                # The new streams' first tokens (drawn by the prefill worker) go out now, not behind this
+                # iteration's step: that step is a whole decode step of time to first token (~0.1 s at B=32).
+                self._finish(out)
+                out = []
                 if self._running:
                     self._step(out)
             except Exception as e:
