@@ -20,8 +20,10 @@ The stack runs with prompt-lookup speculation as `splitgemma up` does by default
 on these repetitive greedy outputs it accepts many drafts and lifts the decode rate far above the engine's;
 --lookup-k 0 gives plain decoding, as llama-server runs.
 
-Prompts are random token ids (so any model works, tokenizer or not); every request generates exactly
---gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token arrives as its own chunk.
+Prompts are random token ids (any model's vocabulary will do; the gateway still needs the model's tokenizer to start:
+--tokenizer, or a tokenizer.json beside the .fgm; the random E2B of bench/peer_llamacpp.py has one in its hf/ folder);
+every request generates exactly --gen-tokens tokens (ignore_eos), greedy, with per-token logprobs so that each token
+arrives as its own chunk.
 
 --profile seed runs the seed's serving profile instead (fastgemma's model card: 8 concurrent requests sharing a
 tool-declaration prefix, long prompts, long outputs; TTFT first 70.1 s / last 342.1 s, 191.6 prefill and 46.8
