@@ -86,6 +86,19 @@ def test_rows_of_one_call_equal_the_rows_alone():
     assert together == alone
 
 
+def test_named_rows_equal_those_rows_alone():
+    # rows= samples the rows named (in that order) where they lie, as the decode step's verification does with its
+    # logits: the same draws as a copy of those rows, and the rows not named are left as they were.
+    pick = [len(CASES) - 1, 0, 2]
+    logits = FIXTURE["rows"][:len(CASES)].copy()
+    got = sample_rows(logits, [sampler_for(CASES[i], rng_state=200 + i, n_logprobs=2) for i in pick], rows=pick)
+    want = sample_rows(FIXTURE["rows"][pick].copy(),
+                       [sampler_for(CASES[i], rng_state=200 + i, n_logprobs=2) for i in pick])
+    assert got == want
+    untouched = [i for i in range(len(CASES)) if i not in pick]
+    np.testing.assert_array_equal(logits[untouched], FIXTURE["rows"][untouched])
+
+
 def test_plain_rows_are_sample():
     # No processing: the same token, logprobs and random state as sample() (the row is not touched).
     rows = FIXTURE["rows"].copy()
@@ -167,6 +180,12 @@ def test_bad_calls():
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="writable"):
         sample_rows(frozen, [s])
+    with pytest.raises(ValueError, match="outside logits' 2 rows"):
+        sample_rows(np.zeros((2, V), np.float32), [s], rows=[2])
+    with pytest.raises(ValueError, match="named twice"):
+        sample_rows(np.zeros((2, V), np.float32), [s, RowSampler(V)], rows=[1, 1])
+    with pytest.raises(ValueError, match="1 samplers for 2 rows"):
+        sample_rows(np.zeros((3, V), np.float32), [s], rows=[0, 2])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         s.observe(V)
 

@@ -7,8 +7,8 @@ through one call_soon_threadsafe per step.
 
 Everything this thread does besides Model.decode (admitting, sampling, stop checks, detokenizing, building events,
 handing them over) delays the next step, so it is timed per step (DecodeMetrics.host) and kept small: the rows of a
-step are sampled in one native call without the GIL, shared out over the model's threads, which sit idle between
-steps (splitgemma.engine.sample_rows, each row with its own
+step are sampled in one native call without the GIL (with prompt-lookup drafts, one more call per draft position),
+shared out over the model's threads, which sit idle between steps (splitgemma.engine.sample_rows, each row with its own
 RowSampler: parameters, logits processing, history, random state; docs/sampling.md), and a greedy row that reports
 no logprobs is one argmax over its logits row there.
 
@@ -295,11 +295,8 @@ class BatchLoop:
         self.stats.decode_seconds += dt
         n = len(batch)
         generated = sum(s.generated for s in batch)
-        starts = np.cumsum([0] + [1 + len(d) for d in drafts[:-1]])
-        firsts = self._sample(batch, np.ascontiguousarray(logits[starts]) if any(drafts) else logits)
-        for seq, draft, first, i in zip(batch, drafts, firsts, starts):
-            self._verify(seq, draft, first, logits[i:i + 1 + len(draft)], n, out)
-        # A draft's cost is its rows in Model.decode and its verification (each draft row sampled on its own).
+        self._verify(batch, drafts, logits, out)
+        # A draft's cost is its rows in Model.decode and its verification (the draft rows' sampling).
         self.costs.observe(len(batch) + sum(map(len, drafts)), time.perf_counter() - t0)
         generated = sum(s.generated for s in batch) - generated
         self.stats.steps += 1
@@ -308,11 +305,13 @@ class BatchLoop:
         self.metrics.step(dt, n, generated)
         self._running = [s for s in batch if not s.done]
 
-    def _sample(self, batch: list[Sequence], logits) -> list:
+    def _sample(self, batch: list[Sequence], logits, rows=None) -> list:
         """The rows' tokens (a Sample, or the error message of a row that failed), in one native call on the model's
-        threads; logits: the [len(batch), V] array (Model.decode's, or _rows_alone's stack)."""
+        threads; logits: the [rows, V] array (Model.decode's, or _rows_alone's stack); rows: the row of each
+        sequence in it (default: row i for batch[i])."""
         return sample_rows(logits, [s.sampler for s in batch],
-                           [s.matcher.bits if s.matcher is not None else None for s in batch], model=self.model)
+                           [s.matcher.bits if s.matcher is not None else None for s in batch], model=self.model,
+                           rows=rows)
 
     def _decode(self, batch: list[Sequence], drafts: list[list[int]]):
         """One Model.decode over every sequence's run: its pending tokens (logits for the last one only), then its
@@ -351,35 +350,53 @@ class BatchLoop:
             drafts = [d[:k] for d, k in zip(drafts, ks)]
         return drafts
 
-    def _verify(self, seq: Sequence, draft: list[int], first, rows, batch_size: int, out: list) -> None:
-        """Take the sequence's tokens from its rows (first: row 0's Sample, drawn with the batch): row j's choice is
-        taken; while it equals draft[j] (fed already, so row j + 1 is its true continuation) go on. The first choice
-        that differs (or the one after a whole draft) becomes the next pending token. The K/V of rejected draft
-        positions is dropped."""
-        fed_end = seq.position + len(seq.pending) + len(draft)
-        seq.pending = []
-        taken = 0
-        for j in range(len(draft) + 1):
-            if j and seq.matcher is not None:
-                seq.matcher.mask()  # the state after the previous row's token
-            # Row 0 was sampled with the batch; a draft row only now, after the sampler observed the token before it,
-            # with the random state plain decoding has at that position (one draw per sampled row; the rows past the
-            # first mismatch are never sampled, so their draws are not spent).
-            s = first if j == 0 else self._sample([seq], rows[j:j + 1])[0]
-            if not self._accept_row(seq, s, batch_size, out) or seq.done:
-                break
-            if j == len(draft) or seq.pending[-1] != draft[j]:
-                break
-            seq.pending.pop()  # fed as draft[j]
-            taken += 1
-        if draft:
+    def _verify(self, batch: list[Sequence], drafts: list[list[int]], logits, out: list) -> None:
+        """Take each sequence's tokens from its rows (1 + len(draft) of them in logits, in batch order): row j's
+        choice is taken; while it equals draft[j] (fed already, so row j + 1 is its true continuation) the sequence
+        goes on to row j + 1. The first choice that differs (or the one after a whole draft) becomes its next pending
+        token; the K/V of its rejected draft positions is dropped. Row j of every sequence still going is sampled in
+        one call: each row has its own sampler, so the call's other rows change nothing in it."""
+        n = len(batch)
+        first_row, r = [], 0
+        for d in drafts:
+            first_row.append(r)
+            r += 1 + len(d)
+        fed_end = [s.position + len(s.pending) + len(d) for s, d in zip(batch, drafts)]
+        taken = [0] * n
+        for seq in batch:
+            seq.pending = []
+        going, j = list(range(n)), 0
+        samples = self._sample(batch, logits, rows=first_row if any(drafts) else None)
+        while going:
+            on = []
+            for i, s in zip(going, samples):
+                seq, draft = batch[i], drafts[i]
+                if not self._accept_row(seq, s, n, out) or seq.done:
+                    continue
+                if j == len(draft) or seq.pending[-1] != draft[j]:
+                    continue
+                seq.pending.pop()  # fed as draft[j]
+                taken[i] += 1
+                on.append(i)
+            going, j = on, j + 1
+            if going:
+                # A draft row is sampled only now, after its sampler observed the token before it, with the random
+                # state plain decoding has at that position (one draw per sampled row; the rows past the first
+                # mismatch are never sampled, so their draws are not spent).
+                for i in going:
+                    if batch[i].matcher is not None:
+                        batch[i].matcher.mask()  # the state after the previous row's token
+                samples = self._sample([batch[i] for i in going], logits, rows=[first_row[i] + j for i in going])
+        for i, (seq, draft) in enumerate(zip(batch, drafts)):
+            if not draft:
+                continue
             seq.lookup.drafted += len(draft)
-            seq.lookup.accepted += taken
-            seq.lookup.rejections += taken < len(draft)
+            seq.lookup.accepted += taken[i]
+            seq.lookup.rejections += taken[i] < len(draft)
             self.stats.drafted += len(draft)
-            self.stats.accepted += taken
-            self.metrics.lookup(len(draft), taken, self.stats.accepted / self.stats.drafted)
-            if not seq.done and seq.position < fed_end:
+            self.stats.accepted += taken[i]
+            self.metrics.lookup(len(draft), taken[i], self.stats.accepted / self.stats.drafted)
+            if not seq.done and seq.position < fed_end[i]:
                 self.arena.truncate(seq.slot, seq.position)
 
     def _take_forced(self, out: list) -> None:

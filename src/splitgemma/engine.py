@@ -108,9 +108,11 @@ def sample(logits, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1
     return Sample(token, state, logprob, top)
 
 
-def sample_rows(logits, samplers, masks=None, *, model=None) -> list[Sample | str]:
-    """The next token of each row of logits [B, V] (float32, C-contiguous, processed in place) with its RowSampler;
-    masks: None or one entry per row (None, or the row's constraint bitmask as 32-bit words). A row that failed is
-    its error message instead of a Sample. model: a Model whose threads share the rows out (the same tokens; a wide
-    decode step's rows each scan the whole vocabulary). Same rules as splitgemma._native.sample_rows."""
-    return [r if isinstance(r, str) else Sample(*r) for r in _native_sample_rows(logits, samplers, masks, model)]
+def sample_rows(logits, samplers, masks=None, *, model=None, rows=None) -> list[Sample | str]:
+    """The next token of each row of logits [B, V] (float32, C-contiguous, processed in place) with its RowSampler,
+    or with rows (distinct indices into logits) of the rows named, samplers[b] for logits[rows[b]]; masks: None or one
+    entry per sampled row (None, or the row's constraint bitmask as 32-bit words). A row that failed is its error
+    message instead of a Sample. model: a Model whose threads share the rows out (the same tokens; a wide decode
+    step's rows each scan the whole vocabulary). Same rules as splitgemma._native.sample_rows."""
+    return [r if isinstance(r, str) else Sample(*r)
+            for r in _native_sample_rows(logits, samplers, masks, model, rows)]

@@ -502,11 +502,32 @@ void bind_engine(py::module_& m) {
 
   m.def(
       "sample_rows",
-      [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks, py::object model) {
+      [](py::array_t<float, py::array::c_style> logits, py::sequence samplers, py::object masks, py::object model,
+         py::object which) {
         if (logits.ndim() != 2) throw py::value_error("sample_rows: logits must be a 2-D [rows, vocab] float32 array");
         if (!logits.writeable())
           throw py::value_error("sample_rows: logits must be writable (rows are processed in place)");
-        const py::ssize_t B = logits.shape(0), V = logits.shape(1);
+        const py::ssize_t R = logits.shape(0), V = logits.shape(1);
+        // The rows sampled: all of them in order, or the ones `which` names (a decode step's verification samples
+        // some rows of its logits: picking them here spares a copy of 1 MB a row).
+        std::vector<py::ssize_t> pick;
+        if (which.is_none()) {
+          for (py::ssize_t r = 0; r < R; ++r) pick.push_back(r);
+        } else {
+          std::vector<bool> seen(size_t(R), false);
+          for (py::handle h : py::iterable(which)) {
+            const py::ssize_t r = h.cast<py::ssize_t>();
+            if (r < 0 || r >= R)
+              throw py::value_error("sample_rows: row " + std::to_string(r) + " is outside logits' " +
+                                    std::to_string(R) + " rows");
+            if (seen[size_t(r)])
+              throw py::value_error("sample_rows: row " + std::to_string(r) + " named twice (rows are processed in "
+                                    "place)");
+            seen[size_t(r)] = true;
+            pick.push_back(r);
+          }
+        }
+        const py::ssize_t B = py::ssize_t(pick.size());
         if (py::ssize_t(py::len(samplers)) != B)
           throw py::value_error("sample_rows: " + std::to_string(py::len(samplers)) + " samplers for " +
                                 std::to_string(B) + " rows");
@@ -522,7 +543,7 @@ void bind_engine(py::module_& m) {
             throw py::value_error("sample_rows: sampler " + std::to_string(b) + " is for a vocabulary of " +
                                   std::to_string(r->vocab_size()) + ", the rows have " + std::to_string(V));
           rows[b].sampler = r;
-          rows[b].logits = base + b * V;
+          rows[b].logits = base + pick[size_t(b)] * V;
           if (!masks.is_none() && !mask_list[b].is_none()) {
             py::buffer_info info = py::reinterpret_borrow<py::buffer>(mask_list[b]).request();
             const py::ssize_t bytes = info.size * info.itemsize;
@@ -550,8 +571,10 @@ void bind_engine(py::module_& m) {
         return res;
       },
       py::arg("logits"), py::arg("samplers"), py::arg("masks") = py::none(), py::arg("model") = py::none(),
+      py::arg("rows") = py::none(),
       "The next token of each row of logits [B, V] (float32, rewritten in place by the bias and penalties) with "
-      "samplers[b]; masks[b]: None or the row's llguidance bitmask (bit i of 32-bit word i/32 allows id i). One "
+      "samplers[b]; or, with rows (distinct indices into logits), of row rows[b] with samplers[b]. masks[b]: None or "
+      "the row's llguidance bitmask (bit i of 32-bit word i/32 allows id i). One "
       "entry per row: (token, rng_state, logprob, [(id, logprob), ...]), or the error message (str) of a row that "
       "failed (its random state unchanged). Does not observe() the tokens drawn. model: a Model whose thread pool "
       "shares the rows out (same tokens as without; one call at a time with its forward passes).");
