@@ -366,7 +366,7 @@ class BatchLoop:
         for seq in batch:
             seq.pending = []
         going, j = list(range(n)), 0
-        samples = self._sample(batch, logits, rows=first_row if any(drafts) else None)
+        samples = self._sample(batch, logits, rows=first_row)
         while going:
             on = []
             for i, s in zip(going, samples):

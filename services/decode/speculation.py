@@ -10,8 +10,8 @@ beyond its next token.
   output so far; the step computes logits for every draft row and the batch loop keeps the drafts its own choice
   confirms, one by one. A row's choice is a function of its logits row and its sampler's state (history; for a
   sampled row the random state, one draw per token), and each draft row is sampled only once the one before was
-  taken: the tokens are those of plain decoding, greedy or sampled. (For a sampled row a draft token is accepted with the probability the model gives it, as rejection
-  sampling against a one-token draft would accept it.)
+  taken: the tokens are those of plain decoding, greedy or sampled. (For a sampled row a draft token is accepted
+  with the probability the model gives it, as rejection sampling against a one-token draft would accept it.)
 
 This module owns the per-sequence lookup index and the rule for when to draft; batch.py owns the step.
 """
