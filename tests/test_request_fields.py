@@ -1,6 +1,7 @@
-"""Every field the gateway accepts on /v1/completions and /v1/chat/completions is implemented (and has a test that
-sends it) or refused with a 400 that names it (docs/sampling.md): nothing accepted is ignored. A field added to
-services/gateway/protocol.py without a place in this table fails here."""
+"""Every field the gateway accepts on /v1/completions, /v1/chat/completions and /v1/responses is implemented (and has
+a test that sends it) or refused with a 400 that names it (docs/sampling.md, docs/responses.md): nothing accepted is
+ignored but what by its definition changes no output. A field added to services/gateway/protocol.py or
+responses.py without a place in these tables fails here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from splitgemma.services.gateway import responses
 from splitgemma.services.gateway.protocol import (REFUSED, ApiError, ChatCompletionRequest, CompletionRequest,
                                                   parse_request)
 
@@ -58,9 +60,13 @@ def test_every_field_has_a_place():
 
 @pytest.mark.parametrize("field", sorted(IMPLEMENTED))
 def test_an_implemented_field_is_sent_by_its_tests(field):
-    # the field's name as a request key or keyword in each listed module (not just in a comment)
+    _sent_by(field, IMPLEMENTED[field])
+
+
+def _sent_by(field: str, modules: list[str]) -> None:
+    """The field's name as a request key or keyword in each listed module (not just in a comment)."""
     pattern = re.compile(rf"""["']{field}["']\s*:|\b{field}\s*=|extra_body=\{{["']{field}["']""")
-    for module in IMPLEMENTED[field]:
+    for module in modules:
         assert pattern.search((TESTS / f"{module}.py").read_text()), f"{module}.py never sends {field}"
 
 
@@ -72,4 +78,41 @@ def test_a_refused_field_is_a_400_naming_it(model, base, field, value):
         pytest.skip(f"{model.__name__} has no {field}")
     with pytest.raises(ApiError) as e:
         parse_request(model, json.dumps({"model": "m", **base, field: value}).encode())
+    assert e.value.status == 400 and e.value.param == field
+
+
+# /v1/responses: its own fields, tested in test_responses; the sampling fields it shares with chat go over to the chat
+# request as they are (responses._CARRIED: what they do is tested above, through chat).
+RESPONSES_IMPLEMENTED = {name: ["test_responses"] for name in (
+    "input", "instructions", "max_output_tokens", "top_logprobs", "include", "tools", "tool_choice",
+    "parallel_tool_calls", "text", "store", "previous_response_id", "truncation")}
+# Echoed or accepted with nothing to do here: metadata, identifiers, hints for OpenAI's own cache and accounts,
+# bounds on hosted tools (none run here), stream_options' obfuscation padding (none is added).
+RESPONSES_ACCEPTED = {"metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                      "prompt_cache_options", "service_tier", "max_tool_calls", "image", "access_programs",
+                      "stream_options"}
+RESPONSES_REFUSED_VALUES = {"background": True, "background_options": {"completion_window": "2h"},
+                            "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
+                            "context_management": [{"type": "compaction"}], "moderation": {"model": "omni"},
+                            "reasoning": {"effort": "high"}, "n": 2, "max_tokens": 5,
+                            "response_format": {"type": "json_object"}, "prompt_logprobs": 1, **REFUSED_VALUES}
+
+
+def test_every_responses_field_has_a_place():
+    fields = set(responses.ResponsesRequest.model_fields)
+    placed = set(RESPONSES_IMPLEMENTED) | RESPONSES_ACCEPTED | set(RESPONSES_REFUSED_VALUES) | responses._CARRIED
+    assert fields == placed, (fields - placed, placed - fields)
+    assert responses._CARRIED <= set(IMPLEMENTED) | METADATA | set(REFUSED)
+    assert set(responses.REFUSED) <= set(RESPONSES_REFUSED_VALUES)
+
+
+@pytest.mark.parametrize("field", sorted(RESPONSES_IMPLEMENTED))
+def test_a_responses_field_is_sent_by_its_tests(field):
+    _sent_by(field, RESPONSES_IMPLEMENTED[field])
+
+
+@pytest.mark.parametrize("field,value", sorted(RESPONSES_REFUSED_VALUES.items()))
+def test_a_refused_responses_field_is_a_400_naming_it(field, value):
+    with pytest.raises(ApiError) as e:
+        parse_request(responses.ResponsesRequest, json.dumps({"model": "m", "input": "x", field: value}).encode())
     assert e.value.status == 400 and e.value.param == field

@@ -1,6 +1,7 @@
 """The gateway's HTTP application: the OpenAI endpoints over the prefill/decode workers, plus operations.
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
+  POST /v1/responses, and GET / DELETE the stored ones (responses.py; stream: typed SSE events)
   GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /, /docs, /openapi.json
                  (endpoints.py)
   GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import secrets
 import threading
@@ -54,12 +54,15 @@ from .endpoints import add_endpoints
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
 from .offload import Offload
-from .pipeline import FINISH_REASONS, ChoiceSpec, Pipelines, Run, Timeouts
-from .prompt_logprobs import PromptPart, best_of, echoed
+from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
+from .render import ChoiceRenderer
+from .response_store import ResponseStore, StoreLimits
+from .responses import (ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request, conversation_before,
+                        input_items, request_owner, truncated)
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
-from .tools import ToolFormat, ToolPlan, ToolStream, plan_tools, template_messages, tool_message
+from .tools import ToolFormat, ToolPlan, plan_tools, template_messages
 from .workers import WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
@@ -74,8 +77,6 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # rounds to float32 0 would mean "no cut" there: the smallest positive top_p keeps the likeliest token only.
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
-# OpenAI's (and vLLM's) logprob for a token of probability 0: JSON has no -Infinity.
-MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -101,6 +102,7 @@ class GatewayConfig:
     service_token: str | None = None                    # sent to the workers (splitgemma/serving/credentials.py)
     worker_tls: TlsFiles | None = None
     grammars: Grammars | None = None    # compiles structured-output constraints; None: they are refused
+    response_store: StoreLimits = field(default_factory=StoreLimits)   # the Responses API's (response_store.py)
 
 
 class _RequestState:
@@ -163,6 +165,7 @@ class Gateway:
         self.created = int(time.time())
         self.vocab_size = config.vocab_size or config.tokenizer.get_vocab_size(with_added_tokens=True)
         self.grammars = config.grammars or Grammars(None, (), self.vocab_size)
+        self.response_store = ResponseStore(config.response_store)
 
     # -- parsing and tokenization (in Offload's threads) --------------------------------------------------------
 
@@ -228,7 +231,7 @@ class Gateway:
         return ToolFormat.of(self.config.tokenizer, self.chat_template().source)
 
     def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict], plan: ToolPlan | None,
-                    cancelled: threading.Event | None = None) -> list[int]:
+                    cancelled: threading.Event | None = None, param: str = "messages") -> list[int]:
         ct = self.chat_template()
         messages, tools = template_messages(req, raw_messages, self.tool_format.markers is not None, plan)
         try:
@@ -236,11 +239,11 @@ class Gateway:
                             add_generation_prompt=req.add_generation_prompt, tools=tools,
                             **(req.chat_template_kwargs or {}))
         except RenderTooLarge as e:
-            raise invalid(str(e), param="messages", code="string_above_max_length") from None
+            raise invalid(str(e), param=param, code="string_above_max_length") from None
         except ChatTemplateError as e:
-            raise invalid(str(e), param="messages") from None
+            raise invalid(str(e), param=param) from None
         if not ids:
-            raise invalid("the messages render to an empty prompt", param="messages", code="invalid_value")
+            raise invalid("the messages render to an empty prompt", param=param, code="invalid_value")
         return ids
 
     async def constraint(self, req, body_bytes: int) -> pb.Constraint | None:
@@ -300,8 +303,39 @@ class Gateway:
 
     # -- the request flow ----------------------------------------------------------------------------------------
 
+    async def chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
+                   make_render: Callable[[ToolPlan | None, int], ChoiceRenderer], *, prompt_param: str = "messages",
+                   truncate: bool = False) -> Response:
+        """A chat request from its validated form to its answer (chat completions and the Responses API): the tools
+        planned, the prompt rendered (with `truncate`, the oldest turns dropped until it fits the context: responses
+        truncation auto), the constraint compiled, the choices run; make_render(plan, n_choices) renders them."""
+        check_messages(messages, self.config.limits, prompt_param)
+        state = _RequestState(self, "chat", rid)
+        plan = plan_tools(req, self.tool_format)
+
+        def prompt(cancelled):
+            kept = messages
+            ids = self.chat_prompt(req, kept, plan, cancelled, prompt_param)
+            context = self.pool.known_context() if truncate else 0
+            while context and len(ids) + (req.token_limit or 1) > context:
+                kept = truncated(kept)
+                if kept is None:
+                    break  # the newest turn alone does not fit: the context check answers 400
+                ids = self.chat_prompt(req, kept, plan, cancelled, prompt_param)
+            # The tools' grammar is built here too: its cost grows with the tools' schemas.
+            return ids, plan.constraint() if plan else None
+
+        ids, tool_constraint = await self.offload.run(Offload.is_light(body_bytes, len(messages)), prompt)
+        constraint = await self.constraint(req, body_bytes)
+        specs = self.specs(req, [ids], req.token_limit, req.logprobs, req.top_logprobs or 0, prompt_param,
+                           constraint, default_max_tokens=self.config.default_max_tokens,
+                           prompt_logprobs=req.prompt_logprobs)
+        if plan is not None:
+            plan.apply(specs, tool_constraint)
+        return await self.run(state, req, specs, make_render(plan, len(specs)))
+
     async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],
-                  render: "_Renderer") -> Response:
+                  render: ChoiceRenderer) -> Response:
         """Admit, prefill, then answer: a JSON body, or an SSE stream."""
         cfg = self.config
         state.span = telemetry.start_gen_ai_span(
@@ -406,30 +440,30 @@ class Gateway:
         finally:
             await events.aclose()
 
-    async def _stream(self, state: _RequestState, runs: list[Run], render: "_Renderer",
+    async def _stream(self, state: _RequestState, runs: list[Run], render: ChoiceRenderer,
                       close: Callable[[str | None], None]) -> AsyncIterator[str]:
         error_type = "cancelled"
         try:
-            for chunk in render.stream_start():
-                yield _sse(chunk)
+            for frame in render.sse_start():
+                yield frame
             async for index, event in self._events(state, runs):
-                for chunk in render.stream_event(index, event):
-                    yield _sse(chunk)
-            if render.include_usage:
-                yield _sse(render.usage_chunk())
-            yield "data: [DONE]\n\n"
+                for frame in render.sse_event(index, event):
+                    yield frame
+            for frame in render.sse_end():
+                yield frame
             error_type = None
         except ApiError as e:
             error_type = str(e.status)
             log.warning("stream failed", extra={"request_id": state.request_id, "error": e.message})
-            yield _sse(e.body())          # then close without [DONE]: the stream did not complete
+            for frame in render.sse_error(e):
+                yield frame
         except BaseException as e:
             error_type = _error_type(e)
             raise
         finally:
             close(error_type)
 
-    def _stream_closer(self, state: _RequestState, runs: list[Run], render: "_Renderer"):
+    def _stream_closer(self, state: _RequestState, runs: list[Run], render: ChoiceRenderer):
         """The end of a streamed request, run once: from the stream's own end, or from the response when the
         stream never started (the client left before the first byte)."""
         closed = False
@@ -464,193 +498,6 @@ def _error_type(e: BaseException) -> str:
     if isinstance(e, asyncio.CancelledError):
         return "cancelled"
     return type(e).__qualname__
-
-
-def _sse(obj) -> str:
-    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Response shapes
-
-
-class _Renderer:
-    """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
-
-    def __init__(self, gateway: Gateway, chat: bool, n_choices: int, request_id: str, *, logprobs: bool,
-                 top_logprobs: int, include_usage: bool, tools: ToolPlan | None = None):
-        self.gw = gateway
-        self.chat = chat
-        self.id = request_id
-        self.created = int(time.time())
-        self.logprobs = logprobs
-        self.top_logprobs = top_logprobs
-        self.include_usage = include_usage
-        self.input_tokens = 0
-        self.cached_tokens = 0
-        self.text = [""] * n_choices
-        self.tokens = [0] * n_choices
-        self.finish: list[str | None] = [None] * n_choices
-        self.lp: list[list] = [[] for _ in range(n_choices)]
-        # With tools the text is read for calls (services/gateway/tools.py); streamed, each choice by its own parser.
-        self.tools = tools
-        self.tool_streams: list[ToolStream] | None = [tools.stream() for _ in range(n_choices)] if tools else None
-        # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
-        self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
-        self.parts: dict[int, PromptPart] = {}  # choice index -> its prompt's part
-        self.echo_texts: list[str] | None = None  # per prompt, with echo
-        self.vllm_prompt_logprobs = False
-        self.per_prompt = 1  # choices run per prompt (best_of's candidates, or n)
-        self.n = 1  # choices returned per prompt
-
-    def prompt_side(self, *, echo_texts: list[str] | None = None, vllm_prompt_logprobs: bool = False,
-                    per_prompt: int = 1, n: int = 1) -> None:
-        self.echo_texts = echo_texts
-        self.vllm_prompt_logprobs = vllm_prompt_logprobs
-        self.per_prompt, self.n = per_prompt, n
-
-    def take_prompt_logprobs(self, runs: list[Run]) -> None:
-        """After the prefills: each choice's prompt part, from the first choice of its prompt."""
-        if self.echo_texts is None and not self.vllm_prompt_logprobs:
-            return
-        firsts = {r.spec.index: r for r in runs if r.spec.index % self.per_prompt == 0}
-        for r in runs:
-            p = r.spec.index // self.per_prompt
-            first = firsts[p * self.per_prompt]
-            self.parts[r.spec.index] = PromptPart(self.echo_texts[p] if self.echo_texts is not None else "",
-                                                  r.spec.prompt_ids, list(first.prefill_result.prompt_logprobs))
-
-    def finish_reasons(self) -> list[str]:
-        return [f or "stop" for f in self.finish]
-
-    def _usage(self) -> dict:
-        out = sum(self.tokens)
-        return {"prompt_tokens": self.input_tokens, "completion_tokens": out,
-                "total_tokens": self.input_tokens + out,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, object]:
-        text = "".join(t.text for t in event.tokens)
-        self.text[index] += text
-        self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
-        if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")
-        self.cumulative[index] += sum(t.logprob for t in event.tokens)
-        lp = self._logprobs(event.tokens) if self.logprobs else None
-        if lp is not None:
-            self.lp[index].extend(lp)
-        return text, lp
-
-    def _logprobs(self, tokens) -> list:
-        out = []
-        for t in tokens:
-            text = self.gw.token_text(t.token_id)
-            tops = [(self.gw.token_text(a.token_id), max(a.logprob, MIN_LOGPROB))
-                    for a in t.top_logprobs[:self.top_logprobs]]
-            out.append((text, max(t.logprob, MIN_LOGPROB), tops, t.text))
-        return out
-
-    def _chat_logprobs(self, entries) -> dict:
-        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
-                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
-                                              for a, alp in tops]}
-                            for text, lp, tops, _ in entries], "refusal": None}
-
-    def _text_logprobs(self, entries, offset: int) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for text, lp, alternatives, emitted in entries:
-            tokens.append(text)
-            token_lps.append(lp)
-            tops.append(dict(alternatives) if self.top_logprobs else None)
-            offsets.append(offset)
-            offset += len(emitted)
-        return {"tokens": tokens, "token_logprobs": token_lps,
-                "top_logprobs": tops if self.top_logprobs else None, "text_offset": offsets}
-
-    # non-streaming
-    def body(self) -> dict:
-        choices = []
-        for i in range(len(self.text)):
-            lp = None
-            if self.logprobs:
-                lp = self._chat_logprobs(self.lp[i]) if self.chat else self._text_logprobs(self.lp[i], 0)
-            if self.chat:
-                message, finish = {"role": "assistant", "content": self.text[i]}, self.finish[i] or "stop"
-                if self.tools is not None:
-                    message, finish = tool_message(self.tools, self.text[i], finish)
-                    self.finish[i] = finish
-                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
-            else:
-                text, part = self.text[i], self.parts.get(i)
-                if self.echo_texts is not None:
-                    lp = self._text_logprobs(self.lp[i], len(part.text)) if self.logprobs else None
-                    text, lp = echoed(part, text, lp, self.gw.token_text, self.top_logprobs)
-                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i] or "stop"}
-                if self.vllm_prompt_logprobs:
-                    choice["prompt_logprobs"] = part.vllm_prompt_logprobs(self.gw.token_text)
-                choices.append(choice)
-        if self.per_prompt != self.n:  # best_of: the n best candidates of each prompt, numbered anew
-            keep = best_of(self.cumulative, len(choices) // self.per_prompt, self.per_prompt, self.n)
-            choices = [dict(choices[i], index=k) for k, i in enumerate(keep)]
-        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.gw.config.model_name, "choices": choices,
-                "usage": self._usage()}
-        if self.chat and self.vllm_prompt_logprobs:  # vLLM: the chat response's, not a choice's
-            body["prompt_logprobs"] = self.parts[0].vllm_prompt_logprobs(self.gw.token_text)
-        return body
-
-    # streaming
-    def _chunk(self, choices: list[dict]) -> dict:
-        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.gw.config.model_name, "choices": choices}
-        if self.include_usage:
-            out["usage"] = None
-        return out
-
-    def stream_start(self) -> list[dict]:
-        if not self.chat:
-            return []
-        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}]) for i in range(len(self.text))]
-
-    def stream_event(self, index: int, event: pb.GenerateEvent) -> list[dict]:
-        offset = len(self.text[index])
-        text, lp = self.add(index, event)
-        finish = self.finish[index] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
-        if self.tool_streams is not None:
-            return self._tool_chunks(index, text, lp, finish)
-        if not text and lp is None and finish is None:
-            return []  # e.g. a token whose bytes are held back until its character is complete
-        if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text or finish is None else {},
-                      "logprobs": self._chat_logprobs(lp) if lp is not None else None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text,
-                      "logprobs": self._text_logprobs(lp, offset) if lp is not None else None,
-                      "finish_reason": finish}
-        return [self._chunk([choice])]
-
-    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
-        stream = self.tool_streams[index]
-        deltas = stream.push(text) if text else []
-        if finish is not None:
-            deltas += stream.finish()
-            finish = self.finish[index] = stream.finish_reason(finish)
-        if lp is not None and not deltas:
-            deltas = [{}]  # the logprobs of tokens whose text the parser holds (a marker, a call's syntax)
-        chunks = []
-        for k, delta in enumerate(deltas):
-            chunks.append(self._chunk([{"index": index, "delta": delta,
-                                        "logprobs": self._chat_logprobs(lp) if lp is not None and k == 0 else None,
-                                        "finish_reason": None}]))
-        if finish is not None:
-            chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
-        return chunks
-
-    def usage_chunk(self) -> dict:
-        chunk = self._chunk([])
-        chunk["usage"] = self._usage()
-        return chunk
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -706,7 +553,7 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
     return task.result()
 
 
-_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize"}
 
 
 class _ObserveMiddleware:
@@ -749,15 +596,16 @@ class _ObserveMiddleware:
                 self.gw.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
-def _request_id(request: Request, prefix: str = "") -> str:
+def _request_id(request: Request, prefix: str = "", client_ids: bool = True) -> str:
     """The request's one id: the body's "id", its X-Request-Id answer, the request_id of its log records, and the
     gen_ai.response.id of its spans in every process. The client's X-Request-Id if it sent a usable one (as vLLM
-    takes it), else prefix + a random hex (OpenAI's shape: chatcmpl-…, cmpl-…). Kept in request.state so that an
-    unexpected error is logged under the same id."""
+    takes it) and `client_ids`, else prefix + a random hex (OpenAI's shape: chatcmpl-…, cmpl-…, resp_…). Kept in
+    request.state so that an unexpected error is logged under the same id."""
     rid = getattr(request.state, "request_id", None)
     if rid is None:
         given = request.headers.get("x-request-id", "")
-        rid = given if given and len(given) <= 128 and given.isprintable() else prefix + uuid.uuid4().hex
+        usable = client_ids and given and len(given) <= 128 and given.isprintable()
+        rid = given if usable else prefix + uuid.uuid4().hex
         request.state.request_id = rid
     return rid
 
@@ -839,7 +687,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             # best_of ranks by the tokens' logprobs, so the workers report them even if the client did not ask
             specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None or per_prompt > req.n, top,
                              "prompt", constraint, per_prompt=per_prompt, prompt_logprobs=scored)
-            render = _Renderer(gw, False, len(specs), rid, logprobs=req.logprobs is not None, top_logprobs=top,
+            render = ChoiceRenderer(gw, False, len(specs), rid, logprobs=req.logprobs is not None, top_logprobs=top,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
             render.prompt_side(echo_texts=gw.echo_texts(req, prompts) if req.echo else None,
                                vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=per_prompt,
@@ -856,31 +704,44 @@ def create_app(config: GatewayConfig) -> FastAPI:
         async def work():
             req, data = await gw.parse(ChatCompletionRequest, raw)
             check_model(req.model)
-            messages = data["messages"]
-            check_messages(messages, config.limits)
-            state = _RequestState(gw, "chat", rid)
-            plan = plan_tools(req, gw.tool_format)
 
-            def prompt(cancelled):
-                # The tools' grammar is built here too: its cost grows with the tools' schemas.
-                return gw.chat_prompt(req, messages, plan, cancelled), plan.constraint() if plan else None
+            def render(plan: ToolPlan | None, n_choices: int) -> ChoiceRenderer:
+                out = ChoiceRenderer(gw, True, n_choices, rid, logprobs=req.logprobs, top_logprobs=req.top_logprobs
+                                     or 0, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                                     tools=plan)
+                out.prompt_side(vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=req.n, n=req.n)
+                return out
 
-            ids, tool_constraint = await gw.offload.run(Offload.is_light(len(raw), len(messages)), prompt)
-            constraint = await gw.constraint(req, len(raw))
-            top = req.top_logprobs or 0
-            specs = gw.specs(req, [ids], req.token_limit, req.logprobs, top, "messages", constraint,
-                             default_max_tokens=config.default_max_tokens, prompt_logprobs=req.prompt_logprobs)
-            if plan is not None:
-                plan.apply(specs, tool_constraint)
-            render = _Renderer(gw, True, len(specs), rid, logprobs=req.logprobs, top_logprobs=top,
-                               include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                               tools=plan)
-            render.prompt_side(vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=req.n,
-                               n=req.n)
-            return await gw.run(state, req, specs, render)
+            return await gw.chat(rid, req, data["messages"], len(raw), render)
 
         return await _until_disconnect(request, work)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
+        # Always the server's own id: it names a stored response, so it must be unique and unguessable.
+        rid = _request_id(request, "resp_", client_ids=False)
+
+        async def work():
+            req, _ = await gw.parse(ResponsesRequest, raw)
+            check_model(req.model)
+            owner = request_owner(request, bool(config.api_keys))
+            before, before_bytes = conversation_before(gw.response_store, req, owner)
+            size = len(raw) + before_bytes
+
+            def translate(cancelled):
+                items = input_items(req.input)
+                return items, *chat_request(req, before + items)
+
+            items, chat, messages = await gw.offload.run(Offload.is_light(size, len(before)), translate)
+            return await gw.chat(rid, chat, messages, size,
+                                 lambda plan, _: ResponsesRenderer(gw, rid, req, plan, store=gw.response_store,
+                                                                   owner=owner, input_items=items),
+                                 prompt_param="input", truncate=req.truncation == "auto")
+
+        return await _until_disconnect(request, work)
+
+    add_store_endpoints(app, gw.response_store, bool(config.api_keys))
     add_endpoints(app, gw, check_model)
 
     @app.get("/health")

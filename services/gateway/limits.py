@@ -196,8 +196,8 @@ class ClientGoneError(Exception):
     """The client closed the connection before its request body was complete (nobody to answer)."""
 
 
-def check_messages(messages: list, limits: RequestLimits) -> None:
+def check_messages(messages: list, limits: RequestLimits, param: str = "messages") -> None:
     if len(messages) > limits.max_messages:
-        raise invalid(f"Invalid 'messages': array too long. Expected an array with maximum length "
+        raise invalid(f"Invalid '{param}': array too long. Expected an array with maximum length "
                       f"{limits.max_messages}, but got an array with length {len(messages)} instead.",
-                      param="messages", code="array_above_max_length")
+                      param=param, code="array_above_max_length")

@@ -72,7 +72,7 @@ class ClientGone(Exception):
 
 
 def context_error(prompt_tokens: int, max_tokens: int | None, context: int, param: str) -> ApiError:
-    where = "messages" if param == "messages" else "prompt"
+    where = param if param in ("messages", "input") else "prompt"
     if max_tokens is None:
         message = (f"This model's maximum context length is {context} tokens. However, your {where} has "
                    f"{prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of "

@@ -293,24 +293,33 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
     def _tool_checks(self) -> None:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) != len(names):
-            dup = next(n for n in names if names.count(n) > 1)
-            raise _Unsupported("tools", f"two tools are named {dup!r}", code="invalid_value")
-        for i, t in enumerate(self.tools or []):
-            params = t.function.parameters
-            if params is not None and params.get("type", "object") != "object":
-                raise _Unsupported(f"tools[{i}].function.parameters", "a function's parameters must be a JSON "
-                                   "schema of type object", code="invalid_value")
-        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise _Unsupported("tool_choice", "tool_choice needs tools", code="invalid_value")
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise _Unsupported("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not "
-                               "one of the tools", code="invalid_value")
+        named = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        check_tools([t.function for t in self.tools or []], self.tool_choice not in (None, "none"), named,
+                    "tools[{}].function.parameters")
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def check_tools(functions: list[FunctionDefinition], asks_for_tools: bool, named: str | None,
+                parameters_param: str) -> None:
+    """What a request's tools must be, on chat and Responses alike: distinct names, parameters that are a JSON schema
+    of type object (`parameters_param` names tool i's), and a tool_choice that asks for a call (`asks_for_tools`: not
+    none) with tools to call, naming (`named`) one of them."""
+    names = [f.name for f in functions]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise _Unsupported("tools", f"two tools are named {dup!r}", code="invalid_value")
+    for i, f in enumerate(functions):
+        if f.parameters is not None and f.parameters.get("type", "object") != "object":
+            raise _Unsupported(parameters_param.format(i), "a function's parameters must be a JSON schema of type "
+                               "object", code="invalid_value")
+    if asks_for_tools and not functions:
+        raise _Unsupported("tool_choice", "tool_choice needs tools", code="invalid_value")
+    if named is not None and named not in names:
+        raise _Unsupported("tool_choice", f"tool_choice names {named!r}, which is not one of the tools",
+                           code="invalid_value")
 
 
 class _Unsupported(ValueError):

@@ -25,6 +25,7 @@ from .app import DEFAULT_CHAT_MAX_TOKENS, GatewayConfig, create_app
 from .auth import warn_if_open
 from .limits import HttpLimits, RequestLimits, ensure_fd_limit, uvicorn_settings
 from .pipeline import Timeouts
+from .response_store import StoreLimits
 
 log = logging.getLogger("splitgemma.gateway")
 
@@ -54,7 +55,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                  prefill: str, decode: str, max_body_bytes: int, timeouts: Timeouts | None = None,
                  api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
                  worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
-                 render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS) -> GatewayConfig:
+                 render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+                 response_store: StoreLimits | None = None) -> GatewayConfig:
     """default_max_tokens 0: chat without max_tokens runs to the end of the context."""
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
@@ -105,7 +107,7 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],
                          metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls,
                          limits=limits or RequestLimits(), render_threads=render_threads,
-                         render_queue=render_queue)
+                         render_queue=render_queue, response_store=response_store or StoreLimits())
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:

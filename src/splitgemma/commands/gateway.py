@@ -31,6 +31,12 @@ _GENERATION = (
     ("default_max_tokens", non_negative_int, "N", "tokens a chat completion without max_tokens generates at most "
      "(0: to the end of the context)"),
 )
+_RESPONSES = (
+    ("response_store_entries", non_negative_int, "N", "finished responses the Responses API keeps for "
+     "previous_response_id and GET /v1/responses/{id}, least recently used first out (0: none; store is then "
+     "answered false)"),
+    ("response_store_mb", positive_int, "MB", "memory those stored responses may take"),
+)
 RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
 
 
@@ -38,9 +44,12 @@ def add_limit_options(p) -> None:
     """The gateway's limits on what one client may cost (services/gateway/limits.py), for `gateway` and `up`."""
     from splitgemma.services.gateway.app import DEFAULT_CHAT_MAX_TOKENS
     from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
+    from splitgemma.services.gateway.response_store import StoreLimits
+    store = StoreLimits()
     defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
-                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS}
-    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION:
+                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "response_store_entries": store.entries,
+                "response_store_mb": store.megabytes}
+    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _RESPONSES:
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
                        help=f"{text} (default: {defaults[name]:g})" if isinstance(defaults[name], float) else
                        f"{text} (default: {defaults[name]})")
@@ -49,7 +58,7 @@ def add_limit_options(p) -> None:
 def limit_argv(args) -> list[str]:
     """The limit options of `args` as gateway arguments."""
     out = []
-    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION:
+    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _RESPONSES:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
@@ -58,7 +67,7 @@ def limit_argv(args) -> list[str]:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "gateway", help="serve the OpenAI API over prefill and decode workers",
-        description="Serve /v1/completions and /v1/chat/completions (with SSE streaming), /v1/models, "
+        description="Serve /v1/completions, /v1/chat/completions and /v1/responses (with SSE streaming), /v1/models, "
                     "/tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. Each request is tokenized here (with the model's chat template for "
                     "chat), gets a KV slot from a decode worker, is prefilled into it by a prefill worker and "
                     "streamed back by the decode worker. Telemetry follows the OTEL_* environment variables.",
@@ -106,6 +115,7 @@ def add_api_key_options(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from splitgemma.serving.worker import setup_logging, worker_id
     from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
+    from splitgemma.services.gateway.response_store import StoreLimits
     from splitgemma.services.gateway.server import ServeOptions, build_config, serve
 
     from splitgemma.services.gateway.auth import load_api_keys
@@ -126,7 +136,8 @@ def run(args) -> int:
                               service_token=service_token, worker_tls=worker_tls,
                               limits=RequestLimits(args.body_timeout, args.max_messages, args.max_rendered_chars),
                               render_threads=args.render_threads, render_queue=args.render_queue,
-                              default_max_tokens=args.default_max_tokens)
+                              default_max_tokens=args.default_max_tokens,
+                              response_store=StoreLimits(args.response_store_entries, args.response_store_mb))
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           max_header_bytes=args.max_header_bytes)

@@ -84,17 +84,25 @@ def token_digest(token: str | bytes) -> bytes:
     return hashlib.sha256(token.encode() if isinstance(token, str) else token).digest()
 
 
-def bearer_matches(header: str | bytes | None, digests: list[bytes]) -> bool:
-    """Whether an `authorization` value is "Bearer <t>" (scheme case-insensitive, RFC 6750) with t one of the
-    tokens whose sha256 is in `digests`; every digest is compared, in constant time."""
+def bearer_token(header: str | bytes | None) -> str | None:
+    """The token t of an `authorization` value "Bearer <t>" (scheme case-insensitive, RFC 6750), else None."""
     if header is None:
-        return False
+        return None
     if isinstance(header, bytes):
         header = header.decode("latin-1")
     scheme, _, token = header.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def bearer_matches(header: str | bytes | None, digests: list[bytes]) -> bool:
+    """Whether an `authorization` value is "Bearer <t>" with t one of the tokens whose sha256 is in `digests`; every
+    digest is compared, in constant time."""
+    token = bearer_token(header)
+    if token is None:
         return False
-    given = token_digest(token.strip().encode("latin-1"))
+    given = token_digest(token.encode("latin-1"))
     ok = False
     for d in digests:
         ok |= hmac.compare_digest(given, d)

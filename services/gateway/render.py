@@ -1,0 +1,221 @@
+"""How a request's generated tokens become its answer: the completion and chat completion shapes (a JSON body, or
+SSE chunks `data: {chunk}` … `data: [DONE]`). The Responses API renders the same accumulated choices its own way
+(responses.py subclasses ChoiceRenderer).
+
+A renderer is one request's: Gateway.run feeds it every GenerateEvent (add, or the sse_* methods while streaming)
+and asks it for the body or the stream's frames.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING
+
+from splitgemma.v1 import serving_pb2 as pb
+
+from .pipeline import FINISH_REASONS, Run
+from .prompt_logprobs import MIN_LOGPROB, PromptPart, best_of, echoed
+from .protocol import ApiError
+from .tools import ToolPlan, ToolStream, tool_message
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+
+def sse(obj, event: str | None = None) -> str:
+    """One server-sent event: `data: {json}` (and `event: name` before it when named)."""
+    data = "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+    return data if event is None else f"event: {event}\n" + data
+
+
+class ChoiceRenderer:
+    """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
+
+    def __init__(self, gateway: "Gateway", chat: bool, n_choices: int, request_id: str, *, logprobs: bool,
+                 top_logprobs: int, include_usage: bool, tools: ToolPlan | None = None):
+        self.gw = gateway
+        self.chat = chat
+        self.id = request_id
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.top_logprobs = top_logprobs
+        self.include_usage = include_usage
+        self.input_tokens = 0
+        self.cached_tokens = 0
+        self.text = [""] * n_choices
+        self.tokens = [0] * n_choices
+        self.finish: list[str | None] = [None] * n_choices
+        self.lp: list[list] = [[] for _ in range(n_choices)]
+        # With tools the text is read for calls (services/gateway/tools.py); streamed, each choice by its own parser.
+        self.tools = tools
+        self.tool_streams: list[ToolStream] | None = [tools.stream() for _ in range(n_choices)] if tools else None
+        # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
+        self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
+        self.parts: dict[int, PromptPart] = {}  # choice index -> its prompt's part
+        self.echo_texts: list[str] | None = None  # per prompt, with echo
+        self.vllm_prompt_logprobs = False
+        self.per_prompt = 1  # choices run per prompt (best_of's candidates, or n)
+        self.n = 1  # choices returned per prompt
+
+    def prompt_side(self, *, echo_texts: list[str] | None = None, vllm_prompt_logprobs: bool = False,
+                    per_prompt: int = 1, n: int = 1) -> None:
+        self.echo_texts = echo_texts
+        self.vllm_prompt_logprobs = vllm_prompt_logprobs
+        self.per_prompt, self.n = per_prompt, n
+
+    def take_prompt_logprobs(self, runs: list[Run]) -> None:
+        """After the prefills: each choice's prompt part, from the first choice of its prompt."""
+        if self.echo_texts is None and not self.vllm_prompt_logprobs:
+            return
+        firsts = {r.spec.index: r for r in runs if r.spec.index % self.per_prompt == 0}
+        for r in runs:
+            p = r.spec.index // self.per_prompt
+            first = firsts[p * self.per_prompt]
+            self.parts[r.spec.index] = PromptPart(self.echo_texts[p] if self.echo_texts is not None else "",
+                                                  r.spec.prompt_ids, list(first.prefill_result.prompt_logprobs))
+
+    def finish_reasons(self) -> list[str]:
+        return [f or "stop" for f in self.finish]
+
+    def _usage(self) -> dict:
+        out = sum(self.tokens)
+        return {"prompt_tokens": self.input_tokens, "completion_tokens": out,
+                "total_tokens": self.input_tokens + out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, object]:
+        text = "".join(t.text for t in event.tokens)
+        self.text[index] += text
+        self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
+        if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")
+        self.cumulative[index] += sum(t.logprob for t in event.tokens)
+        lp = self._logprobs(event.tokens) if self.logprobs else None
+        if lp is not None:
+            self.lp[index].extend(lp)
+        return text, lp
+
+    def _logprobs(self, tokens) -> list:
+        out = []
+        for t in tokens:
+            text = self.gw.token_text(t.token_id)
+            tops = [(self.gw.token_text(a.token_id), max(a.logprob, MIN_LOGPROB))
+                    for a in t.top_logprobs[:self.top_logprobs]]
+            out.append((text, max(t.logprob, MIN_LOGPROB), tops, t.text))
+        return out
+
+    def _chat_logprobs(self, entries) -> dict:
+        return {"content": [{"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
+                                              for a, alp in tops]}
+                            for text, lp, tops, _ in entries], "refusal": None}
+
+    def _text_logprobs(self, entries, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for text, lp, alternatives, emitted in entries:
+            tokens.append(text)
+            token_lps.append(lp)
+            tops.append(dict(alternatives) if self.top_logprobs else None)
+            offsets.append(offset)
+            offset += len(emitted)
+        return {"tokens": tokens, "token_logprobs": token_lps,
+                "top_logprobs": tops if self.top_logprobs else None, "text_offset": offsets}
+
+    # non-streaming
+    def body(self) -> dict:
+        choices = []
+        for i in range(len(self.text)):
+            lp = None
+            if self.logprobs:
+                lp = self._chat_logprobs(self.lp[i]) if self.chat else self._text_logprobs(self.lp[i], 0)
+            if self.chat:
+                message, finish = {"role": "assistant", "content": self.text[i]}, self.finish[i] or "stop"
+                if self.tools is not None:
+                    message, finish = tool_message(self.tools, self.text[i], finish)
+                    self.finish[i] = finish
+                choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+            else:
+                text, part = self.text[i], self.parts.get(i)
+                if self.echo_texts is not None:
+                    lp = self._text_logprobs(self.lp[i], len(part.text)) if self.logprobs else None
+                    text, lp = echoed(part, text, lp, self.gw.token_text, self.top_logprobs)
+                choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": self.finish[i] or "stop"}
+                if self.vllm_prompt_logprobs:
+                    choice["prompt_logprobs"] = part.vllm_prompt_logprobs(self.gw.token_text)
+                choices.append(choice)
+        if self.per_prompt != self.n:  # best_of: the n best candidates of each prompt, numbered anew
+            keep = best_of(self.cumulative, len(choices) // self.per_prompt, self.per_prompt, self.n)
+            choices = [dict(choices[i], index=k) for k, i in enumerate(keep)]
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.gw.config.model_name, "choices": choices,
+                "usage": self._usage()}
+        if self.chat and self.vllm_prompt_logprobs:  # vLLM: the chat response's, not a choice's
+            body["prompt_logprobs"] = self.parts[0].vllm_prompt_logprobs(self.gw.token_text)
+        return body
+
+    # streaming
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.gw.config.model_name, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def stream_start(self) -> list[dict]:
+        if not self.chat:
+            return []
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(len(self.text))]
+
+    def stream_event(self, index: int, event: pb.GenerateEvent) -> list[dict]:
+        offset = len(self.text[index])
+        text, lp = self.add(index, event)
+        finish = self.finish[index] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
+        if self.tool_streams is not None:
+            return self._tool_chunks(index, text, lp, finish)
+        if not text and lp is None and finish is None:
+            return []  # e.g. a token whose bytes are held back until its character is complete
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text or finish is None else {},
+                      "logprobs": self._chat_logprobs(lp) if lp is not None else None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text,
+                      "logprobs": self._text_logprobs(lp, offset) if lp is not None else None,
+                      "finish_reason": finish}
+        return [self._chunk([choice])]
+
+    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
+        stream = self.tool_streams[index]
+        deltas = stream.push(text) if text else []
+        if finish is not None:
+            deltas += stream.finish()
+            finish = self.finish[index] = stream.finish_reason(finish)
+        if lp is not None and not deltas:
+            deltas = [{}]  # the logprobs of tokens whose text the parser holds (a marker, a call's syntax)
+        chunks = []
+        for k, delta in enumerate(deltas):
+            chunks.append(self._chunk([{"index": index, "delta": delta,
+                                        "logprobs": self._chat_logprobs(lp) if lp is not None and k == 0 else None,
+                                        "finish_reason": None}]))
+        if finish is not None:
+            chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        chunk = self._chunk([])
+        chunk["usage"] = self._usage()
+        return chunk
+
+    # the SSE frames Gateway.run streams
+    def sse_start(self) -> list[str]:
+        return [sse(c) for c in self.stream_start()]
+
+    def sse_event(self, index: int, event: pb.GenerateEvent) -> list[str]:
+        return [sse(c) for c in self.stream_event(index, event)]
+
+    def sse_end(self) -> list[str]:
+        return ([sse(self.usage_chunk())] if self.include_usage else []) + ["data: [DONE]\n\n"]
+
+    def sse_error(self, e: ApiError) -> list[str]:
+        return [sse(e.body())]  # then the stream closes without [DONE]: it did not complete

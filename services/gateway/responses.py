@@ -1,0 +1,634 @@
+"""OpenAI's Responses API over the chat pipeline (docs/responses.md).
+
+  POST   /v1/responses                        create (stream: the typed SSE events, `event: response.…`)
+  GET    /v1/responses/{id}                   a stored response
+  GET    /v1/responses/{id}/input_items       its input items (limit, order, after)
+  DELETE /v1/responses/{id}                   forget it
+  POST   /v1/responses/{id}/cancel            400: only background responses can be cancelled, and none run here
+
+A request becomes the chat request it means (`chat_request`): `instructions` a system message first, the input
+items (a string, or messages, function calls and their outputs) and, with `previous_response_id`, the stored
+conversation before them as chat messages; `max_output_tokens` the token limit; function `tools`, `tool_choice` and
+`parallel_tool_calls` the chat's (flat in this API, nested in chat); `text.format` the response_format; logprobs
+when `include` asks for `message.output_text.logprobs`, with `top_logprobs` alternatives; and the sampling
+parameters the chat endpoint takes (vLLM's extensions included). From there it runs exactly as chat does: same
+template, same tool syntax and grammars, same constraint, same workers. `ResponsesRenderer` then shapes the answer
+as a response object: a message item with its output_text, a function_call item per call; `status` completed, or
+incomplete (`incomplete_details.reason` max_output_tokens) when the token limit or the context ended it.
+
+What this server does not do is refused with a 400 naming the parameter, never silently dropped: background
+responses, conversations (the Conversations API), saved prompts, reasoning (no reasoning items are produced), hosted
+tools (web search, file search, …: function tools only), input images, files and audio, item references, n > 1.
+`include` values that name output this server never produces (reasoning.encrypted_content, hosted tools' results,
+input image URLs) are accepted and have nothing to include.
+
+`store` (default true, as OpenAI's) keeps the finished response in the gateway's bounded store (response_store.py),
+per API key. `truncation: "auto"` drops the oldest turns of the conversation until the prompt and
+`max_output_tokens` (else one token) fit the context; `"disabled"` (the default) answers 400
+context_length_exceeded instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import Field, model_validator
+
+from splitgemma.serving.credentials import bearer_token, token_digest
+from splitgemma.v1 import serving_pb2 as pb
+
+from .protocol import (MAX_TOOLS, MAX_TOP_LOGPROBS, ApiError, ChatCompletionRequest, FunctionDefinition,
+                       PositiveInt, _SamplingRequest, _Strict, _Unsupported, check_tools, invalid)
+from .render import ChoiceRenderer, sse
+from .response_store import ChainBroken, ResponseStore
+from .tools import ToolPlan, tool_message
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+log = logging.getLogger("splitgemma.gateway")
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include values naming output this server never produces: asking for them is answered by their absence.
+NOTHING_TO_INCLUDE = frozenset({"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                                "web_search_call.action.sources", "code_interpreter_call.outputs",
+                                "computer_call_output.output.image_url", "message.input_image.image_url"})
+MAX_METADATA = 16            # OpenAI's limits on metadata: pairs, key and value lengths
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
+MAX_ID = 128                 # characters of an id a client may send (previous_response_id, item ids)
+# The sampling request's fields that carry over to the chat request as they are; the rest are the Responses API's
+# own (max_output_tokens, text.format, …) or refused here (max_tokens, n, response_format, prompt_logprobs).
+_CARRIED = frozenset(_SamplingRequest.model_fields) - {"max_tokens", "n", "stream_options", "response_format",
+                                                        "prompt_logprobs"}
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The request
+
+# OpenAI's parameters for what this server does not do: the values that ask for nothing, and why anything else is
+# refused (reasoning, which may ask for nothing in more ways, is checked on its own).
+REFUSED = {
+    "background": ((None, False), "it runs every response while its request waits"),
+    "background_options": ((None,), "it runs no background responses"),
+    "conversation": ((None,), "continue a conversation with previous_response_id"),
+    "prompt": ((None,), "send input and instructions instead of a saved prompt"),
+    "context_management": ((None, []), "truncation auto drops the oldest turns instead of compacting them"),
+    "moderation": ((None,), "it runs no moderation model"),
+}
+
+
+class FunctionTool(FunctionDefinition):
+    """The Responses API's function tool: the chat's function definition, flat."""
+    type: Literal["function"]
+
+
+class NamedFunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")  # "schema" would shadow BaseModel's
+    strict: bool | None = None  # constrained decoding always holds the output to the schema
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None   # a hint this model has no use for
+
+
+class ResponsesRequest(_SamplingRequest):
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: PositiveInt | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    include: Annotated[list[str], Field(max_length=16)] | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    store: bool = True
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
+    metadata: dict[str, str] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None   # bounds hosted tools' calls: there are none here
+    # accepted and answered as "default": there is one tier
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    safety_identifier: Annotated[str, Field(max_length=MAX_ID)] | None = None
+    # the prefix cache needs no key or options: it matches prompts by their tokens, and keeps blocks while it has room
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    image: dict[str, Any] | None = None              # options for input images, which this server does not take
+    access_programs: dict[str, Any] | None = None    # OpenAI's account programs: nothing here depends on them
+    # OpenAI's, for what this server does not do: present only to be refused unless they ask for nothing (REFUSED)
+    reasoning: dict[str, Any] | None = None
+    background: bool | None = None
+    background_options: dict[str, Any] | None = None
+    conversation: Any = None
+    prompt: Any = None
+    context_management: list[Any] | None = None
+    moderation: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hosted_tools(cls, data: Any):
+        tools = data.get("tools") if isinstance(data, dict) else None
+        for i, t in enumerate(tools if isinstance(tools, list) else ()):
+            kind = t.get("type") if isinstance(t, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise _Unsupported(f"tools[{i}].type", f"tools of type {kind!r} are not supported: this server "
+                                   "runs no hosted tools; declare functions (type function) and run them yourself")
+        return data
+
+    @model_validator(mode="after")
+    def _responses_checks(self):
+        for name, better in (("max_tokens", "max_output_tokens"), ("response_format", "text.format")):
+            if getattr(self, name) is not None:
+                raise _Unsupported(name, f"{name} is not a Responses API parameter: use {better}")
+        if self.n != 1:
+            raise _Unsupported("n", "a response has one output: use /v1/chat/completions for n choices")
+        if self.prompt_logprobs is not None:
+            raise _Unsupported("prompt_logprobs", "prompt_logprobs is not supported by /v1/responses: use "
+                               "/v1/completions")
+        if self.input is None and self.previous_response_id is None:
+            raise _Unsupported("input", "missing required parameter: 'input'", code="missing_required_parameter")
+        for name, (nothing, why) in REFUSED.items():
+            if getattr(self, name) not in nothing:
+                raise _Unsupported(name, f"{name} is not supported by this server: {why}")
+        if self.reasoning is not None and any(
+                v is not None for k, v in self.reasoning.items() if not (k == "effort" and v == "none")):
+            raise _Unsupported("reasoning", "reasoning is not supported by this server: it returns no reasoning "
+                               "items")
+        for k in self.include or ():
+            if k != LOGPROBS_INCLUDE and k not in NOTHING_TO_INCLUDE:
+                raise _Unsupported("include", f"include: {k[:80]!r} is not a value this API defines",
+                                   code="invalid_value")
+        if self.metadata is not None:
+            if len(self.metadata) > MAX_METADATA or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                                        for k, v in self.metadata.items()):
+                raise _Unsupported("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most "
+                                   f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
+                                   code="invalid_value")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+            raise _Unsupported("text.format.schema", "text.format of type json_schema needs schema",
+                               code="missing_required_parameter")
+        named = self.tool_choice.name if isinstance(self.tool_choice, NamedFunctionChoice) else None
+        check_tools(self.tools or [], self.tool_choice not in (None, "none"), named, "tools[{}].parameters")
+        return self
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or ())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Input items: checked and kept in the shape the API returns them (input_items, stored conversations)
+
+
+def input_items(value: str | list[dict] | None) -> list[dict]:
+    """The request's input as items (a string is one user message), each checked, with an id and a status."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [_message_item("user", [_part("input_text", value)])]
+    return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
+
+
+def _part(kind: str, text: str) -> dict:
+    return {"type": kind, "text": text, **({"annotations": []} if kind == "output_text" else {})}
+
+
+def _message_item(role: str, content: list[dict], item_id: str | None = None) -> dict:
+    return {"id": item_id or new_id("msg_"), "type": "message", "role": role, "status": "completed",
+            "content": content}
+
+
+def _string(item: dict, key: str, param: str, required: bool = True) -> str | None:
+    value = item.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise invalid(f"{param}.{key} must be a string", param=f"{param}.{key}",
+                      code="missing_required_parameter" if value is None else "invalid_type")
+    return value
+
+
+def _item_id(item: dict, param: str) -> str | None:
+    given = _string(item, "id", param, required=False)
+    if given is not None and not 0 < len(given) <= MAX_ID:
+        raise invalid(f"{param}.id must be 1 to {MAX_ID} characters", param=f"{param}.id", code="invalid_value")
+    return given
+
+
+def _item(item: dict, param: str) -> dict:
+    if not isinstance(item, dict):
+        raise invalid(f"{param} must be an object", param=param, code="invalid_type")
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise invalid(f"{param}.role must be one of user, assistant, system, developer", param=f"{param}.role",
+                          code="invalid_value")
+        return _message_item(role, _content(item.get("content"), role, f"{param}.content"), _item_id(item, param))
+    if kind == "function_call":
+        return {"id": _item_id(item, param) or new_id("fc_"), "type": "function_call", "status": "completed",
+                "call_id": _string(item, "call_id", param), "name": _string(item, "name", param),
+                "arguments": _string(item, "arguments", param)}
+    if kind == "function_call_output":
+        output = item.get("output")
+        if isinstance(output, list):
+            output = "".join(p["text"] for p in _content(output, "user", f"{param}.output"))
+        elif not isinstance(output, str):
+            raise invalid(f"{param}.output must be a string or a list of input_text parts", param=f"{param}.output",
+                          code="missing_required_parameter" if output is None else "invalid_type")
+        call_id, name = _string(item, "call_id", param, False), _string(item, "name", param, False)
+        if call_id is None and name is None:
+            raise invalid(f"{param} needs call_id (the call it answers)", param=f"{param}.call_id",
+                          code="missing_required_parameter")
+        out = {"id": _item_id(item, param) or new_id("fco_"), "type": "function_call_output", "status": "completed",
+               "call_id": call_id, "output": output}
+        return out if name is None else {**out, "name": name}
+    if kind is None:
+        raise invalid(f"{param} needs a type (or a role, for a message)", param=f"{param}.type",
+                      code="missing_required_parameter")
+    raise invalid(f"input items of type {str(kind)[:40]!r} are not supported by this server: it takes messages, "
+                  "function_call and function_call_output items (continue from stored items with "
+                  "previous_response_id)", param=f"{param}.type", code="unsupported_parameter")
+
+
+def _content(content, role: str, param: str) -> list[dict]:
+    if isinstance(content, str):
+        return [_part("output_text" if role == "assistant" else "input_text", content)]
+    if not isinstance(content, list):
+        raise invalid(f"{param} must be a string or a list of content parts", param=param,
+                      code="missing_required_parameter" if content is None else "invalid_type")
+    out = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text"):
+            out.append(_part(kind, _string(part, "text", p)))
+        elif kind == "refusal":
+            out.append(_part("output_text", _string(part, "refusal", p)))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise invalid(f"content parts of type {kind!r} are not supported: this server takes text only",
+                          param=f"{p}.type", code="unsupported_parameter")
+        else:
+            raise invalid(f"{p} must be a content part of type input_text or output_text", param=f"{p}.type",
+                          code="invalid_value")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The chat request a Responses request means
+
+
+def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
+    """Items as chat messages: function calls join the assistant message before them (or make one), each output a
+    tool message naming its call."""
+    out: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
+    names: dict[str, str] = {}
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            out.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+        elif kind == "function_call":
+            names[item["call_id"]] = item["name"]
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1]["tool_calls"] = [*(out[-1].get("tool_calls") or []), call]
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:  # function_call_output
+            message = {"role": "tool", "content": item["output"]}
+            if item.get("call_id") is not None:
+                message["tool_call_id"] = item["call_id"]
+            name = names.get(item.get("call_id")) or item.get("name")
+            out.append(message if name is None else {**message, "name": name})
+    return out
+
+
+def chat_request(req: ResponsesRequest, items: list[dict]) -> tuple[ChatCompletionRequest, list[dict]]:
+    """The chat request `req` means, over the conversation `items` (the stored one, then this request's input),
+    and its messages as the template receives them."""
+    messages = chat_messages(req.instructions, items)
+    if not messages:
+        raise invalid("the request has no input", param="input", code="invalid_value")
+    body = req.model_dump(include=_CARRIED, by_alias=True, exclude_none=True)
+    body.update(messages=messages, max_completion_tokens=req.max_output_tokens,
+                logprobs=req.logprobs, top_logprobs=req.top_logprobs if req.logprobs else None,
+                parallel_tool_calls=req.parallel_tool_calls)
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in req.tools]
+    if isinstance(req.tool_choice, NamedFunctionChoice):
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    elif req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None:
+        body["response_format"] = {"type": fmt.type} if fmt.type != "json_schema" else {
+            "type": "json_schema", "json_schema": fmt.model_dump(exclude={"type"}, by_alias=True, exclude_none=True)}
+    return ChatCompletionRequest.model_validate(body), messages
+
+
+def truncated(messages: list[dict]) -> list[dict] | None:
+    """truncation auto's next step: the conversation without its oldest turn (a leading system message, the
+    instructions, stays), starting again at a user message; None when no older turn is left to drop."""
+    head = 1 if messages and messages[0]["role"] == "system" else 0
+    rest = messages[head:]
+    nxt = next((i for i in range(1, len(rest)) if rest[i]["role"] == "user"), None)
+    return None if nxt is None else messages[:head] + rest[nxt:]
+
+
+def request_owner(request: Request, keyed: bool) -> str:
+    """Whose stored responses a request may see: its API key's digest when keys are configured (the middleware
+    has checked the key), else everyone's."""
+    if not keyed:
+        return ""
+    return token_digest(bearer_token(request.headers.get("authorization")) or "").hex()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The answer
+
+
+class ResponsesRenderer(ChoiceRenderer):
+    """One request's response object: the body, or its stream of typed events (each with its sequence_number):
+    response.created, response.in_progress; per output item output_item.added, then for a message
+    content_part.added, output_text.delta … output_text.done, content_part.done, and for a call
+    function_call_arguments.delta … .done; output_item.done; finally response.completed (or response.incomplete).
+    A failure mid-stream sends `error` and response.failed."""
+
+    def __init__(self, gateway: "Gateway", request_id: str, req: ResponsesRequest, plan: ToolPlan | None, *,
+                 store: ResponseStore, owner: str, input_items: list[dict]):
+        super().__init__(gateway, True, 1, request_id, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
+                         include_usage=False, tools=plan)
+        self.req = req
+        self.store = store
+        self.owner = owner
+        self.items = input_items
+        self.stored = req.store and store.enabled
+        self.seq = 0
+        self.output: list[dict] = []        # finished output items (streaming)
+        self.open: dict | None = None       # the item being streamed
+        self.pending_lp: list[dict] = []    # logprobs of tokens whose text has not gone out yet
+
+    # the response object
+    def response(self, status: str, output: list[dict], *, error: dict | None = None) -> dict:
+        req = self.req
+        done = status in ("completed", "incomplete", "failed")
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else \
+            {"type": "text"}
+        tool_choice = req.tool_choice or "auto"
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False,
+            "completed_at": int(time.time()) if status == "completed" else None, "error": error,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "model": self.gw.config.model_name,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": {"effort": None, "summary": None}, "safety_identifier": req.safety_identifier,
+            "service_tier": "default", "store": self.stored,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": fmt, "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
+            "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
+            "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+            "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": req.truncation or "disabled", "user": req.user,
+            "usage": self.usage() if done and error is None else None,
+        }
+
+    def usage(self) -> dict:
+        out = sum(self.tokens)
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + out}
+
+    def _status(self) -> str:
+        return "incomplete" if self.finish[0] == "length" else "completed"
+
+    def _keep(self, response: dict) -> dict:
+        if self.stored and not self.store.put(self.owner, response, self.items, self.req.previous_response_id):
+            log.warning("response too large for the store: not kept", extra={"request_id": self.id})
+        return response
+
+    def _lp(self, entries) -> list[dict]:
+        return self._chat_logprobs(entries)["content"]
+
+    # non-streaming
+    def body(self) -> dict:
+        text, finish = self.text[0], self.finish[0] or "stop"
+        content, calls = text, []
+        if self.tools is not None:
+            message, self.finish[0] = tool_message(self.tools, text, finish)
+            content, calls = message["content"], message.get("tool_calls") or []
+        output = []
+        status = self._status()
+        if content or not calls:
+            part = _part("output_text", content or "")
+            if self.logprobs:
+                part["logprobs"] = self._lp(self.lp[0])
+            output.append({**_message_item("assistant", [part]), "status": status})
+        output += [{"id": new_id("fc_"), "type": "function_call", "status": "completed", "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+        return self._keep(self.response(status, output))
+
+    # streaming
+    def _event(self, kind: str, **fields) -> str:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, event=kind)
+
+    def sse_start(self) -> list[str]:
+        started = self.response("in_progress", [])
+        return [self._event("response.created", response=started),
+                self._event("response.in_progress", response=started)]
+
+    def sse_event(self, index: int, event: pb.GenerateEvent) -> list[str]:
+        text, lp = self.add(index, event)
+        if lp is not None:
+            self.pending_lp += self._lp(lp)
+        finish = self.finish[0] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
+        if self.tool_streams is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            stream = self.tool_streams[0]
+            deltas = stream.push(text) if text else []
+            if finish is not None:
+                deltas += stream.finish()
+                self.finish[0] = stream.finish_reason(finish)
+        frames = []
+        for delta in deltas:
+            if delta.get("content"):
+                frames += self._text(delta["content"])
+            elif "tool_calls" in delta:
+                call = delta["tool_calls"][0]
+                if "id" in call:
+                    frames += self._close() + self._open_call(call["id"], call["function"]["name"])
+                else:
+                    frames += self._arguments(call["function"]["arguments"])
+        return frames
+
+    def _text(self, text: str) -> list[str]:
+        frames = []
+        if self.open is None or self.open["type"] != "message":
+            frames += self._close()
+            self.open = {**_message_item("assistant", []), "status": "in_progress"}
+            frames.append(self._event("response.output_item.added", output_index=len(self.output), item=self.open))
+            part = _part("output_text", "")
+            if self.logprobs:
+                part["logprobs"] = []
+            self.open["content"].append(part)
+            frames.append(self._event("response.content_part.added", item_id=self.open["id"],
+                                      output_index=len(self.output), content_index=0, part=part))
+        part = self.open["content"][0]
+        part["text"] += text
+        lp, self.pending_lp = self.pending_lp, []
+        if self.logprobs:
+            part["logprobs"] += lp
+        frames.append(self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                                  content_index=0, delta=text, logprobs=lp))
+        return frames
+
+    def _open_call(self, call_id: str, name: str) -> list[str]:
+        self.pending_lp = []  # a call's tokens: a function_call item has no logprobs
+        self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
+                     "name": name, "arguments": ""}
+        return [self._event("response.output_item.added", output_index=len(self.output), item=dict(self.open))]
+
+    def _arguments(self, delta: str) -> list[str]:
+        self.open["arguments"] += delta
+        return [self._event("response.function_call_arguments.delta", item_id=self.open["id"],
+                            output_index=len(self.output), delta=delta)]
+
+    def _close(self, last: bool = False) -> list[str]:
+        """The done events of the item being streamed, if any; `last`: the response's end closes it, so it is
+        incomplete if the response is."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index = len(self.output)
+        frames = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            if self.logprobs and self.pending_lp:
+                part["logprobs"] += self.pending_lp
+                self.pending_lp = []
+            extra = {"logprobs": part["logprobs"]} if self.logprobs else {"logprobs": []}
+            frames += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=part["text"], **extra),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=part)]
+        else:
+            frames.append(self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+        item["status"] = self._status() if last else "completed"
+        self.output.append(item)
+        frames.append(self._event("response.output_item.done", output_index=index, item=item))
+        return frames
+
+    def sse_end(self) -> list[str]:
+        frames = self._close(last=True)
+        if not self.output:  # nothing came out: still one (empty) message, as the body has
+            self.open = {**_message_item("assistant", [_part("output_text", "")]), "status": "in_progress"}
+            if self.logprobs:
+                self.open["content"][0]["logprobs"] = []
+            frames += [self._event("response.output_item.added", output_index=0,
+                                   item={**self.open, "content": []}),
+                       self._event("response.content_part.added", item_id=self.open["id"], output_index=0,
+                                   content_index=0, part=self.open["content"][0])]
+            frames += self._close(last=True)
+        status = self._status()
+        done = self._keep(self.response(status, self.output))
+        return frames + [self._event(f"response.{status}", response=done)]
+
+    def sse_error(self, e: ApiError) -> list[str]:
+        code = "rate_limit_exceeded" if e.status == 429 else "server_error" if e.status >= 500 else "invalid_prompt"
+        failed = self.response("failed", self.output, error={"code": code, "message": e.message})
+        return [self._event("error", code=e.code or e.type, message=e.message, param=e.param),
+                self._event("response.failed", response=failed)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stored responses' endpoints
+
+
+def conversation_before(store: ResponseStore, req: ResponsesRequest, owner: str) -> tuple[list[dict], int]:
+    """The stored conversation `previous_response_id` continues (none without one) and its size in bytes."""
+    if req.previous_response_id is None:
+        return [], 0
+    try:
+        found = store.conversation(req.previous_response_id, owner)
+    except ChainBroken:
+        raise invalid(f"Previous response with id '{req.previous_response_id[:MAX_ID]}' continues a conversation "
+                      "whose earlier responses are no longer stored; start it again with the whole input",
+                      param="previous_response_id", code="previous_response_not_found") from None
+    if found is None:
+        raise ApiError(404, f"Previous response with id '{req.previous_response_id[:MAX_ID]}' not found.",
+                       param="previous_response_id", code="previous_response_not_found")
+    return found
+
+
+def add_store_endpoints(app: FastAPI, store: ResponseStore, keyed: bool) -> None:
+    def stored(request: Request, response_id: str):
+        entry = store.get(response_id, request_owner(request, keyed))
+        if entry is None:
+            raise ApiError(404, f"Response with id '{response_id[:MAX_ID]}' not found.", param="response_id",
+                           code="not_found")
+        return entry
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str):
+        return JSONResponse(stored(request, response_id).response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        if not store.delete(response_id, request_owner(request, keyed)):
+            raise ApiError(404, f"Response with id '{response_id[:MAX_ID]}' not found.", param="response_id",
+                           code="not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str):
+        query = request.query_params
+        limit = query.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+            raise invalid("limit must be an integer from 1 to 100", param="limit", code="invalid_value")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order must be asc or desc", param="order", code="invalid_value")
+        items = stored(request, response_id).input_items
+        items = items[::-1] if order == "desc" else list(items)
+        after = query.get("after")
+        if after is not None:
+            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+            if at is None:
+                raise invalid(f"after: no input item with id '{after[:MAX_ID]}' in this response", param="after",
+                              code="invalid_value")
+            items = items[at + 1:]
+        page = items[:int(limit)]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str):
+        stored(request, response_id)
+        raise invalid("only background responses can be cancelled, and this server runs none: this response has "
+                      "finished", param="response_id", code="invalid_value")
