@@ -83,7 +83,7 @@ def chat(**fields) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
 
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 M = json.dumps(MODEL_NAME)
 
 
@@ -301,6 +301,45 @@ _FIELDS = sorted({*_COMMON, "model", "prompt", "messages", "max_tokens", "logpro
                   "presence_penalty", "logit_bias", "chat_template_kwargs", "add_generation_prompt", "unknown"})
 
 
+_CONTENT_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image",
+                                                                 "text"]), "text": _TEXT}, optional={"refusal": _TEXT})
+_ITEM = (st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+                                "content": _TEXT | st.lists(_CONTENT_PART, max_size=3)},
+                               optional={"type": st.just("message"), "id": _TEXT, "status": _TEXT})
+         | st.fixed_dictionaries({"type": st.just("function_call"), "call_id": _TEXT, "name": _TEXT,
+                                  "arguments": _TEXT | st.just('{"a": 1}')})
+         | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _TEXT,
+                                  "output": _TEXT | st.lists(_CONTENT_PART, max_size=2)})
+         | st.fixed_dictionaries({"type": _TEXT | st.sampled_from(["reasoning", "item_reference"])}))
+_RESPONSES_BODY = st.fixed_dictionaries(
+    {"model": st.just(MODEL_NAME), "max_output_tokens": st.integers(min_value=1, max_value=4),
+     "input": _TEXT | st.lists(_ITEM, min_size=1, max_size=4)},
+    optional={**{k: v for k, v in _COMMON.items() if k not in ("n", "stream_options")}, "instructions": _TEXT,
+              "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content",
+                                                   "x"]), max_size=2),
+              "top_logprobs": st.integers(min_value=0, max_value=20), "store": st.booleans(),
+              "previous_response_id": _TEXT, "truncation": st.sampled_from(["auto", "disabled"]),
+              "text": st.fixed_dictionaries({"format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])}),
+              "tools": st.just([]) | st.just([{"type": "function", "name": "f"}]) | st.just([{"type": "web_search"}]),
+              "tool_choice": st.sampled_from(["none", "auto", "required"]),
+              "metadata": st.dictionaries(_TEXT, _TEXT, max_size=3),
+              "reasoning": st.sampled_from([None, {"effort": "none"}, {"effort": "high"}])})
+_RESPONSES_FIELDS = sorted({*_COMMON, "model", "input", "instructions", "max_output_tokens", "include", "tools",
+                            "tool_choice", "text", "store", "previous_response_id", "truncation", "metadata",
+                            "reasoning", "background", "conversation", "unknown"})
+
+
+@st.composite
+def _responses_bodies(draw):
+    body = dict(draw(_RESPONSES_BODY))
+    if draw(st.booleans()):
+        body[draw(st.sampled_from(_RESPONSES_FIELDS))] = draw(_ANY)
+    if isinstance(body["input"], list) and draw(st.booleans()):
+        body["input"][0] = {**body["input"][0], draw(st.sampled_from(["role", "content", "type", "call_id",
+                                                                      "output"])): draw(_ANY)}
+    return body
+
+
 @st.composite
 def _bodies(draw):
     body = dict(draw(_COMPLETION | _CHAT))
@@ -323,6 +362,11 @@ def _check_answer(http, path: str, content: bytes) -> None:
         assert set(err) == {"message", "type", "param", "code"}, text[:500]
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if path == RESPONSES:  # typed events, numbered, the last one the response's end
+            typed = [json.loads(e) for e in events]
+            assert [e["sequence_number"] for e in typed] == list(range(len(typed))), text[-500:]
+            assert typed[-1]["type"] in ("response.completed", "response.incomplete"), text[-500:]
+            return
         assert events[-1] == "[DONE]", text[-500:]
         for e in events[:-1]:
             json.loads(e)  # every chunk is JSON (no NaN, no -Infinity)
@@ -363,7 +407,21 @@ _FUZZ = settings(max_examples=REQUEST_EXAMPLES, deadline=None, derandomize=True,
                                                 junk=bytes.fromhex(e["junk_hex"])))
 def test_fuzzed_bodies_get_an_answer_never_a_500(http, path, body, mangle, junk):
     """path None = the endpoint the body was made for."""
-    path = path or (CHAT if "messages" in body else C)
+    path = path or (CHAT if "messages" in body else RESPONSES if "input" in body else C)
+    _check_answer(http, path, _mangled(body, mangle, junk))
+
+
+@_FUZZ
+@given(body=_responses_bodies(), mangle=st.sampled_from(
+    ["none", "none", "none", "surrogate", "nan", "nest", "duplicate", "truncate", "bytes"]),
+    junk=st.binary(max_size=40))
+def test_fuzzed_responses_bodies_get_an_answer_never_a_500(http, body, mangle, junk):
+    """The same for /v1/responses, with bodies of its own shape: input items of every type, tools, formats, stored
+    ids (mostly unknown), truncation."""
+    _check_answer(http, RESPONSES, _mangled(body, mangle, junk))
+
+
+def _mangled(body: dict, mangle: str, junk: bytes) -> bytes:
     text = json.dumps(body, ensure_ascii=True)
     if mangle == "surrogate":
         text = text.replace('"', '"\\udc80', 1)
@@ -380,7 +438,7 @@ def test_fuzzed_bodies_get_an_answer_never_a_500(http, path, body, mangle, junk)
     content = text.encode("utf-8", "surrogatepass")
     if mangle == "bytes":
         content = content[:1] + junk + content[1:]
-    _check_answer(http, path, content)
+    return content
 
 
 def test_the_server_still_answers_after_the_fuzzing(http, stack):

@@ -109,8 +109,9 @@ def test_model_card_version_root_and_openapi(stack):
     docs = httpx.get(stack.url + "/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower() and "/openapi.json" in docs.text
     paths = httpx.get(stack.url + "/openapi.json").json()["paths"]
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version"} <= \
-        set(paths)
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
+            "/v1/models", "/tokenize", "/detokenize", "/version"} <= set(paths)
+    assert "/v1/responses" in root["endpoints"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -556,6 +556,19 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
 _TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize"}
 
 
+def _route(path: str) -> str | None:
+    """The traced endpoint a path is (ids replaced by their parameter's name), or None for one not traced."""
+    if path in _TRACED:
+        return path
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{model}"
+    if path.startswith("/v1/responses/"):
+        tail = path.rsplit("/", 1)[1]
+        return "/v1/responses/{response_id}" + (f"/{tail}" if path.count("/") > 3 and tail in (
+            "input_items", "cancel") else "")
+    return None
+
+
 class _ObserveMiddleware:
     """SERVER span and request counter per API call (health, readiness and metrics probes are not traced)."""
 
@@ -567,11 +580,9 @@ class _ObserveMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in _TRACED or path.startswith("/v1/models/") else None
+        endpoint = _route(path)
         if endpoint is None:
             return await self.app(scope, receive, send)
-        if endpoint.startswith("/v1/models/"):
-            endpoint = "/v1/models/{model}"
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         ctx = propagate.extract(headers)
         status = {"code": 500}
