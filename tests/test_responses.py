@@ -16,6 +16,7 @@ import json
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from splitgemma.services.gateway.response_store import ChainBroken, ResponseStore, StoreLimits
@@ -203,6 +204,12 @@ def test_structured_output_follows_the_schema(client, model):
         else:
             text = client.responses.create(**kw).output_text
         jsonschema.validate(json.loads(text), schema)
+
+    class Answer(pydantic.BaseModel):   # the client's own helper: a model's schema in, an instance out
+        ok: bool
+
+    parsed = client.responses.parse(model=model, input=INPUT, max_output_tokens=40, temperature=0, text_format=Answer)
+    assert isinstance(parsed.output_parsed, Answer)
 
 
 def test_forced_function_calls_and_their_outputs(client, model):
