@@ -3,6 +3,7 @@ dropped by their client mid-way; memory, open files and decode slots of every pr
 the end, and greedy outputs under load checked against the same prompts run alone.
 
     python bench/soak.py [--minutes 10] [--clients 16] [--disconnect 0.2] [--model M.fgm [--tokenizer T.json]]
+                         [--api completions|responses] [--response-store-mb 64]
 
 The three processes are started here (`python -m splitgemma decode|prefill|gateway`, as the tests do, so that each
 one's /proc/<pid> can be read) on free loopback ports with a private KV folder, and stopped at the end. Without
@@ -15,6 +16,10 @@ to the end and compares the text with the prompt's solo output. Reported: RSS (V
 each process, and the decode worker's slots (Stats), at start, after --warmup seconds and at the end (once the slots
 are free again); the gateway's growth after warm-up per minute and per dropped stream; request counts, errors and
 mismatches. Exit status 1 when an output differed, a request failed or a slot stayed in use.
+
+--api responses sends the same prompts to /v1/responses instead (streamed typed events, each response stored: the
+gateway's store fills to --response-store-mb and then evicts, so its RSS must level off there; the gateway gets
+Gemma 4's chat template from tests/fixtures/chat unless the model has one).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from splitgemma.v1 import serving_pb2_grpc as pbg
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "fastgemma" / "mini-e2b-tame"
+CHAT_TEMPLATE = ROOT / "tests" / "fixtures" / "chat" / "chat-template-e2b.jinja"
 # Runs the command after it with PR_SET_PDEATHSIG = SIGTERM (kept across exec): no server outlives this script.
 DIE_WITH_PARENT = [sys.executable, "-c", "import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGTERM); "
                    "os.execvp(sys.argv[1], sys.argv[1:])"]
@@ -75,8 +81,11 @@ class Stack:
         self._start("decode", ["decode", *common, *tok, "--port", str(dport), "--slots", str(args.slots),
                                "--max-queue", str(4 * args.clients)])
         self._start("prefill", ["prefill", *common, "--port", str(pport)])
+        chat = ["--response-store-mb", str(args.response_store_mb)]
+        if args.api == "responses" and not (Path(args.model).parent / "chat_template.jinja").exists():
+            chat += ["--chat-template", str(CHAT_TEMPLATE)]
         self._start("gateway", ["gateway", "--model", str(args.model), *tok, "--prefill", f"127.0.0.1:{pport}",
-                                "--decode", self.decode_addr, "--port", str(gport), "--log-level", "WARNING"])
+                                "--decode", self.decode_addr, "--port", str(gport), "--log-level", "WARNING", *chat])
         self.channel = grpc.insecure_channel(self.decode_addr)
         self.decode = pbg.DecodeStub(self.channel)
 
@@ -154,6 +163,32 @@ def complete(url: str, body: dict, client: httpx.Client, drop_after: int | None 
     return "".join(text)
 
 
+def respond(url: str, body: dict, client: httpx.Client, drop_after: int | None = None) -> str | None:
+    """The same as complete() through /v1/responses: `body` is a completion's, sent as the Responses request it
+    means (its prompt the input); the text of the output_text deltas, checked against the final event's."""
+    request = {"model": body["model"], "input": body["prompt"], "max_output_tokens": body["max_tokens"],
+               "temperature": body["temperature"], "ignore_eos": body["ignore_eos"], "stream": True}
+    text = []
+    with client.stream("POST", url + "/v1/responses", json=request) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta":
+                text.append(event["delta"])
+                if drop_after is not None and len(text) >= drop_after:
+                    return None
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                final = "".join(c["text"] for item in event["response"]["output"] for c in item["content"])
+                if final != "".join(text):
+                    raise RuntimeError("the final response's text is not the deltas'")
+            elif event["type"] in ("error", "response.failed"):
+                raise RuntimeError(f"stream failed: {line[:200]}")
+    return "".join(text)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=2.0)
@@ -170,7 +205,11 @@ def main() -> int:
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1, help="compute threads per worker (default: 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--api", choices=("completions", "responses"), default="completions",
+                    help="the endpoint the clients use (default: completions)")
+    ap.add_argument("--response-store-mb", type=int, default=64, help="the gateway's Responses store (default: 64)")
     args = ap.parse_args()
+    call = respond if args.api == "responses" else complete
     duration = args.minutes * 60
     warmup = args.warmup if args.warmup is not None else min(60.0, duration / 3)
     args.slots = args.slots or args.clients
@@ -185,7 +224,7 @@ def main() -> int:
                    for _ in range(args.prompts)]
         base = {"model": Path(args.model).stem, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
         with httpx.Client(timeout=120) as c:
-            solo = [complete(stack.url, {**base, "prompt": p}, c) for p in prompts]
+            solo = [call(stack.url, {**base, "prompt": p}, c) for p in prompts]
         snaps = {"start": stack.snapshot()}
         counts: Counter = Counter()
         errors: list[str] = []
@@ -199,7 +238,7 @@ def main() -> int:
                     i = r.randrange(len(prompts))
                     drop = r.random() < args.disconnect
                     try:
-                        got = complete(stack.url, {**base, "prompt": prompts[i]}, c,
+                        got = call(stack.url, {**base, "prompt": prompts[i]}, c,
                                        r.randint(1, max(1, args.max_tokens // 2)) if drop else None)
                         outcome = "dropped" if drop else ("equal" if got == solo[i] else "DIFFERENT")
                     except (httpx.HTTPError, RuntimeError) as e:
@@ -226,7 +265,8 @@ def main() -> int:
     finally:
         codes = stack.stop()
 
-    print(f"soak: {args.clients} clients x {args.minutes:g} min ({elapsed:.0f} s), disconnect {args.disconnect:.0%}, "
+    print(f"soak: /v1/{args.api}, {args.clients} clients x {args.minutes:g} min ({elapsed:.0f} s), disconnect "
+          f"{args.disconnect:.0%}, "
           f"warm-up {warmup:.0f} s, model {args.model} ({args.slots} slots, {args.max_tokens} tokens per request)")
     print(f"requests: {dict(counts)}")
     print(f"{'':10}{'RSS start':>12}{'warm':>10}{'end':>10}   {'fds start':>9}{'warm':>6}{'end':>6}")

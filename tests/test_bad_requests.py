@@ -334,8 +334,9 @@ def _responses_bodies(draw):
     body = dict(draw(_RESPONSES_BODY))
     if draw(st.booleans()):
         body[draw(st.sampled_from(_RESPONSES_FIELDS))] = draw(_ANY)
-    if isinstance(body["input"], list) and draw(st.booleans()):
-        body["input"][0] = {**body["input"][0], draw(st.sampled_from(["role", "content", "type", "call_id",
+    first = body["input"][0] if isinstance(body.get("input"), list) and body["input"] else None
+    if isinstance(first, dict) and draw(st.booleans()):
+        body["input"][0] = {**first, draw(st.sampled_from(["role", "content", "type", "call_id",
                                                                       "output"])): draw(_ANY)}
     return body
 
