@@ -79,6 +79,18 @@ def test_a_response_is_the_chat_completion_it_means(client, model):
         assert r.instructions == "Answer briefly." and r.max_output_tokens == max_tokens and r.temperature == 0
 
 
+def test_input_tokens_counts_the_prompt(client, model):
+    """POST /v1/responses/input_tokens: the prompt a create request would have, tools and stored turns included."""
+    r = client.responses.create(model=model, input=INPUT, instructions="Be brief.", max_output_tokens=2)
+    count = client.responses.input_tokens.count(model=model, input=INPUT, instructions="Be brief.")
+    assert count.object == "response.input_tokens" and count.input_tokens == r.usage.input_tokens
+    with_tools = client.responses.input_tokens.count(input=INPUT, tools=[PING])   # model is optional here
+    assert with_tools.input_tokens > count.input_tokens
+    follow = client.responses.input_tokens.count(model=model, previous_response_id=r.id, input="And then?")
+    again = client.responses.create(model=model, previous_response_id=r.id, input="And then?", max_output_tokens=2)
+    assert follow.input_tokens == again.usage.input_tokens
+
+
 def test_input_items_are_the_messages_they_name(client, model):
     """Typed items, role-only messages and content parts render exactly as the chat messages they stand for."""
     items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be terse."}]},

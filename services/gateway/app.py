@@ -57,8 +57,8 @@ from .offload import Offload
 from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
-from .responses import (ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request, conversation_before,
-                        input_items, request_owner, truncated)
+from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
+                        conversation_before, input_items, request_owner, truncated)
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
@@ -246,6 +246,19 @@ class Gateway:
             raise invalid("the messages render to an empty prompt", param=param, code="invalid_value")
         return ids
 
+    def fitted_prompt(self, req: ChatCompletionRequest, messages: list[dict], plan: ToolPlan | None,
+                      cancelled: threading.Event | None, param: str, truncate: bool) -> list[int]:
+        """chat_prompt; with `truncate` (responses' truncation auto), of the messages without their oldest turns
+        until the prompt and the token limit (else one token) fit the context."""
+        ids = self.chat_prompt(req, messages, plan, cancelled, param)
+        context = self.pool.known_context() if truncate else 0
+        while context and len(ids) + (req.token_limit or 1) > context:
+            messages = truncated(messages)
+            if messages is None:
+                break  # the newest turn alone does not fit: the context check answers 400
+            ids = self.chat_prompt(req, messages, plan, cancelled, param)
+        return ids
+
     async def constraint(self, req, body_bytes: int) -> pb.Constraint | None:
         """The request's structured-output constraint (checked). Compiling one takes about a millisecond, in the
         light lane for a light body; the first one builds the grammar tokenizer (seconds): in the heavy lane."""
@@ -314,14 +327,7 @@ class Gateway:
         plan = plan_tools(req, self.tool_format)
 
         def prompt(cancelled):
-            kept = messages
-            ids = self.chat_prompt(req, kept, plan, cancelled, prompt_param)
-            context = self.pool.known_context() if truncate else 0
-            while context and len(ids) + (req.token_limit or 1) > context:
-                kept = truncated(kept)
-                if kept is None:
-                    break  # the newest turn alone does not fit: the context check answers 400
-                ids = self.chat_prompt(req, kept, plan, cancelled, prompt_param)
+            ids = self.fitted_prompt(req, messages, plan, cancelled, prompt_param, truncate)
             # The tools' grammar is built here too: its cost grows with the tools' schemas.
             return ids, plan.constraint() if plan else None
 
@@ -553,7 +559,8 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
     return task.result()
 
 
-_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize"}
+_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/models",
+           "/tokenize", "/detokenize"}
 
 
 def _route(path: str) -> str | None:
@@ -749,6 +756,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                  lambda plan, _: ResponsesRenderer(gw, rid, req, plan, store=gw.response_store,
                                                                    owner=owner, input_items=items),
                                  prompt_param="input", truncate=req.truncation == "auto")
+
+        return await _until_disconnect(request, work)
+
+    @app.post("/v1/responses/input_tokens")
+    async def responses_input_tokens(request: Request):
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
+
+        async def work():
+            req, _ = await gw.parse(InputTokensRequest, raw)
+            if req.model is not None:
+                check_model(req.model)
+            before, before_bytes = conversation_before(gw.response_store, req,
+                                                       request_owner(request, bool(config.api_keys)))
+
+            def count(cancelled):
+                chat, messages = chat_request(req, before + input_items(req.input))
+                check_messages(messages, config.limits, "input")
+                plan = plan_tools(chat, gw.tool_format)
+                return len(gw.fitted_prompt(chat, messages, plan, cancelled, "input", req.truncation == "auto"))
+
+            n = await gw.offload.run(Offload.is_light(len(raw) + before_bytes, len(before)), count)
+            return {"object": "response.input_tokens", "input_tokens": n}
 
         return await _until_disconnect(request, work)
 

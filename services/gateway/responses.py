@@ -1,6 +1,7 @@
 """OpenAI's Responses API over the chat pipeline (docs/responses.md).
 
   POST   /v1/responses                        create (stream: the typed SSE events, `event: response.…`)
+  POST   /v1/responses/input_tokens           the prompt tokens a create request would have (truncation included)
   GET    /v1/responses/{id}                   a stored response
   GET    /v1/responses/{id}/input_items       its input items (limit, order, after)
   DELETE /v1/responses/{id}                   forget it
@@ -196,6 +197,11 @@ class ResponsesRequest(_SamplingRequest):
         return LOGPROBS_INCLUDE in (self.include or ())
 
 
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: what a create request would put in the prompt, counted (model optional)."""
+    model: str | None = None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Input items: checked and kept in the shape the API returns them (input_items, stored conversations)
 
@@ -331,7 +337,7 @@ def chat_request(req: ResponsesRequest, items: list[dict]) -> tuple[ChatCompleti
     if not messages:
         raise invalid("the request has no input", param="input", code="invalid_value")
     body = req.model_dump(include=_CARRIED, by_alias=True, exclude_none=True)
-    body.update(messages=messages, max_completion_tokens=req.max_output_tokens,
+    body.update(model=req.model or "", messages=messages, max_completion_tokens=req.max_output_tokens,
                 logprobs=req.logprobs, top_logprobs=req.top_logprobs if req.logprobs else None,
                 parallel_tool_calls=req.parallel_tool_calls)
     if req.tools:
