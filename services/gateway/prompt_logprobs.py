@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# As the renderer's: a logprob of -inf (an excluded token) is not JSON.
+# OpenAI's (and vLLM's) logprob for a token of probability 0 (an excluded token): JSON has no -Infinity. The
+# renderers (render.py) answer the same.
 MIN_LOGPROB = -9999.0
 
 
