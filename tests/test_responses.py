@@ -287,6 +287,17 @@ def test_truncation_auto_drops_the_oldest_turns(client, model):
     assert r.output_text == kept.choices[0].message.content
 
 
+def test_truncation_keeps_the_opening_instructions():
+    from splitgemma.services.gateway.responses import truncated
+    for head in ("system", "developer"):
+        conv = [{"role": head, "content": "rules"}, {"role": "user", "content": "a"}, {"role": "assistant",
+                "content": "b"}, {"role": "tool", "content": "c"}, {"role": "user", "content": "d"}]
+        assert truncated(conv) == [conv[0], conv[4]]
+        assert truncated([conv[0], conv[4]]) is None
+    assert truncated([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == \
+        [{"role": "user", "content": "b"}]
+
+
 def _fits(client, model, turns) -> bool:
     messages = [{"role": "system", "content": "Be brief."}, *turns]
     r = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"model": model, "messages": messages},

@@ -355,9 +355,9 @@ def chat_request(req: ResponsesRequest, items: list[dict]) -> tuple[ChatCompleti
 
 
 def truncated(messages: list[dict]) -> list[dict] | None:
-    """truncation auto's next step: the conversation without its oldest turn (a leading system message, the
-    instructions, stays), starting again at a user message; None when no older turn is left to drop."""
-    head = 1 if messages and messages[0]["role"] == "system" else 0
+    """truncation auto's next step: the conversation without its oldest turn (a leading system or developer
+    message — the instructions — stays), starting again at a user message; None when no older turn is left."""
+    head = 1 if messages and messages[0]["role"] in ("system", "developer") else 0
     rest = messages[head:]
     nxt = next((i for i in range(1, len(rest)) if rest[i]["role"] == "user"), None)
     return None if nxt is None else messages[:head] + rest[nxt:]
