@@ -734,6 +734,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
         return await _until_disconnect(request, work)
 
+    async def responses_request(request: Request, raw: bytes, model: type[ResponsesRequest]):
+        """(the validated request, whose stored responses it may see, the conversation previous_response_id
+        continues, the bytes of body and conversation) of a /v1/responses or /v1/responses/input_tokens call."""
+        req, _ = await gw.parse(model, raw)
+        if req.model is not None:  # required on create (validated), optional when counting
+            check_model(req.model)
+        owner = request_owner(request, bool(config.api_keys))
+        before, before_bytes = conversation_before(gw.response_store, req, owner)
+        return req, owner, before, len(raw) + before_bytes
+
     @app.post("/v1/responses")
     async def responses(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
@@ -741,11 +751,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = _request_id(request, "resp_", client_ids=False)
 
         async def work():
-            req, _ = await gw.parse(ResponsesRequest, raw)
-            check_model(req.model)
-            owner = request_owner(request, bool(config.api_keys))
-            before, before_bytes = conversation_before(gw.response_store, req, owner)
-            size = len(raw) + before_bytes
+            req, owner, before, size = await responses_request(request, raw, ResponsesRequest)
 
             def translate(cancelled):
                 items = input_items(req.input)
@@ -764,11 +770,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
 
         async def work():
-            req, _ = await gw.parse(InputTokensRequest, raw)
-            if req.model is not None:
-                check_model(req.model)
-            before, before_bytes = conversation_before(gw.response_store, req,
-                                                       request_owner(request, bool(config.api_keys)))
+            req, _, before, size = await responses_request(request, raw, InputTokensRequest)
 
             def count(cancelled):
                 chat, messages = chat_request(req, before + input_items(req.input))
@@ -776,7 +778,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 plan = plan_tools(chat, gw.tool_format)
                 return len(gw.fitted_prompt(chat, messages, plan, cancelled, "input", req.truncation == "auto"))
 
-            n = await gw.offload.run(Offload.is_light(len(raw) + before_bytes, len(before)), count)
+            n = await gw.offload.run(Offload.is_light(size, len(before)), count)
             return {"object": "response.input_tokens", "input_tokens": n}
 
         return await _until_disconnect(request, work)

@@ -185,12 +185,20 @@ class ChoiceRenderer:
                       "finish_reason": finish}
         return [self._chunk([choice])]
 
-    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
+    def _tool_deltas(self, index: int, text: str, finish: str | None) -> list[dict]:
+        """A choice's new text through its tool parser, as chat deltas; at its end (finish) the parser's last deltas,
+        and the finish reason settled (tool_calls when a call was completed)."""
         stream = self.tool_streams[index]
         deltas = stream.push(text) if text else []
         if finish is not None:
             deltas += stream.finish()
-            finish = self.finish[index] = stream.finish_reason(finish)
+            self.finish[index] = stream.finish_reason(finish)
+        return deltas
+
+    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
+        deltas = self._tool_deltas(index, text, finish)
+        if finish is not None:
+            finish = self.finish[index]
         if lp is not None and not deltas:
             deltas = [{}]  # the logprobs of tokens whose text the parser holds (a marker, a call's syntax)
         chunks = []

@@ -475,11 +475,7 @@ class ResponsesRenderer(ChoiceRenderer):
         if self.tool_streams is None:
             deltas = [{"content": text}] if text else []
         else:
-            stream = self.tool_streams[0]
-            deltas = stream.push(text) if text else []
-            if finish is not None:
-                deltas += stream.finish()
-                self.finish[0] = stream.finish_reason(finish)
+            deltas = self._tool_deltas(0, text, finish)
         frames = []
         for delta in deltas:
             if delta.get("content"):
