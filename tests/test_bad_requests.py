@@ -292,13 +292,15 @@ _CHAT = st.fixed_dictionaries(
      "messages": st.lists(_MESSAGE, min_size=1, max_size=4)},
     optional={**_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20),
               "tools": st.just([]), "tool_choice": st.just("none"), "response_format": st.just({"type": "text"}),
-              "add_generation_prompt": st.booleans(),
+              "add_generation_prompt": st.booleans(), "include_reasoning": st.booleans(),
+              "reasoning_effort": st.sampled_from(["none", "low", "high", "max"]) | _TEXT,
               "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages",
                                                                       "bos_token", "x"]) | _TEXT, _ANY,
                                                       max_size=3)})
 _FIELDS = sorted({*_COMMON, "model", "prompt", "messages", "max_tokens", "logprobs", "top_logprobs", "best_of",
                   "echo", "suffix", "tools", "tool_choice", "response_format", "max_completion_tokens",
-                  "presence_penalty", "logit_bias", "chat_template_kwargs", "add_generation_prompt", "unknown"})
+                  "presence_penalty", "logit_bias", "chat_template_kwargs", "add_generation_prompt",
+                  "reasoning_effort", "include_reasoning", "unknown"})
 
 
 _CONTENT_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image",
@@ -310,6 +312,11 @@ _ITEM = (st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "s
                                   "arguments": _TEXT | st.just('{"a": 1}')})
          | st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": _TEXT,
                                   "output": _TEXT | st.lists(_CONTENT_PART, max_size=2)})
+         | st.fixed_dictionaries({"type": st.just("reasoning")}, optional={
+             "content": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["reasoning_text", "output_text"]),
+                                                        "text": _TEXT}), max_size=2),
+             "summary": st.lists(st.fixed_dictionaries({"type": st.just("summary_text"), "text": _TEXT}), max_size=2)
+             | _TEXT, "encrypted_content": _TEXT})
          | st.fixed_dictionaries({"type": _TEXT | st.sampled_from(["reasoning", "item_reference"])}))
 _RESPONSES_BODY = st.fixed_dictionaries(
     {"model": st.just(MODEL_NAME), "max_output_tokens": st.integers(min_value=1, max_value=4),
@@ -323,7 +330,8 @@ _RESPONSES_BODY = st.fixed_dictionaries(
               "tools": st.just([]) | st.just([{"type": "function", "name": "f"}]) | st.just([{"type": "web_search"}]),
               "tool_choice": st.sampled_from(["none", "auto", "required"]),
               "metadata": st.dictionaries(_TEXT, _TEXT, max_size=3),
-              "reasoning": st.sampled_from([None, {"effort": "none"}, {"effort": "high"}])})
+              "reasoning": st.sampled_from([None, {"effort": "none"}, {"effort": "high", "summary": "auto"},
+                                            {"effort": "x"}, {"summary": "detailed"}])})
 _RESPONSES_FIELDS = sorted({*_COMMON, "model", "input", "instructions", "max_output_tokens", "include", "tools",
                             "tool_choice", "text", "store", "previous_response_id", "truncation", "metadata",
                             "reasoning", "background", "conversation", "unknown"})

@@ -38,6 +38,7 @@ IMPLEMENTED = {
     "structured_outputs": ["test_structured_output"],
     "tools": ["test_tools"], "tool_choice": ["test_tools"], "parallel_tool_calls": ["test_tools"],
     "add_generation_prompt": ["test_surface"], "chat_template_kwargs": ["test_sampling_params"],
+    "reasoning_effort": ["test_reasoning"], "include_reasoning": ["test_reasoning"],
 }
 # OpenAI's end-user identifier: metadata for abuse monitoring, which by its definition changes no output.
 METADATA = {"user"}
@@ -86,6 +87,7 @@ def test_a_refused_field_is_a_400_naming_it(model, base, field, value):
 RESPONSES_IMPLEMENTED = {name: ["test_responses"] for name in (
     "input", "instructions", "max_output_tokens", "top_logprobs", "include", "tools", "tool_choice",
     "parallel_tool_calls", "text", "store", "previous_response_id", "truncation")}
+RESPONSES_IMPLEMENTED["reasoning"] = ["test_reasoning"]
 # Echoed or accepted with nothing to do here: metadata, identifiers, hints for OpenAI's own cache and accounts,
 # bounds on hosted tools (none run here), stream_options' obfuscation padding (none is added).
 RESPONSES_ACCEPTED = {"metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
@@ -94,7 +96,7 @@ RESPONSES_ACCEPTED = {"metadata", "safety_identifier", "prompt_cache_key", "prom
 RESPONSES_REFUSED_VALUES = {"background": True, "background_options": {"completion_window": "2h"},
                             "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
                             "context_management": [{"type": "compaction"}], "moderation": {"model": "omni"},
-                            "reasoning": {"effort": "high"}, "n": 2, "max_tokens": 5,
+                            "n": 2, "max_tokens": 5,
                             "response_format": {"type": "json_object"}, "prompt_logprobs": 1, **REFUSED_VALUES}
 
 

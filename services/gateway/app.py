@@ -55,6 +55,7 @@ from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
 from .offload import Offload
 from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
+from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
 from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
@@ -230,6 +231,10 @@ class Gateway:
     def tool_format(self) -> ToolFormat:
         return ToolFormat.of(self.config.tokenizer, self.chat_template().source)
 
+    @cached_property
+    def reasoning_format(self) -> ReasoningFormat:
+        return ReasoningFormat.of(self.config.tokenizer, self.chat_template().source)
+
     def chat_prompt(self, req: ChatCompletionRequest, raw_messages: list[dict], plan: ToolPlan | None,
                     cancelled: threading.Event | None = None, param: str = "messages") -> list[int]:
         ct = self.chat_template()
@@ -237,7 +242,7 @@ class Gateway:
         try:
             ids = ct.encode(messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
                             add_generation_prompt=req.add_generation_prompt, tools=tools,
-                            **(req.chat_template_kwargs or {}))
+                            **template_kwargs(req, self.reasoning_format))
         except RenderTooLarge as e:
             raise invalid(str(e), param=param, code="string_above_max_length") from None
         except ChatTemplateError as e:
@@ -317,14 +322,17 @@ class Gateway:
     # -- the request flow ----------------------------------------------------------------------------------------
 
     async def chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
-                   make_render: Callable[[ToolPlan | None, int], ChoiceRenderer], *, prompt_param: str = "messages",
+                   make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer], *,
+                   prompt_param: str = "messages", effort_param: str = "reasoning_effort",
                    truncate: bool = False) -> Response:
         """A chat request from its validated form to its answer (chat completions and the Responses API): the tools
-        planned, the prompt rendered (with `truncate`, the oldest turns dropped until it fits the context: responses
-        truncation auto), the constraint compiled, the choices run; make_render(plan, n_choices) renders them."""
+        and the reading of the thought planned, the prompt rendered (with `truncate`, the oldest turns dropped until
+        it fits the context: responses truncation auto), the constraint compiled (after the thought, when the
+        request thinks), the choices run; make_render(tools, reasoning, n_choices) renders them."""
         check_messages(messages, self.config.limits, prompt_param)
         state = _RequestState(self, "chat", rid)
         plan = plan_tools(req, self.tool_format)
+        reasoning = plan_reasoning(req, self.reasoning_format, self.tool_format.special_texts, effort_param)
 
         def prompt(cancelled):
             ids = self.fitted_prompt(req, messages, plan, cancelled, prompt_param, truncate)
@@ -333,12 +341,14 @@ class Gateway:
 
         ids, tool_constraint = await self.offload.run(Offload.is_light(body_bytes, len(messages)), prompt)
         constraint = await self.constraint(req, body_bytes)
+        if reasoning is not None:
+            constraint, tool_constraint = reasoning.constrain(constraint), reasoning.constrain(tool_constraint)
         specs = self.specs(req, [ids], req.token_limit, req.logprobs, req.top_logprobs or 0, prompt_param,
                            constraint, default_max_tokens=self.config.default_max_tokens,
                            prompt_logprobs=req.prompt_logprobs)
         if plan is not None:
             plan.apply(specs, tool_constraint)
-        return await self.run(state, req, specs, make_render(plan, len(specs)))
+        return await self.run(state, req, specs, make_render(plan, reasoning, len(specs)))
 
     async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],
                   render: ChoiceRenderer) -> Response:
@@ -723,10 +733,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
             req, data = await gw.parse(ChatCompletionRequest, raw)
             check_model(req.model)
 
-            def render(plan: ToolPlan | None, n_choices: int) -> ChoiceRenderer:
+            def render(plan: ToolPlan | None, reasoning: ReasoningPlan | None, n_choices: int) -> ChoiceRenderer:
                 out = ChoiceRenderer(gw, True, n_choices, rid, logprobs=req.logprobs, top_logprobs=req.top_logprobs
                                      or 0, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                                     tools=plan)
+                                     tools=plan, reasoning=reasoning)
                 out.prompt_side(vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=req.n, n=req.n)
                 return out
 
@@ -759,9 +769,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
             items, chat, messages = await gw.offload.run(Offload.is_light(size, len(before)), translate)
             return await gw.chat(rid, chat, messages, size,
-                                 lambda plan, _: ResponsesRenderer(gw, rid, req, plan, store=gw.response_store,
-                                                                   owner=owner, input_items=items),
-                                 prompt_param="input", truncate=req.truncation == "auto")
+                                 lambda plan, reasoning, _: ResponsesRenderer(
+                                     gw, rid, req, plan, reasoning, store=gw.response_store, owner=owner,
+                                     input_items=items),
+                                 prompt_param="input", effort_param="reasoning.effort",
+                                 truncate=req.truncation == "auto")
 
         return await _until_disconnect(request, work)
 
@@ -775,6 +787,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             def count(cancelled):
                 chat, messages = chat_request(req, before + input_items(req.input))
                 check_messages(messages, config.limits, "input")
+                thinking(chat, gw.reasoning_format, "reasoning.effort")  # its refusal named as create names it
                 plan = plan_tools(chat, gw.tool_format)
                 return len(gw.fitted_prompt(chat, messages, plan, cancelled, "input", req.truncation == "auto"))
 

@@ -275,6 +275,10 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True                         # extension (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None         # extension (vLLM), e.g. {"enable_thinking": true}
+    # thinking on at any level but none (reasoning.py); the thought comes back as reasoning_content unless
+    # include_reasoning (vLLM's extension) is false
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _chat_checks(self):

@@ -17,6 +17,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from .pipeline import FINISH_REASONS, Run
 from .prompt_logprobs import MIN_LOGPROB, PromptPart, best_of, echoed
 from .protocol import ApiError
+from .reasoning import ReasoningPlan
 from .tools import ToolPlan, ToolStream, tool_message
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ class ChoiceRenderer:
     """Accumulates one request's choices and renders them as a chat or text completion (body or chunks)."""
 
     def __init__(self, gateway: "Gateway", chat: bool, n_choices: int, request_id: str, *, logprobs: bool,
-                 top_logprobs: int, include_usage: bool, tools: ToolPlan | None = None):
+                 top_logprobs: int, include_usage: bool, tools: ToolPlan | None = None,
+                 reasoning: ReasoningPlan | None = None):
         self.gw = gateway
         self.chat = chat
         self.id = request_id
@@ -50,6 +52,13 @@ class ChoiceRenderer:
         # With tools the text is read for calls (services/gateway/tools.py); streamed, each choice by its own parser.
         self.tools = tools
         self.tool_streams: list[ToolStream] | None = [tools.stream() for _ in range(n_choices)] if tools else None
+        # With a thought channel (services/gateway/reasoning.py), each choice's tokens go through its splitter first:
+        # the thought apart, the answer on (to the tool parser, or as text). thought_lp marks the logprob entries
+        # of the thought's tokens.
+        self.reasoning = reasoning
+        self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else None
+        self.thought = [""] * n_choices
+        self.thought_lp: list[list[bool]] = [[] for _ in range(n_choices)]
         # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
         self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
         self.parts: dict[int, PromptPart] = {}  # choice index -> its prompt's part
@@ -78,23 +87,50 @@ class ChoiceRenderer:
     def finish_reasons(self) -> list[str]:
         return [f or "stop" for f in self.finish]
 
+    def reasoning_tokens(self) -> int:
+        return sum(s.tokens for s in self.splitters or ())
+
+    def has_thought(self, index: int) -> bool:
+        """The choice opened a thought block, and the request wants it back."""
+        return self.splitters is not None and self.splitters[index].seen and self.reasoning.include
+
     def _usage(self) -> dict:
         out = sum(self.tokens)
-        return {"prompt_tokens": self.input_tokens, "completion_tokens": out,
-                "total_tokens": self.input_tokens + out,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {"prompt_tokens": self.input_tokens, "completion_tokens": out,
+                 "total_tokens": self.input_tokens + out,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.splitters is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+        return usage
 
-    def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, object]:
-        text = "".join(t.text for t in event.tokens)
+    def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, str, object]:
+        """(answer text, thought text, logprob entries) of a choice's next event, taken into the choice."""
+        finished = event.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        thought, in_thought = "", []
+        if self.splitters is None:
+            text = "".join(t.text for t in event.tokens)
+        else:
+            splitter, pieces = self.splitters[index], []
+            for t in event.tokens:
+                before = splitter.tokens
+                pieces += splitter.push(t.token_id, t.text)
+                in_thought.append(splitter.tokens > before)
+            if finished:
+                pieces += splitter.finish()
+            text = "".join(piece for kind, piece in pieces if kind == "answer")
+            if self.reasoning.include:
+                thought = "".join(piece for kind, piece in pieces if kind == "thought")
         self.text[index] += text
+        self.thought[index] += thought
         self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
-        if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        if finished:
             self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")
         self.cumulative[index] += sum(t.logprob for t in event.tokens)
         lp = self._logprobs(event.tokens) if self.logprobs else None
         if lp is not None:
             self.lp[index].extend(lp)
-        return text, lp
+            self.thought_lp[index].extend(in_thought or [False] * len(lp))
+        return text, thought, lp
 
     def _logprobs(self, tokens) -> list:
         out = []
@@ -134,6 +170,8 @@ class ChoiceRenderer:
                 if self.tools is not None:
                     message, finish = tool_message(self.tools, self.text[i], finish)
                     self.finish[i] = finish
+                if self.has_thought(i):
+                    message["reasoning_content"] = self.thought[i]
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 text, part = self.text[i], self.parts.get(i)
@@ -170,20 +208,25 @@ class ChoiceRenderer:
 
     def stream_event(self, index: int, event: pb.GenerateEvent) -> list[dict]:
         offset = len(self.text[index])
-        text, lp = self.add(index, event)
+        text, thought, lp = self.add(index, event)
         finish = self.finish[index] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
         if self.tool_streams is not None:
-            return self._tool_chunks(index, text, lp, finish)
-        if not text and lp is None and finish is None:
+            return self._delta_chunks(index, self._thought_deltas(thought) + self._tool_deltas(index, text, finish),
+                                      lp, self.finish[index] if finish is not None else None, separate_finish=True)
+        if not text and not thought and lp is None and finish is None:
             return []  # e.g. a token whose bytes are held back until its character is complete
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text or finish is None else {},
-                      "logprobs": self._chat_logprobs(lp) if lp is not None else None, "finish_reason": finish}
-        else:
-            choice = {"index": index, "text": text,
-                      "logprobs": self._text_logprobs(lp, offset) if lp is not None else None,
-                      "finish_reason": finish}
+            deltas = self._thought_deltas(thought)
+            if text or (finish is None and not thought):
+                deltas.append({"content": text})
+            return self._delta_chunks(index, deltas, lp, finish)
+        choice = {"index": index, "text": text,
+                  "logprobs": self._text_logprobs(lp, offset) if lp is not None else None, "finish_reason": finish}
         return [self._chunk([choice])]
+
+    @staticmethod
+    def _thought_deltas(thought: str) -> list[dict]:
+        return [{"reasoning_content": thought}] if thought else []
 
     def _tool_deltas(self, index: int, text: str, finish: str | None) -> list[dict]:
         """A choice's new text through its tool parser, as chat deltas; at its end (finish) the parser's last deltas,
@@ -195,18 +238,21 @@ class ChoiceRenderer:
             self.finish[index] = stream.finish_reason(finish)
         return deltas
 
-    def _tool_chunks(self, index: int, text: str, lp, finish: str | None) -> list[dict]:
-        deltas = self._tool_deltas(index, text, finish)
-        if finish is not None:
-            finish = self.finish[index]
+    def _delta_chunks(self, index: int, deltas: list[dict], lp, finish: str | None, *,
+                      separate_finish: bool = False) -> list[dict]:
+        """One chunk per delta, the event's logprobs on the first; the finish reason on the last, or (with tools)
+        on a chunk of its own."""
         if lp is not None and not deltas:
-            deltas = [{}]  # the logprobs of tokens whose text the parser holds (a marker, a call's syntax)
+            deltas = [{}]  # the logprobs of tokens whose text is held (a marker, a call's syntax, a name line)
+        if finish is not None and not separate_finish and not deltas:
+            deltas = [{}]
         chunks = []
         for k, delta in enumerate(deltas):
+            last = k == len(deltas) - 1 and not separate_finish
             chunks.append(self._chunk([{"index": index, "delta": delta,
                                         "logprobs": self._chat_logprobs(lp) if lp is not None and k == 0 else None,
-                                        "finish_reason": None}]))
-        if finish is not None:
+                                        "finish_reason": finish if last else None}]))
+        if finish is not None and separate_finish:
             chunks.append(self._chunk([{"index": index, "delta": {}, "logprobs": None, "finish_reason": finish}]))
         return chunks
 

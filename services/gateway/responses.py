@@ -10,18 +10,22 @@
 A request becomes the chat request it means (`chat_request`): `instructions` a system message first, the input
 items (a string, or messages, function calls and their outputs) and, with `previous_response_id`, the stored
 conversation before them as chat messages; `max_output_tokens` the token limit; function `tools`, `tool_choice` and
-`parallel_tool_calls` the chat's (flat in this API, nested in chat); `text.format` the response_format; logprobs
-when `include` asks for `message.output_text.logprobs`, with `top_logprobs` alternatives; and the sampling
-parameters the chat endpoint takes (vLLM's extensions included). From there it runs exactly as chat does: same
-template, same tool syntax and grammars, same constraint, same workers. `ResponsesRenderer` then shapes the answer
-as a response object: a message item with its output_text, a function_call item per call; `status` completed, or
-incomplete (`incomplete_details.reason` max_output_tokens) when the token limit or the context ended it.
+`parallel_tool_calls` the chat's (flat in this API, nested in chat); `text.format` the response_format;
+`reasoning.effort` the chat's reasoning_effort (reasoning.py); logprobs when `include` asks for
+`message.output_text.logprobs`, with `top_logprobs` alternatives; and the sampling parameters the chat endpoint
+takes (vLLM's extensions included). From there it runs exactly as chat does: same template, same tool syntax and
+grammars, same constraint, same workers. `ResponsesRenderer` then shapes the answer as a response object: a
+reasoning item with the thought's text (reasoning_text; no summary is written), a message item with its
+output_text, a function_call item per call; `status` completed, or incomplete (`incomplete_details.reason`
+max_output_tokens) when the token limit or the context ended it. A reasoning item in the input goes back to the
+model as the thought of the assistant turn after it (the template replays a thought before that turn's calls).
 
 What this server does not do is refused with a 400 naming the parameter, never silently dropped: background
-responses, conversations (the Conversations API), saved prompts, reasoning (no reasoning items are produced), hosted
-tools (web search, file search, …: function tools only), input images, files and audio, item references, n > 1.
+responses, conversations (the Conversations API), saved prompts, hosted tools (web search, file search, …: function
+tools only), input images, files and audio, item references, n > 1.
 `include` values that name output this server never produces (reasoning.encrypted_content, hosted tools' results,
-input image URLs) are accepted and have nothing to include.
+input image URLs) are accepted and have nothing to include; a reasoning item's encrypted_content (another server's)
+is not read.
 
 `store` (default true, as OpenAI's) keeps the finished response in the gateway's bounded store (response_store.py),
 per API key. `truncation: "auto"` drops the oldest turns of the conversation until the prompt and
@@ -45,6 +49,7 @@ from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import (MAX_TOOLS, MAX_TOP_LOGPROBS, ApiError, ChatCompletionRequest, FunctionDefinition,
                        PositiveInt, _SamplingRequest, _Strict, _Unsupported, check_tools, invalid)
+from .reasoning import ReasoningPlan
 from .render import ChoiceRenderer, sse
 from .response_store import ChainBroken, ResponseStore
 from .tools import ToolPlan, tool_message
@@ -77,7 +82,7 @@ def new_id(prefix: str) -> str:
 # The request
 
 # OpenAI's parameters for what this server does not do: the values that ask for nothing, and why anything else is
-# refused (reasoning, which may ask for nothing in more ways, is checked on its own).
+# refused.
 REFUSED = {
     "background": ((None, False), "it runs every response while its request waits"),
     "background_options": ((None,), "it runs no background responses"),
@@ -106,6 +111,28 @@ class TextFormat(_Strict):
     strict: bool | None = None  # constrained decoding always holds the output to the schema
 
 
+class ReasoningConfig(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Accepted: no summary is written (the reasoning item carries the thought's own text), as OpenAI answers for a
+    # model that writes none.
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None   # summary's deprecated name
+    # Which past thoughts go back to the model: Gemma 4's template replays the thoughts of the turns after the last
+    # user message that made calls, and only those.
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None   # OpenAI's execution modes: this server has one, "standard"
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        if self.context == "all_turns":
+            raise _Unsupported("reasoning.context", "reasoning.context all_turns is not supported: the model's chat "
+                               "template replays the thoughts of the current turn only")
+        if self.mode not in (None, "standard"):
+            raise _Unsupported("reasoning.mode", f"reasoning.mode {self.mode[:40]!r} is not supported: this server "
+                               "runs the standard mode only")
+        return self
+
+
 class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None   # a hint this model has no use for
@@ -121,6 +148,7 @@ class ResponsesRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True
     previous_response_id: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | None = None
     metadata: dict[str, str] | None = None
@@ -136,7 +164,6 @@ class ResponsesRequest(_SamplingRequest):
     image: dict[str, Any] | None = None              # options for input images, which this server does not take
     access_programs: dict[str, Any] | None = None    # OpenAI's account programs: nothing here depends on them
     # OpenAI's, for what this server does not do: present only to be refused unless they ask for nothing (REFUSED)
-    reasoning: dict[str, Any] | None = None
     background: bool | None = None
     background_options: dict[str, Any] | None = None
     conversation: Any = None
@@ -170,10 +197,6 @@ class ResponsesRequest(_SamplingRequest):
         for name, (nothing, why) in REFUSED.items():
             if getattr(self, name) not in nothing:
                 raise _Unsupported(name, f"{name} is not supported by this server: {why}")
-        if self.reasoning is not None and any(
-                v is not None for k, v in self.reasoning.items() if not (k == "effort" and v == "none")):
-            raise _Unsupported("reasoning", "reasoning is not supported by this server: it returns no reasoning "
-                               "items")
         for k in self.include or ():
             if k != LOGPROBS_INCLUDE and k not in NOTHING_TO_INCLUDE:
                 raise _Unsupported("include", f"include: {k[:80]!r} is not a value this API defines",
@@ -195,6 +218,10 @@ class ResponsesRequest(_SamplingRequest):
     @property
     def logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or ())
+
+    @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
 
 
 class InputTokensRequest(ResponsesRequest):
@@ -269,12 +296,35 @@ def _item(item: dict, param: str) -> dict:
         out = {"id": _item_id(item, param) or new_id("fco_"), "type": "function_call_output", "status": "completed",
                "call_id": call_id, "output": output}
         return out if name is None else {**out, "name": name}
+    if kind == "reasoning":
+        return _reasoning_item(_text_parts(item.get("content") or [], "reasoning_text", f"{param}.content"),
+                               _text_parts(item.get("summary") or [], "summary_text", f"{param}.summary"),
+                               _item_id(item, param))
     if kind is None:
         raise invalid(f"{param} needs a type (or a role, for a message)", param=f"{param}.type",
                       code="missing_required_parameter")
     raise invalid(f"input items of type {str(kind)[:40]!r} are not supported by this server: it takes messages, "
-                  "function_call and function_call_output items (continue from stored items with "
+                  "function_call, function_call_output and reasoning items (continue from stored items with "
                   "previous_response_id)", param=f"{param}.type", code="unsupported_parameter")
+
+
+def _reasoning_item(content: list[dict], summary: list[dict] | None = None, item_id: str | None = None,
+                    status: str = "completed") -> dict:
+    return {"id": item_id or new_id("rs_"), "type": "reasoning", "status": status, "summary": summary or [],
+            "content": content}
+
+
+def _text_parts(parts, kind: str, param: str) -> list[dict]:
+    """A reasoning item's content (reasoning_text) or summary (summary_text) parts."""
+    if not isinstance(parts, list):
+        raise invalid(f"{param} must be a list of {kind} parts", param=param, code="invalid_type")
+    out = []
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or part.get("type") != kind:
+            raise invalid(f"{param}[{j}] must be a content part of type {kind}", param=f"{param}[{j}].type",
+                          code="invalid_value")
+        out.append({"type": kind, "text": _string(part, "text", f"{param}[{j}]")})
+    return out
 
 
 def _content(content, role: str, param: str) -> list[dict]:
@@ -306,21 +356,37 @@ def _content(content, role: str, param: str) -> list[dict]:
 
 def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
     """Items as chat messages: function calls join the assistant message before them (or make one), each output a
-    tool message naming its call."""
+    tool message naming its call; a reasoning item's text (its summary's, if it has no content) becomes the
+    reasoning_content of the assistant message after it."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions is not None else []
     names: dict[str, str] = {}
+    thought: str | None = None  # a reasoning item's, waiting for its assistant message
+
+    def assistant(message: dict) -> dict:
+        nonlocal thought
+        if thought is not None:
+            message["reasoning_content"], thought = thought, None
+        return message
+
     for item in items:
         kind = item["type"]
-        if kind == "message":
-            out.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+        if kind == "reasoning":
+            thought = "".join(p["text"] for p in item["content"] or item["summary"])
+        elif kind == "message":
+            message = {"role": item["role"], "content": "".join(p["text"] for p in item["content"])}
+            if item["role"] == "assistant":
+                message = assistant(message)
+            else:
+                thought = None  # a thought belongs to the assistant turn right after it
+            out.append(message)
         elif kind == "function_call":
             names[item["call_id"]] = item["name"]
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and thought is None:
                 out[-1]["tool_calls"] = [*(out[-1].get("tool_calls") or []), call]
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append(assistant({"role": "assistant", "content": None, "tool_calls": [call]}))
         else:  # function_call_output
             message = {"role": "tool", "content": item["output"]}
             if item.get("call_id") is not None:
@@ -339,7 +405,7 @@ def chat_request(req: ResponsesRequest, items: list[dict]) -> tuple[ChatCompleti
     body = req.model_dump(include=_CARRIED, by_alias=True, exclude_none=True)
     body.update(model=req.model or "", messages=messages, max_completion_tokens=req.max_output_tokens,
                 logprobs=req.logprobs, top_logprobs=req.top_logprobs if req.logprobs else None,
-                parallel_tool_calls=req.parallel_tool_calls)
+                parallel_tool_calls=req.parallel_tool_calls, reasoning_effort=req.effort)
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
@@ -382,10 +448,10 @@ class ResponsesRenderer(ChoiceRenderer):
     function_call_arguments.delta … .done; output_item.done; finally response.completed (or response.incomplete).
     A failure mid-stream sends `error` and response.failed."""
 
-    def __init__(self, gateway: "Gateway", request_id: str, req: ResponsesRequest, plan: ToolPlan | None, *,
-                 store: ResponseStore, owner: str, input_items: list[dict]):
+    def __init__(self, gateway: "Gateway", request_id: str, req: ResponsesRequest, plan: ToolPlan | None,
+                 reasoning: ReasoningPlan | None, *, store: ResponseStore, owner: str, input_items: list[dict]):
         super().__init__(gateway, True, 1, request_id, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
-                         include_usage=False, tools=plan)
+                         include_usage=False, tools=plan, reasoning=reasoning)
         self.req = req
         self.store = store
         self.owner = owner
@@ -411,7 +477,9 @@ class ResponsesRenderer(ChoiceRenderer):
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "model": self.gw.config.model_name,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
-            "reasoning": {"effort": None, "summary": None}, "safety_identifier": req.safety_identifier,
+            "reasoning": {"effort": req.effort, "summary": req.reasoning.summary or req.reasoning.generate_summary
+                          if req.reasoning is not None else None},
+            "safety_identifier": req.safety_identifier,
             "service_tier": "default", "store": self.stored,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": fmt, "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
@@ -425,7 +493,7 @@ class ResponsesRenderer(ChoiceRenderer):
     def usage(self) -> dict:
         out = sum(self.tokens)
         return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": out, "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
                 "total_tokens": self.input_tokens + out}
 
     def _status(self) -> str:
@@ -436,8 +504,9 @@ class ResponsesRenderer(ChoiceRenderer):
             log.warning("response too large for the store: not kept", extra={"request_id": self.id})
         return response
 
-    def _lp(self, entries) -> list[dict]:
-        return self._chat_logprobs(entries)["content"]
+    def _lp(self, entries, in_thought: list[bool]) -> list[dict]:
+        """The output_text's logprobs: the answer's tokens (a thought's are not the message's)."""
+        return self._chat_logprobs([e for e, t in zip(entries, in_thought) if not t])["content"]
 
     # non-streaming
     def body(self) -> dict:
@@ -448,10 +517,14 @@ class ResponsesRenderer(ChoiceRenderer):
             content, calls = message["content"], message.get("tool_calls") or []
         output = []
         status = self._status()
-        if content or not calls:
+        if self.has_thought(0):
+            output.append(_reasoning_item([_part("reasoning_text", self.thought[0])],
+                                          status="incomplete" if status == "incomplete" and not content and not calls
+                                          else "completed"))
+        if content or not (calls or output):
             part = _part("output_text", content or "")
             if self.logprobs:
-                part["logprobs"] = self._lp(self.lp[0])
+                part["logprobs"] = self._lp(self.lp[0], self.thought_lp[0])
             output.append({**_message_item("assistant", [part]), "status": status})
         output += [{"id": new_id("fc_"), "type": "function_call", "status": "completed", "call_id": c["id"],
                     "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
@@ -468,15 +541,15 @@ class ResponsesRenderer(ChoiceRenderer):
                 self._event("response.in_progress", response=started)]
 
     def sse_event(self, index: int, event: pb.GenerateEvent) -> list[str]:
-        text, lp = self.add(index, event)
+        text, thought, lp = self.add(index, event)
         if lp is not None:
-            self.pending_lp += self._lp(lp)
+            self.pending_lp += self._lp(lp, self.thought_lp[0][-len(lp):])
         finish = self.finish[0] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
         if self.tool_streams is None:
             deltas = [{"content": text}] if text else []
         else:
             deltas = self._tool_deltas(0, text, finish)
-        frames = []
+        frames = self._thought(thought) if thought else []
         for delta in deltas:
             if delta.get("content"):
                 frames += self._text(delta["content"])
@@ -509,6 +582,22 @@ class ResponsesRenderer(ChoiceRenderer):
                                   content_index=0, delta=text, logprobs=lp))
         return frames
 
+    def _thought(self, text: str) -> list[str]:
+        frames = []
+        if self.open is None or self.open["type"] != "reasoning":
+            frames += self._close()
+            self.open = _reasoning_item([], status="in_progress")
+            frames.append(self._event("response.output_item.added", output_index=len(self.output),
+                                      item={**self.open, "content": []}))
+            part = _part("reasoning_text", "")
+            self.open["content"].append(part)
+            frames.append(self._event("response.content_part.added", item_id=self.open["id"],
+                                      output_index=len(self.output), content_index=0, part=part))
+        self.open["content"][0]["text"] += text
+        frames.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.output), content_index=0, delta=text))
+        return frames
+
     def _open_call(self, call_id: str, name: str) -> list[str]:
         self.pending_lp = []  # a call's tokens: a function_call item has no logprobs
         self.open = {"id": new_id("fc_"), "type": "function_call", "status": "in_progress", "call_id": call_id,
@@ -536,6 +625,12 @@ class ResponsesRenderer(ChoiceRenderer):
             extra = {"logprobs": part["logprobs"]} if self.logprobs else {"logprobs": []}
             frames += [self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                    content_index=0, text=part["text"], **extra),
+                       self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                   content_index=0, part=part)]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            frames += [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                   content_index=0, text=part["text"]),
                        self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                    content_index=0, part=part)]
         else:

@@ -13,6 +13,7 @@ taken (cached by constraint), the prefill worker for the first token, the decode
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from functools import lru_cache
@@ -55,6 +56,25 @@ def constraint_kind(c) -> str | None:
 
 
 def _grammar_text(c) -> str:
+    body = _body_text(c)
+    return _with_thought(body, c.thought) if c.HasField("thought") else body
+
+
+def _with_thought(body: str, thought) -> str:
+    """`body` (a grammar as the llguidance constructors return it: top-level JSON, or Lark text) behind an optional
+    thought block: the open marker, any text (a text lexeme never matches a special token, so the close marker ends
+    it), the close marker. The body becomes a named sub-grammar; a JSON schema goes in through Lark's %json, as a
+    named json_schema grammar cannot be referenced."""
+    top = json.loads(body) if body.lstrip().startswith("{") else {"grammars": [{"lark_grammar": body}]}
+    inner = top["grammars"][0]  # every Constraint kind compiles to one grammar
+    if inner.get("json_schema") is not None:
+        inner = {"lark_grammar": "start: %json " + json.dumps(inner["json_schema"])}
+    main = (f"start: thought? @body\nthought: <[{thought.open}]> THOUGHT <[{thought.close}]>\n"
+            "THOUGHT: /(?s:.*)/\n")
+    return json.dumps({"grammars": [{"name": "main", "lark_grammar": main}, {**inner, "name": "body"}]})
+
+
+def _body_text(c) -> str:
     kind = constraint_kind(c)
     try:
         if kind == "json_schema":

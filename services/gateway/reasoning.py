@@ -1,0 +1,96 @@
+"""Thinking on /v1/chat/completions and /v1/responses (docs/reasoning.md): turning Gemma 4's thinking on, holding a
+constrained answer to its constraint only after the thought, and returning the thought apart from the answer.
+
+On: `chat_template_kwargs: {"enable_thinking": true}` (vLLM's way), or OpenAI's `reasoning_effort` (chat) /
+`reasoning.effort` (Responses) at any level but "none" — the model has one thinking mode, so every level turns the
+same one on. A model whose template has no thinking mode refuses an effort that asks for thinking (400, as OpenAI
+answers for a model without reasoning); the two ways may not disagree.
+
+Read: whenever the model has a thought channel (splitgemma.serving.thinking), thinking on or not — a thought block in
+the output is never left inside the answer. The thought is returned as `reasoning_content` (chat: the message and
+the stream's deltas; llama-server's and DeepSeek's field, which vLLM also sent before it renamed it) or as a
+reasoning item (Responses); `include_reasoning: false` (vLLM's) drops it. Its tokens are counted in
+`completion_tokens_details.reasoning_tokens` / `output_tokens_details.reasoning_tokens`, and in the token limit, as
+OpenAI counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitgemma.serving.thinking import THINKING_SWITCH, ThoughtMarkers, ThoughtSplitter
+from splitgemma.v1 import serving_pb2 as pb
+
+from .protocol import invalid
+
+@dataclass(frozen=True)
+class ReasoningFormat:
+    """What the model's tokenizer and template offer: the thought channel's markers (None: the output has no
+    thought to read) and whether the template can turn thinking on."""
+
+    markers: ThoughtMarkers | None
+    can_think: bool
+
+    @classmethod
+    def of(cls, tokenizer, template_source: str) -> "ReasoningFormat":
+        markers = ThoughtMarkers.from_tokenizer(tokenizer, template_source)
+        return cls(markers, markers is not None and THINKING_SWITCH in template_source)
+
+
+def thinking(req, fmt: ReasoningFormat, effort_param: str = "reasoning_effort") -> bool:
+    """Whether the request turns thinking on; a 400 naming `effort_param` when its effort asks for thinking the
+    model does not have, or disagrees with chat_template_kwargs.enable_thinking."""
+    effort = req.reasoning_effort
+    switch = (req.chat_template_kwargs or {}).get(THINKING_SWITCH)
+    asked = effort is not None and effort != "none"
+    if asked and not fmt.can_think:
+        raise invalid(f"{effort_param} {effort!r} asks for thinking, which this model does not do (its chat template "
+                      "has no thinking mode); leave it out or send \"none\"", param=effort_param,
+                      code="unsupported_parameter")
+    if effort is not None and switch is not None and asked != bool(switch):
+        raise invalid(f"{effort_param} {effort!r} and chat_template_kwargs.{THINKING_SWITCH} ({switch!r}) disagree",
+                      param=effort_param, code="invalid_value")
+    return asked or bool(switch)
+
+
+def template_kwargs(req, fmt: ReasoningFormat) -> dict:
+    """The chat template's extra variables: the request's chat_template_kwargs, and enable_thinking when its
+    effort turns thinking on."""
+    on = thinking(req, fmt)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None and fmt.can_think:
+        kwargs[THINKING_SWITCH] = on
+    return kwargs
+
+
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """How one request's output is read: the markers, whether the request thinks (its constraint then admits a
+    thought first), whether the thought is returned, and the special-token texts dropped from it."""
+
+    markers: ThoughtMarkers
+    thinks: bool
+    include: bool
+    hide: frozenset[str]
+
+    def splitter(self) -> ThoughtSplitter:
+        return ThoughtSplitter(self.markers, self.hide)
+
+    def constrain(self, c: pb.Constraint | None) -> pb.Constraint | None:
+        """The constraint held only after the thought (a thinking request's); as it is otherwise."""
+        if c is None or not self.thinks:
+            return c
+        out = pb.Constraint()
+        out.CopyFrom(c)
+        out.thought.open, out.thought.close = self.markers.open, self.markers.close
+        return out
+
+
+def plan_reasoning(req, fmt: ReasoningFormat, special_texts: tuple[str, ...],
+                   effort_param: str = "reasoning_effort") -> ReasoningPlan | None:
+    """The plan for a validated chat request, or None when the model has no thought channel."""
+    thinks = thinking(req, fmt, effort_param)
+    if fmt.markers is None:
+        return None
+    return ReasoningPlan(fmt.markers, thinks, req.include_reasoning,
+                         frozenset(special_texts) if req.skip_special_tokens else frozenset())

@@ -1,0 +1,384 @@
+"""Thinking (docs/reasoning.md): Gemma 4's thought channel read apart from the answer, on chat and the Responses API.
+
+The references are ones this code did not write: Gemma 4's own chat template (a past turn's thought, replayed by the
+template, reads back as the same thought), llguidance (the grammar that admits a thought before the answer), and
+over the API the raw text of the same request through /v1/completions (special tokens kept, the thought-then-JSON
+grammar written here in plain Lark), split at its markers with string operations. The random-weight fixture model
+never thinks by itself: a logit bias on `<|channel>` opens a thought, one on `<channel|>` ends it after a few
+tokens, and a JSON schema holds the answer after it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from splitgemma.serving.chat_template import ChatTemplate, special_token_strings
+from splitgemma.serving.grammar import Grammars
+from splitgemma.serving.thinking import CHANNEL_CLOSE, CHANNEL_NAME, CHANNEL_OPEN, ThoughtMarkers, ThoughtSplitter
+from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest
+from splitgemma.services.gateway.reasoning import ReasoningFormat, plan_reasoning, template_kwargs
+from splitgemma.services.gateway.responses import chat_messages, input_items
+from splitgemma.v1 import serving_pb2 as pb
+from tools.tool_fixture import (TEMPLATE, accepts, chat_tokenizer, ll_tokenizer, model_folder, openai_tools,
+                                tokenizer_json)
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+# The gateway's JSON options (splitgemma/serving/grammar.py), for the oracle's grammar to admit the same answers.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+MESSAGES = [{"role": "user", "content": "Is the sky blue?"}]
+MAX_TOKENS = 120
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def markers(tok):
+    return ThoughtMarkers.from_tokenizer(tok, TEMPLATE.read_text())
+
+
+def _template(tok) -> ChatTemplate:
+    return ChatTemplate(TEMPLATE.read_text(), tok, special_token_strings(tok))
+
+
+def _split(raw: str) -> tuple[str | None, str]:
+    """The reference split of a raw output (special tokens as text): (thought, answer), thought None when the
+    output opens none."""
+    if not raw.startswith(CHANNEL_OPEN):
+        return None, raw
+    body, closed, answer = raw[len(CHANNEL_OPEN):].partition(CHANNEL_CLOSE)
+    if body.startswith(CHANNEL_NAME):
+        body = body[len(CHANNEL_NAME):]
+    elif CHANNEL_NAME.startswith(body):
+        body = ""
+    if closed and body.endswith("\n"):
+        body = body[:-1]
+    return body, answer
+
+
+def _tokens(tok, raw: str) -> list[tuple[int, str]]:
+    """(id, text) per token of `raw` (markers as their special tokens), as the decode worker sends them with
+    special tokens skipped: a marker's text empty."""
+    ids = tok.encode(raw, add_special_tokens=False).ids
+    special = {tok.token_to_id(CHANNEL_OPEN), tok.token_to_id(CHANNEL_CLOSE)}
+    return [(i, "" if i in special else tok.decode([i])) for i in ids]
+
+
+def _run(markers, tokens, cuts: list[int]) -> tuple[str, str, ThoughtSplitter]:
+    """Feeds `tokens` to a splitter in events cut at `cuts`; (thought, answer, splitter)."""
+    s = ThoughtSplitter(markers)
+    thought = answer = ""
+    bounds = [0, *cuts, len(tokens)]
+    for a, b in zip(bounds, bounds[1:]):
+        for token_id, text in tokens[a:b]:
+            for kind, piece in s.push(token_id, text):
+                thought, answer = (thought + piece, answer) if kind == "thought" else (thought, answer + piece)
+    for _, piece in s.finish():
+        thought += piece
+    return thought, answer, s
+
+
+@pytest.mark.parametrize("raw", [
+    "<|channel>thought\nThe sky is blue because\nof scattering.\n<channel|>Yes, it is blue.",
+    "<|channel>thought\n<channel|>Yes.",                       # an empty thought
+    "<|channel>thought<channel|>Yes.",                         # only the name
+    "<|channel>Hmm, blue.\n\n<channel|>\nYes.",                # no name line; a blank line kept, one newline dropped
+    "<|channel>thought\nstill thinking\n",                     # cut off inside the thought: nothing dropped
+    "<|channel>tho",                                           # cut off inside the name
+    "Yes, it is blue.",                                        # no thought
+])
+def test_the_split_is_the_markers_split(tok, markers, raw):
+    tokens = _tokens(tok, raw)
+    raw = "".join(tok.decode([i], skip_special_tokens=False) for i, _ in tokens)  # as this tokenizer spells it
+    want_thought, want_answer = _split(raw)
+    for cut in range(len(tokens) + 1):  # every way of cutting the output into two events
+        thought, answer, s = _run(markers, tokens, [cut])
+        assert answer == want_answer
+        assert s.seen == (want_thought is not None)
+        if want_thought is not None:
+            assert thought == want_thought
+            closed = CHANNEL_CLOSE in raw
+            end = raw.index(CHANNEL_CLOSE) + len(CHANNEL_CLOSE) if closed else len(raw)
+            assert s.tokens == len(tok.encode(raw[:end], add_special_tokens=False).ids)
+    rng = random.Random(3)
+    cuts = sorted(rng.sample(range(len(tokens) + 1), min(5, len(tokens))))
+    assert _run(markers, tokens, cuts)[:2] == (want_thought or "", want_answer)
+
+
+def test_a_spelled_marker_is_text(tok, markers):
+    """Ordinary tokens whose text spells a marker open nothing: the split is on token ids."""
+    ordinary = tok.encode("a", add_special_tokens=False).ids[-1]
+    spelled = [(ordinary, CHANNEL_OPEN), (ordinary, "x"), (ordinary, CHANNEL_CLOSE)]
+    thought, answer, s = _run(markers, spelled, [])
+    assert not s.seen and thought == "" and answer == CHANNEL_OPEN + "x" + CHANNEL_CLOSE
+
+
+def test_special_tokens_are_hidden_from_the_thought(tok, markers):
+    """With special tokens in the text (tools on), the thought still drops them when the request skips them."""
+    ids = tok.encode('<|channel>thought\nA<|"|>B<channel|>', add_special_tokens=False).ids
+    s = ThoughtSplitter(markers, hide=frozenset({'<|"|>'}))
+    pieces = [p for i in ids for p in s.push(i, tok.decode([i], skip_special_tokens=False))]
+    assert "".join(p for _, p in pieces) == "AB" and s.tokens == len(ids)
+
+
+def test_a_replayed_thought_reads_back_the_same(tok, markers):
+    """Gemma 4's template writes a past turn's thought before its calls; that text, as the model would write it,
+    splits back into the same thought."""
+    thought = "The user wants the weather.\nCall the tool."
+    messages = [{"role": "user", "content": "Weather in Tokyo?"},
+                {"role": "assistant", "reasoning_content": thought,
+                 "tool_calls": [{"id": "c1", "type": "function",
+                                 "function": {"name": "get", "arguments": {"what": "Tokyo"}}}]}]
+    rendered = _template(tok).render(messages, add_generation_prompt=False,
+                                                        tools=openai_tools())
+    turn = rendered[rendered.index("<|turn>model\n") + len("<|turn>model\n"):]
+    block = turn[:turn.index(CHANNEL_CLOSE) + len(CHANNEL_CLOSE)]
+    got, answer, s = _run(markers, _tokens(tok, block), [])
+    assert (got, answer) == (thought, "") and s.seen
+
+
+def test_the_format_is_gemma_4s_only(tok):
+    fmt = ReasoningFormat.of(tok, TEMPLATE.read_text())
+    assert fmt.markers is not None and fmt.can_think
+    assert ReasoningFormat.of(tok, "{{ messages }}") == ReasoningFormat(None, False)
+
+
+def _chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **kw})
+
+
+@pytest.mark.parametrize("kw, thinks", [
+    ({}, False), ({"reasoning_effort": "none"}, False), ({"reasoning_effort": "low"}, True),
+    ({"reasoning_effort": "max"}, True), ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+    ({"chat_template_kwargs": {"enable_thinking": True}, "reasoning_effort": "high"}, True),
+])
+def test_thinking_is_turned_on(tok, kw, thinks):
+    fmt = ReasoningFormat.of(tok, TEMPLATE.read_text())
+    plan = plan_reasoning(_chat(**kw), fmt, ())
+    assert plan.thinks == thinks
+    assert bool(template_kwargs(_chat(**kw), fmt).get("enable_thinking")) == thinks
+    ids = _template(tok).encode(MESSAGES, add_generation_prompt=True,
+                                                   **template_kwargs(_chat(**kw), fmt))
+    assert (tok.token_to_id("<|think|>") in ids) == thinks
+
+
+@pytest.mark.parametrize("kw, template, param", [
+    ({"reasoning_effort": "high"}, "{{ messages }}", "reasoning_effort"),   # a model that cannot think
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, None, "reasoning_effort"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}, None, "reasoning_effort"),
+])
+def test_thinking_that_cannot_be_is_refused(tok, kw, template, param):
+    fmt = ReasoningFormat.of(tok, template or TEMPLATE.read_text())
+    with pytest.raises(ApiError) as e:
+        plan_reasoning(_chat(**kw), fmt, ())
+    assert e.value.status == 400 and e.value.param == param
+    assert plan_reasoning(_chat(reasoning_effort="none"), ReasoningFormat.of(tok, "{{ messages }}"), ()) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The grammar: a thought, then what the constraint admits
+
+
+@pytest.fixture(scope="module")
+def grammars(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    path.write_text(tokenizer_json())
+    return Grammars(path, [tok.token_to_id("<eos>")], tok.get_vocab_size())
+
+
+@pytest.mark.parametrize("constraint, good, bad", [
+    (pb.Constraint(json_schema=json.dumps(SCHEMA)), '{"ok": true}', '{"ok": 1}'),
+    (pb.Constraint(json_object=True), '{"a": [1]}', "[1]"),
+    (pb.Constraint(regex="ye+s"), "yeees", "no"),
+    (pb.Constraint(lark='start: "yes" | "no"'), "no", "maybe"),
+])
+def test_a_thinking_constraint_admits_a_thought_first(grammars, markers, constraint, good, bad):
+    lltok = ll_tokenizer()
+    thinking = pb.Constraint()
+    thinking.CopyFrom(constraint)
+    thinking.thought.open, thinking.thought.close = markers.open, markers.close
+    grammar = grammars.check(thinking)
+    thought = "<|channel>thought\nlet me see: {no} [json] here.\n<channel|>"
+    assert accepts(lltok, grammar, good) and accepts(lltok, grammar, thought + good)
+    assert accepts(lltok, grammar, "<|channel><channel|>" + good)
+    assert not accepts(lltok, grammar, bad) and not accepts(lltok, grammar, thought + bad)
+    assert not accepts(lltok, grammar, thought + thought + good)             # one thought
+    assert not accepts(lltok, grammar, good + thought)                       # before the answer only
+    assert not accepts(lltok, grammar, "<|channel>thought\nx<|channel>y<channel|>" + good)
+    plain = grammars.check(constraint)  # without the thought field: the answer alone
+    assert accepts(lltok, plain, good) and not accepts(lltok, plain, thought + good)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Responses: reasoning items in the input
+
+
+def test_reasoning_items_become_the_next_assistant_turns_thought():
+    items = input_items([
+        {"role": "user", "content": "Weather in Tokyo?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Call."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get", "arguments": '{"what": "Tokyo"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Sum."}], "encrypted_content": "x"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "lost"}]},
+        {"role": "user", "content": "Thanks"},
+    ])
+    assert items[1]["id"] == "rs_1" and items[4]["id"].startswith("rs_")
+    messages = chat_messages(None, items)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "user"]
+    assert messages[1]["reasoning_content"] == "Call." and messages[1]["tool_calls"][0]["id"] == "c1"
+    assert messages[3]["reasoning_content"] == "Sum."
+    assert "reasoning_content" not in messages[4]
+    with pytest.raises(ApiError) as e:
+        input_items([{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}])
+    assert e.value.param == "input[0].content[0].type"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Over the API
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from test_gateway import Stack
+
+    folder = tmp_path_factory.mktemp("reasoning")
+    s = Stack(folder, model=model_folder(folder / "model"), gateway_args=("--chat-template", str(TEMPLATE)))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _bias(markers) -> dict[str, float]:
+    # <|channel> first (the grammar allows it only there), then <channel|> about one token in seven
+    return {str(markers.open): 100, str(markers.close): 4}
+
+
+def _raw(stack, client, model, markers, seed: int, n: int) -> list[str]:
+    """The reference: the same prompt, sampling and bias through /v1/completions, with the thought-then-JSON
+    grammar written in plain Lark and special tokens kept in the text."""
+    prompt = httpx.post(stack.url + "/tokenize", json={"model": model, "messages": MESSAGES,
+                                                       "chat_template_kwargs": {"enable_thinking": True}}).json()
+    lark = (f"start: thought? body\nthought: <[{markers.open}]> THOUGHT <[{markers.close}]>\n"
+            f"THOUGHT: /(?s:.*)/\nbody: %json {json.dumps({**SCHEMA, 'x-guidance': JSON_OPTIONS})}\n")
+    r = client.completions.create(model=model, prompt=prompt["tokens"], max_tokens=MAX_TOKENS, temperature=1.0,
+                                  seed=seed, n=n, logit_bias=_bias(markers),
+                                  extra_body={"guided_grammar": lark, "skip_special_tokens": False})
+    return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+
+
+def _thinking_chat(client, model, markers, seed: int, n: int, **kw):
+    return client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, n=n,
+        logit_bias=_bias(markers), reasoning_effort="high",
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}, **kw)
+
+
+def test_chat_returns_the_thought_apart(stack, client, model, markers):
+    raws = _raw(stack, client, model, markers, seed=11, n=4)
+    r = _thinking_chat(client, model, markers, seed=11, n=4)
+    closed = 0
+    for choice, raw in zip(sorted(r.choices, key=lambda c: c.index), raws):
+        thought, answer = _split(raw)
+        assert thought is not None, raw  # the bias opens one
+        msg = choice.message
+        assert msg.reasoning_content == thought and (msg.content or "") == answer
+        if CHANNEL_CLOSE in raw and choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(msg.content), SCHEMA)
+            closed += 1
+    assert closed, "no thought ended in this many tokens"
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens <= r.usage.completion_tokens
+    # include_reasoning false: the same answer, no thought
+    quiet = _thinking_chat(client, model, markers, seed=11, n=4, extra_body={"include_reasoning": False})
+    for a, b in zip(sorted(quiet.choices, key=lambda c: c.index), sorted(r.choices, key=lambda c: c.index)):
+        assert a.message.content == b.message.content and getattr(a.message, "reasoning_content", None) is None
+    assert quiet.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens_details.reasoning_tokens
+
+
+def test_the_stream_carries_the_thought_in_its_deltas(client, model, markers):
+    whole = _thinking_chat(client, model, markers, seed=5, n=2)
+    chunks = list(_thinking_chat(client, model, markers, seed=5, n=2, stream=True,
+                                 stream_options={"include_usage": True}))
+    for choice in whole.choices:
+        deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
+            choice.message.reasoning_content
+        assert "".join(d.content or "" for d in deltas) == (choice.message.content or "")
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == \
+        whole.usage.completion_tokens_details.reasoning_tokens
+
+
+def _thinking_response(client, model, markers, seed: int, **kw):
+    return client.responses.create(
+        model=model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS, temperature=1.0,
+        reasoning={"effort": "medium", "summary": "auto"},
+        text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+        extra_body={"seed": seed, "logit_bias": _bias(markers)}, **kw)
+
+
+def test_a_response_has_a_reasoning_item(client, model, markers):
+    chat = _thinking_chat(client, model, markers, seed=21, n=1).choices[0]
+    r = _thinking_response(client, model, markers, seed=21)
+    kinds = [item.type for item in r.output]
+    assert kinds[0] == "reasoning" and r.reasoning.effort == "medium"
+    assert r.output[0].summary == [] and r.output[0].content[0].text == chat.message.reasoning_content
+    assert r.output_text == (chat.message.content or "")
+    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    with client.responses.stream(model=model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS,
+                                 temperature=1.0, reasoning={"effort": "medium"},
+                                 text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
+                                 extra_body={"seed": 21, "logit_bias": _bias(markers)}) as stream:
+        events = list(stream)
+        done = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == r.output[0].content[0].text == done.output[0].content[0].text
+    assert [e.type for e in events if e.type.startswith("response.reasoning_text")][-1] == \
+        "response.reasoning_text.done"
+    assert done.output_text == r.output_text
+    # The stored thought goes back as the assistant turn's; without calls the template leaves it out.
+    follow = client.responses.input_tokens.count(model=model, input="And the sea?", previous_response_id=r.id)
+    plain = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"), json={"model": model, "messages": [
+        MESSAGES[0], {"role": "assistant", "content": r.output_text}, {"role": "user", "content": "And the sea?"}]})
+    assert follow.input_tokens == plain.json()["count"]
+
+
+def test_thinking_before_a_forced_call(client, model, markers):
+    """tool_choice required with thinking: the thought, then a well-formed call; the next turn replays the thought
+    before the call (the template's rule for a turn with calls)."""
+    tools = openai_tools([{"name": "ping", "description": "Pings.", "parameters": {
+        "type": "object", "properties": {"twice": {"type": "boolean"}}, "required": ["twice"]}}])
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="required",
+                                       reasoning_effort="low", logit_bias=_bias(markers), temperature=1.0, seed=3,
+                                       max_tokens=MAX_TOKENS)
+    msg = r.choices[0].message
+    assert msg.reasoning_content is not None
+    if r.choices[0].finish_reason == "tool_calls":
+        assert json.loads(msg.tool_calls[0].function.arguments)["twice"] in (True, False)
+
+
+def test_refusals_name_their_parameter(client, model):
+    for kw, param in [(dict(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}),
+                       "reasoning_effort"),
+                      (dict(reasoning_effort="extreme"), "reasoning_effort")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, **kw)
+        assert e.value.body["param"] == param
