@@ -336,13 +336,20 @@ def _thinking_response(client, model, markers, seed: int, **kw):
 
 
 def test_a_response_has_a_reasoning_item(client, model, markers):
-    chat = _thinking_chat(client, model, markers, seed=21, n=1).choices[0]
-    r = _thinking_response(client, model, markers, seed=21)
+    """The thought as a reasoning item before the message; the message's logprobs are the answer's tokens (chat's
+    logprobs have every token)."""
+    completion = _thinking_chat(client, model, markers, seed=21, n=1, logprobs=True)
+    chat = completion.choices[0]
+    assert len(chat.logprobs.content) == completion.usage.completion_tokens
+    r = _thinking_response(client, model, markers, seed=21, include=["message.output_text.logprobs"])
     kinds = [item.type for item in r.output]
-    assert kinds[0] == "reasoning" and r.reasoning.effort == "medium"
+    assert kinds == ["reasoning", "message"] and r.reasoning.effort == "medium"
     assert r.output[0].summary == [] and r.output[0].content[0].text == chat.message.reasoning_content
     assert r.output_text == (chat.message.content or "")
-    assert r.usage.output_tokens_details.reasoning_tokens > 0
+    reasoning = r.usage.output_tokens_details.reasoning_tokens
+    assert reasoning == completion.usage.completion_tokens_details.reasoning_tokens > 0
+    logprobs = r.output[1].content[0].logprobs
+    assert len(logprobs) == r.usage.output_tokens - reasoning and "".join(lp.token for lp in logprobs) == r.output_text
     with client.responses.stream(model=model, input=MESSAGES[0]["content"], max_output_tokens=MAX_TOKENS,
                                  temperature=1.0, reasoning={"effort": "medium"},
                                  text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}},
@@ -361,18 +368,43 @@ def test_a_response_has_a_reasoning_item(client, model, markers):
     assert follow.input_tokens == plain.json()["count"]
 
 
+PING = {"name": "ping", "description": "Pings.",
+        "parameters": {"type": "object", "properties": {"twice": {"type": "boolean"}}, "required": ["twice"]}}
+
+
 def test_thinking_before_a_forced_call(client, model, markers):
-    """tool_choice required with thinking: the thought, then a well-formed call; the next turn replays the thought
-    before the call (the template's rule for a turn with calls)."""
-    tools = openai_tools([{"name": "ping", "description": "Pings.", "parameters": {
-        "type": "object", "properties": {"twice": {"type": "boolean"}}, "required": ["twice"]}}])
-    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=tools, tool_choice="required",
-                                       reasoning_effort="low", logit_bias=_bias(markers), temperature=1.0, seed=3,
-                                       max_tokens=MAX_TOKENS)
-    msg = r.choices[0].message
-    assert msg.reasoning_content is not None
-    if r.choices[0].finish_reason == "tool_calls":
-        assert json.loads(msg.tool_calls[0].function.arguments)["twice"] in (True, False)
+    """tool_choice required with thinking: the thought, then a well-formed call (streamed: the thought's deltas
+    first); on the next turn the template replays the thought before the call, as it does for a chat message with
+    reasoning_content."""
+    kw = dict(model=model, messages=MESSAGES, tools=openai_tools([PING]), tool_choice="required",
+              parallel_tool_calls=False, reasoning_effort="low", logit_bias=_bias(markers), temperature=1.0,
+              max_tokens=MAX_TOKENS)
+    for seed in range(2):
+        choice = client.chat.completions.create(seed=seed, **kw).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content is not None
+        assert json.loads(choice.message.tool_calls[0].function.arguments)["twice"] in (True, False)
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(seed=seed, stream=True, **kw)
+                  if c.choices]
+        kinds = [k for d in deltas for k in ("reasoning_content", "tool_calls") if getattr(d, k, None)]
+        assert kinds[0] == "reasoning_content" and "reasoning_content" not in kinds[kinds.index("tool_calls"):]
+        assert "".join(d.reasoning_content or "" for d in deltas if getattr(d, "reasoning_content", None)) == \
+            choice.message.reasoning_content
+    r = client.responses.create(model=model, input=MESSAGES[0]["content"], tools=[{"type": "function", **PING}],
+                                tool_choice="required", parallel_tool_calls=False, reasoning={"effort": "low"},
+                                temperature=1.0, max_output_tokens=MAX_TOKENS,
+                                extra_body={"seed": 1, "logit_bias": _bias(markers)})
+    assert [item.type for item in r.output] == ["reasoning", "function_call"]
+    call = r.output[1]
+    follow = client.responses.input_tokens.count(model=model, previous_response_id=r.id, input=[
+        {"type": "function_call_output", "call_id": call.call_id, "output": "pong"}])
+    messages = [MESSAGES[0], {"role": "assistant", "content": None, "reasoning_content": r.output[0].content[0].text,
+                              "tool_calls": [{"id": call.call_id, "type": "function",
+                                              "function": {"name": "ping", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "pong"}]
+    prompt = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                        json={"model": model, "messages": messages, "tools": openai_tools([PING])}).json()
+    assert follow.input_tokens == prompt["count"]
+    assert markers.open in prompt["tokens"]  # the thought is in the prompt
 
 
 def test_refusals_name_their_parameter(client, model):
