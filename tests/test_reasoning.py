@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from splitgemma.serving.chat_template import ChatTemplate, special_token_strings
+from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.thinking import CHANNEL_CLOSE, CHANNEL_NAME, CHANNEL_OPEN, ThoughtMarkers, ThoughtSplitter
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest
@@ -65,12 +66,14 @@ def _split(raw: str) -> tuple[str | None, str]:
     return body, answer
 
 
-def _tokens(tok, raw: str) -> list[tuple[int, str]]:
-    """(id, text) per token of `raw` (markers as their special tokens), as the decode worker sends them with
-    special tokens skipped: a marker's text empty."""
+def _tokens(tok, raw: str, stops=()) -> list[tuple[int, str]]:
+    """(id, text) per token of `raw` (markers as their special tokens) as the decode worker sends them for a request
+    with a thought channel: decoded incrementally, special tokens' text kept."""
+    stream = TextStream(tok, stops=stops, skip_special_tokens=False)
     ids = tok.encode(raw, add_special_tokens=False).ids
-    special = {tok.token_to_id(CHANNEL_OPEN), tok.token_to_id(CHANNEL_CLOSE)}
-    return [(i, "" if i in special else tok.decode([i])) for i in ids]
+    out = [(i, stream.push(i)[0]) for i in ids]
+    out[-1] = (out[-1][0], out[-1][1] + stream.flush())
+    return out
 
 
 def _run(markers, tokens, cuts: list[int]) -> tuple[str, str, ThoughtSplitter]:
@@ -98,7 +101,7 @@ def _run(markers, tokens, cuts: list[int]) -> tuple[str, str, ThoughtSplitter]:
 ])
 def test_the_split_is_the_markers_split(tok, markers, raw):
     tokens = _tokens(tok, raw)
-    raw = "".join(tok.decode([i], skip_special_tokens=False) for i, _ in tokens)  # as this tokenizer spells it
+    raw = "".join(text for _, text in tokens)  # as this tokenizer spells it
     want_thought, want_answer = _split(raw)
     for cut in range(len(tokens) + 1):  # every way of cutting the output into two events
         thought, answer, s = _run(markers, tokens, [cut])
@@ -114,6 +117,19 @@ def test_the_split_is_the_markers_split(tok, markers, raw):
     assert _run(markers, tokens, cuts)[:2] == (want_thought or "", want_answer)
 
 
+def test_text_held_back_for_a_stop_string_stays_with_its_part(tok, markers):
+    """The decode worker holds back text that may begin a stop string and releases it with a later token — here
+    the marker after it: it still belongs to the part before the marker."""
+    raw = "Sure.\n<|channel>thought\nthe sky\n<channel|>\nYes, it is."
+    tokens = _tokens(tok, raw, stops=["\nnever"])
+    assert any(i == markers.close and text == "\n" + CHANNEL_CLOSE for i, text in tokens)  # released with it
+    decoded = "".join(text for _, text in tokens)
+    thought, answer, _ = _run(markers, tokens, [])
+    want_thought, want_answer = _split(decoded[decoded.index(CHANNEL_OPEN):])
+    assert thought == want_thought == "the sky"
+    assert answer == decoded[:decoded.index(CHANNEL_OPEN)] + want_answer
+
+
 def test_a_spelled_marker_is_text(tok, markers):
     """Ordinary tokens whose text spells a marker open nothing: the split is on token ids."""
     ordinary = tok.encode("a", add_special_tokens=False).ids[-1]
@@ -122,12 +138,17 @@ def test_a_spelled_marker_is_text(tok, markers):
     assert not s.seen and thought == "" and answer == CHANNEL_OPEN + "x" + CHANNEL_CLOSE
 
 
-def test_special_tokens_are_hidden_from_the_thought(tok, markers):
-    """With special tokens in the text (tools on), the thought still drops them when the request skips them."""
-    ids = tok.encode('<|channel>thought\nA<|"|>B<channel|>', add_special_tokens=False).ids
-    s = ThoughtSplitter(markers, hide=frozenset({'<|"|>'}))
-    pieces = [p for i in ids for p in s.push(i, tok.decode([i], skip_special_tokens=False))]
-    assert "".join(p for _, p in pieces) == "AB" and s.tokens == len(ids)
+def test_special_tokens_are_hidden_from_the_parts_that_hide_them(tok, markers):
+    """A request that skips special tokens gets none in its thought, nor in its answer unless the tool parser reads
+    the answer (it drops them itself)."""
+    quote = tok.token_to_id('<|"|>')
+    raw = '<|channel>thought\nha<|"|>ky<channel|>se<|"|>at'
+    for hide_answer, answer in (({quote: '<|"|>'}, "seat"), ({}, 'se<|"|>at')):
+        s = ThoughtSplitter(markers, {quote: '<|"|>'}, hide_answer)
+        pieces = [p for i, t in _tokens(tok, raw) for p in s.push(i, t)]
+        assert "".join(p for k, p in pieces if k == "thought") == "haky"
+        assert "".join(p for k, p in pieces if k == "answer") == answer
+        assert s.tokens == len(tok.encode(raw[:raw.index("se")], add_special_tokens=False).ids)
 
 
 def test_a_replayed_thought_reads_back_the_same(tok, markers):
@@ -149,7 +170,8 @@ def test_a_replayed_thought_reads_back_the_same(tok, markers):
 def test_the_format_is_gemma_4s_only(tok):
     fmt = ReasoningFormat.of(tok, TEMPLATE.read_text())
     assert fmt.markers is not None and fmt.can_think
-    assert ReasoningFormat.of(tok, "{{ messages }}") == ReasoningFormat(None, False)
+    other = ReasoningFormat.of(tok, "{{ messages }}")
+    assert other.markers is None and not other.can_think
 
 
 def _chat(**kw) -> ChatCompletionRequest:
@@ -163,7 +185,7 @@ def _chat(**kw) -> ChatCompletionRequest:
 ])
 def test_thinking_is_turned_on(tok, kw, thinks):
     fmt = ReasoningFormat.of(tok, TEMPLATE.read_text())
-    plan = plan_reasoning(_chat(**kw), fmt, ())
+    plan = plan_reasoning(_chat(**kw), fmt, False)
     assert plan.thinks == thinks
     assert bool(template_kwargs(_chat(**kw), fmt).get("enable_thinking")) == thinks
     ids = _template(tok).encode(MESSAGES, add_generation_prompt=True,
@@ -179,9 +201,9 @@ def test_thinking_is_turned_on(tok, kw, thinks):
 def test_thinking_that_cannot_be_is_refused(tok, kw, template, param):
     fmt = ReasoningFormat.of(tok, template or TEMPLATE.read_text())
     with pytest.raises(ApiError) as e:
-        plan_reasoning(_chat(**kw), fmt, ())
+        plan_reasoning(_chat(**kw), fmt, False)
     assert e.value.status == 400 and e.value.param == param
-    assert plan_reasoning(_chat(reasoning_effort="none"), ReasoningFormat.of(tok, "{{ messages }}"), ()) is None
+    assert plan_reasoning(_chat(reasoning_effort="none"), ReasoningFormat.of(tok, "{{ messages }}"), False) is None
 
 
 # ---------------------------------------------------------------------------------------------------------------

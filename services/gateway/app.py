@@ -332,7 +332,7 @@ class Gateway:
         check_messages(messages, self.config.limits, prompt_param)
         state = _RequestState(self, "chat", rid)
         plan = plan_tools(req, self.tool_format)
-        reasoning = plan_reasoning(req, self.reasoning_format, self.tool_format.special_texts, effort_param)
+        reasoning = plan_reasoning(req, self.reasoning_format, plan is not None and plan.native, effort_param)
 
         def prompt(cancelled):
             ids = self.fitted_prompt(req, messages, plan, cancelled, prompt_param, truncate)
@@ -348,6 +348,8 @@ class Gateway:
                            prompt_logprobs=req.prompt_logprobs)
         if plan is not None:
             plan.apply(specs, tool_constraint)
+        if reasoning is not None:
+            reasoning.apply(specs)
         return await self.run(state, req, specs, make_render(plan, reasoning, len(specs)))
 
     async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],

@@ -16,7 +16,7 @@ OpenAI counts them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitgemma.serving.thinking import THINKING_SWITCH, ThoughtMarkers, ThoughtSplitter
 from splitgemma.v1 import serving_pb2 as pb
@@ -26,15 +26,18 @@ from .protocol import invalid
 @dataclass(frozen=True)
 class ReasoningFormat:
     """What the model's tokenizer and template offer: the thought channel's markers (None: the output has no
-    thought to read) and whether the template can turn thinking on."""
+    thought to read), whether the template can turn thinking on, and the special tokens (id -> spelling), dropped
+    from what a request that skips them gets back."""
 
     markers: ThoughtMarkers | None
     can_think: bool
+    special: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, tokenizer, template_source: str) -> "ReasoningFormat":
         markers = ThoughtMarkers.from_tokenizer(tokenizer, template_source)
-        return cls(markers, markers is not None and THINKING_SWITCH in template_source)
+        return cls(markers, markers is not None and THINKING_SWITCH in template_source,
+                   {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special})
 
 
 def thinking(req, fmt: ReasoningFormat, effort_param: str = "reasoning_effort") -> bool:
@@ -66,15 +69,22 @@ def template_kwargs(req, fmt: ReasoningFormat) -> dict:
 @dataclass(frozen=True)
 class ReasoningPlan:
     """How one request's output is read: the markers, whether the request thinks (its constraint then admits a
-    thought first), whether the thought is returned, and the special-token texts dropped from it."""
+    thought first), whether the thought is returned, and the special tokens dropped from each part."""
 
     markers: ThoughtMarkers
     thinks: bool
     include: bool
-    hide: frozenset[str]
+    hide_thought: dict[int, str]
+    hide_answer: dict[int, str]
 
     def splitter(self) -> ThoughtSplitter:
-        return ThoughtSplitter(self.markers, self.hide)
+        return ThoughtSplitter(self.markers, self.hide_thought, self.hide_answer)
+
+    def apply(self, specs) -> None:
+        """The decode worker sends special tokens' text: text it holds back before a marker (a possible stop
+        string) then comes out with the marker, and is put with the part before it."""
+        for spec in specs:
+            spec.skip_special_tokens = False
 
     def constrain(self, c: pb.Constraint | None) -> pb.Constraint | None:
         """The constraint held only after the thought (a thinking request's); as it is otherwise."""
@@ -86,11 +96,12 @@ class ReasoningPlan:
         return out
 
 
-def plan_reasoning(req, fmt: ReasoningFormat, special_texts: tuple[str, ...],
+def plan_reasoning(req, fmt: ReasoningFormat, tool_parser_reads: bool,
                    effort_param: str = "reasoning_effort") -> ReasoningPlan | None:
-    """The plan for a validated chat request, or None when the model has no thought channel."""
+    """The plan for a validated chat request, or None when the model has no thought channel. `tool_parser_reads`:
+    the answer goes on to the native tool parser, which drops special tokens' text itself."""
     thinks = thinking(req, fmt, effort_param)
     if fmt.markers is None:
         return None
-    return ReasoningPlan(fmt.markers, thinks, req.include_reasoning,
-                         frozenset(special_texts) if req.skip_special_tokens else frozenset())
+    hide = fmt.special if req.skip_special_tokens else {}
+    return ReasoningPlan(fmt.markers, thinks, req.include_reasoning, hide, {} if tool_parser_reads else hide)

@@ -34,15 +34,19 @@ class ThoughtMarkers:
 
 
 class ThoughtSplitter:
-    """One output, token by token (its id and its text as the decode worker sent it): pieces of thought and pieces
-    of answer. Tokens from an opening marker to its closing one (both included) count as reasoning tokens; the
-    markers' own text and the name line ("thought" and a newline) are dropped; the newline before a closing marker
-    is held back until the thought goes on, and dropped when it closes. `hide`: texts of special tokens dropped
-    from the thought (the answer's are dropped where the answer is read)."""
+    """One output, token by token (its id and its text as the decode worker sent it, special tokens included so
+    that text held back before a marker comes out with the marker): pieces of thought and pieces of answer. Tokens
+    from an opening marker to its closing one (both included) count as reasoning tokens; the markers' spelling and
+    the name line ("thought" and a newline) are dropped; the newline before a closing marker is held back until the
+    thought goes on, and dropped when it closes. `hide_thought` / `hide_answer`: special tokens (id -> spelling)
+    whose spelling is dropped from that part (a request that skips special tokens; the answer's are left to the
+    tool parser when it reads the answer)."""
 
-    def __init__(self, markers: ThoughtMarkers, hide: frozenset[str] = frozenset()):
+    def __init__(self, markers: ThoughtMarkers, hide_thought: dict[int, str] | None = None,
+                 hide_answer: dict[int, str] | None = None):
         self.markers = markers
-        self.hide = hide
+        self.hide_thought = hide_thought or {}
+        self.hide_answer = hide_answer or {}
         self.tokens = 0          # reasoning tokens so far
         self.seen = False        # a thought block was opened
         self._state = "answer"   # answer | name (reading the channel's name line) | thought
@@ -51,20 +55,29 @@ class ThoughtSplitter:
 
     def push(self, token_id: int, text: str) -> list[tuple[str, str]]:
         """(kind, text) pieces, kind "thought" or "answer", in order."""
-        if token_id == self.markers.open:
+        m = self.markers
+        if token_id == m.open or (token_id == m.close and self._state != "answer"):
+            # Text the decode worker held back (a possible stop string, a split character) comes out before the
+            # marker's spelling, and belongs to what came before the marker.
+            out = self._route(_unspelled(text, CHANNEL_OPEN if token_id == m.open else CHANNEL_CLOSE))
             self.tokens += 1
-            self.seen = True
-            if self._state == "answer":
-                self._state, self._name = "name", ""
+            if token_id == m.close:
+                self._state, self._name, self._newline = "answer", "", False
+            else:
+                self.seen = True
+                if self._state == "answer":
+                    self._state, self._name = "name", ""
+            return out
+        if self._state != "answer":
+            self.tokens += 1
+        hide = self.hide_answer if self._state == "answer" else self.hide_thought
+        return self._route(_unspelled(text, hide[token_id]) if token_id in hide else text)
+
+    def _route(self, text: str) -> list[tuple[str, str]]:
+        if not text:
             return []
         if self._state == "answer":
-            return [("answer", text)] if text else []
-        self.tokens += 1
-        if token_id == self.markers.close:
-            self._state, self._name, self._newline = "answer", "", False
-            return []
-        if text in self.hide:
-            return []
+            return [("answer", text)]
         if self._state == "name":
             self._name += text
             if self._name.startswith(CHANNEL_NAME):
@@ -89,3 +102,8 @@ class ThoughtSplitter:
         is only (part of) a name."""
         held, self._newline = self._newline and self._state == "thought", False
         return [("thought", "\n")] if held else []
+
+
+def _unspelled(text: str, spelling: str) -> str:
+    """A special token's text without its own spelling (which ends it when special tokens are kept)."""
+    return text[:-len(spelling)] if text.endswith(spelling) else text
