@@ -46,6 +46,7 @@ from splitgemma import __version__
 from splitgemma.serving import telemetry
 from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateError, RenderBudget, RenderTooLarge
 from splitgemma.serving.credentials import TlsFiles
+from splitgemma.serving.generation_config import SamplingDefaults
 from splitgemma.serving.grammar import Grammars
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -104,6 +105,7 @@ class GatewayConfig:
     worker_tls: TlsFiles | None = None
     grammars: Grammars | None = None    # compiles structured-output constraints; None: they are refused
     response_store: StoreLimits = field(default_factory=StoreLimits)   # the Responses API's (response_store.py)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)   # the model's recommended
 
 
 class _RequestState:
@@ -274,21 +276,28 @@ class Gateway:
 
     # -- sampling ------------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def sampling(req, index: int, logprobs: bool, top_logprobs: int,
+    def effective(self, req, name: str, api_default):
+        """A sampling field as it runs: the request's, else the model's recommended default
+        (splitgemma/serving/generation_config.py), else the API's."""
+        value = getattr(req, name)
+        if value is None:
+            value = getattr(self.config.sampling_defaults, name)
+        return api_default if value is None else value
+
+    def sampling(self, req, index: int, logprobs: bool, top_logprobs: int,
                  constraint: pb.Constraint | None = None) -> pb.SamplingParams:
         # With a seed, choice j samples with seed + j so that n choices differ but stay reproducible.
         seed = (req.seed + index) % (1 << 64) if req.seed is not None else secrets.randbits(64)
-        temperature = 1.0 if req.temperature is None else req.temperature
+        temperature = self.effective(req, "temperature", 1.0)
         return pb.SamplingParams(temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
-                                 top_k=max(0, req.top_k or 0),
-                                 top_p=1.0 if req.top_p is None else max(req.top_p, MIN_TOP_P),
+                                 top_k=max(0, self.effective(req, "top_k", 0)),
+                                 top_p=max(self.effective(req, "top_p", 1.0), MIN_TOP_P),
                                  seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, constraint=constraint,
                                  logit_bias={int(k): v for k, v in (req.logit_bias or {}).items()},
                                  presence_penalty=req.presence_penalty or 0.0,
                                  frequency_penalty=req.frequency_penalty or 0.0,
-                                 repetition_penalty=req.repetition_penalty or 0.0, min_p=req.min_p or 0.0,
-                                 min_tokens=req.min_tokens)
+                                 repetition_penalty=self.effective(req, "repetition_penalty", 0.0),
+                                 min_p=self.effective(req, "min_p", 0.0), min_tokens=req.min_tokens)
 
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
               param: str, constraint: pb.Constraint | None = None,

@@ -481,11 +481,11 @@ class ResponsesRenderer(ChoiceRenderer):
                           if req.reasoning is not None else None},
             "safety_identifier": req.safety_identifier,
             "service_tier": "default", "store": self.stored,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "temperature": self.gw.effective(req, "temperature", 1.0),
             "text": {"format": fmt, "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
-            "top_logprobs": req.top_logprobs or 0, "top_p": 1.0 if req.top_p is None else req.top_p,
+            "top_logprobs": req.top_logprobs or 0, "top_p": self.gw.effective(req, "top_p", 1.0),
             "truncation": req.truncation or "disabled", "user": req.user,
             "usage": self.usage() if done and error is None else None,
         }

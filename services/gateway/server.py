@@ -17,6 +17,7 @@ from splitgemma.serving.chat_template import ChatTemplate, ChatTemplateNotFound,
     special_token_strings
 from splitgemma.serving.templates import builtin_chat_template
 from splitgemma.serving.credentials import TlsFiles
+from splitgemma.serving.generation_config import load_sampling_defaults
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.stop_tokens import model_stop_tokens
 from splitgemma.serving.tokenizer import find_tokenizer, load_tokenizer
@@ -56,8 +57,9 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                  api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
                  worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
                  render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
-                 response_store: StoreLimits | None = None) -> GatewayConfig:
-    """default_max_tokens 0: chat without max_tokens runs to the end of the context."""
+                 response_store: StoreLimits | None = None, generation_config: str = "auto") -> GatewayConfig:
+    """default_max_tokens 0: chat without max_tokens runs to the end of the context; generation_config: where the
+    sampling defaults come from (splitgemma/serving/generation_config.py)."""
     if model is None and tokenizer is None:
         raise ValueError("give --tokenizer FILE or --model FILE.fgm (the tokenizer is looked for beside it)")
     if model_name is None:
@@ -97,6 +99,9 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
     else:
         template_source = None
     vocab = model_config.get("vocab_size")
+    sampling = load_sampling_defaults(generation_config, beside)
+    if sampling.given():
+        log.info("sampling defaults from the generation config", extra={"path": sampling.source, **sampling.given()})
     grammars = Grammars(find_tokenizer(beside, tokenizer), model_stop_tokens(beside)[0],
                         vocab or tok.get_vocab_size(with_added_tokens=True))
     return GatewayConfig(model_name=model_name, tokenizer=tok, chat_template=template, vocab_size=vocab,
@@ -107,7 +112,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                          max_body_bytes=max_body_bytes, timeouts=timeouts or Timeouts(), api_keys=api_keys or [],
                          metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls,
                          limits=limits or RequestLimits(), render_threads=render_threads,
-                         render_queue=render_queue, response_store=response_store or StoreLimits())
+                         render_queue=render_queue, response_store=response_store or StoreLimits(),
+                         sampling_defaults=sampling)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:

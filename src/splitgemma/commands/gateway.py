@@ -30,6 +30,10 @@ _RENDER = (
 _GENERATION = (
     ("default_max_tokens", non_negative_int, "N", "tokens a chat completion without max_tokens generates at most "
      "(0: to the end of the context)"),
+    ("generation_config", str, "auto|none|PATH", "sampling defaults (temperature, top_p, top_k, min_p, "
+     "repetition_penalty) for requests that leave them unset: auto takes the model's generation_config.json from "
+     "beside it (its makers' recommendation, as vLLM does), none keeps the API's own (temperature 1, no cut), a "
+     "PATH names a generation_config.json or its folder"),
 )
 _RESPONSES = (
     ("response_store_entries", non_negative_int, "N", "finished responses the Responses API keeps for "
@@ -47,7 +51,8 @@ def add_limit_options(p) -> None:
     from splitgemma.services.gateway.response_store import StoreLimits
     store = StoreLimits()
     defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
-                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "response_store_entries": store.entries,
+                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "generation_config": "auto",
+                "response_store_entries": store.entries,
                 "response_store_mb": store.megabytes}
     for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _RESPONSES:
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
@@ -136,7 +141,7 @@ def run(args) -> int:
                               service_token=service_token, worker_tls=worker_tls,
                               limits=RequestLimits(args.body_timeout, args.max_messages, args.max_rendered_chars),
                               render_threads=args.render_threads, render_queue=args.render_queue,
-                              default_max_tokens=args.default_max_tokens,
+                              default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
                               response_store=StoreLimits(args.response_store_entries, args.response_store_mb))
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
