@@ -123,6 +123,35 @@ def test_three_times_the_slots_all_succeed_in_arrival_order(stack):
     assert _metric(stack.decode_metrics, waits) == granted_before + n
 
 
+def test_priority_orders_the_waiting_requests(tmp_path):
+    """Under --scheduling-policy priority the gateway passes each request's priority on: three requests queued while
+    every slot is held, sent as priority 0, 5, -1, get their slots as -1, 0, 5. Under the default policy (fcfs) a
+    priority other than 0 is refused by name."""
+    s = Stack(tmp_path, slots=SLOTS, gateway_args=("--scheduling-policy", "priority"))
+    try:
+        held = _hold(s, SLOTS, "pri")
+        client = s.client()
+        with ThreadPoolExecutor(3) as ex:
+            try:
+                futures = []
+                for i, (rid, priority) in enumerate((("pri-late", 0), ("pri-batch", 5), ("pri-urgent", -1))):
+                    futures.append(ex.submit(_complete, client, rid, extra_body={"priority": priority}))
+                    _wait_queued(s, i + 1)
+            finally:
+                _release(s, held)
+            assert all(f.result(HANG_GUARD).usage.completion_tokens == 2 for f in futures)
+        assert _granted(s, "pri-") == ["pri-urgent-0", "pri-late-0", "pri-batch-0"]
+    finally:
+        assert s.stop() == []
+
+
+def test_priority_needs_the_priority_policy(stack):
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(stack.client(), "fcfs-priority", extra_body={"priority": 1})
+    assert e.value.body["param"] == "priority"
+    assert _complete(stack.client(), "fcfs-priority-0", extra_body={"priority": 0}).usage.completion_tokens == 2
+
+
 def test_requests_with_n_choices_get_their_slots_together(stack):
     """Two requests of n = 3 on four slots, queued while every slot is held: taken one by one, each could hold some
     slots and wait for the rest, both running out the queue timeout. As groups, the first gets three slots at once,
@@ -350,6 +379,46 @@ def test_a_group_gets_all_its_slots_at_once_and_holds_its_place():
         assert [s.request_id for s in (await asyncio.wait_for(single, HANG_GUARD))[0]] == ["s"]
         with pytest.raises(ValueError):
             await queue.reserve([(f"x-{i}", 1) for i in range(4)], 30.0)  # more than the table has
+
+    asyncio.run(main())
+
+
+def test_priority_orders_the_queue():
+    """With priorities (the gateway's --scheduling-policy priority) the queue serves the lowest value first and
+    arrival order among equals; a newcomer of a lower value than every waiter is the next served, a group included
+    (it holds the head until its slots are free)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = SlotTable(2, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
+                          writing=lambda slot: False)
+        queue = Admission(table, loop, CollectorRegistry(), max_queue=16, timeout_s=HANG_GUARD)
+        table.on_free = queue.slot_freed
+        served: list[list] = []  # the slots of each grant, in the order granted
+
+        async def ask(members, priority):
+            slots, _ = await queue.reserve([(m, 1) for m in members], 30.0, priority)
+            served.append(slots)
+
+        async def settle():
+            for _ in range(8):
+                await asyncio.sleep(0)
+
+        await ask(["x", "y"], 0)
+        tasks = [asyncio.ensure_future(ask([rid], p)) for rid, p in
+                 (("late-0", 0), ("batch-5", 5), ("urgent", -1), ("late-1", 0), ("batch-6", 5))]
+        await settle()
+        tasks.append(asyncio.ensure_future(ask(["g-0", "g-1"], -3)))   # a group that outranks everyone
+        await settle()
+        assert queue.depth == 6
+        released = 0
+        while released < len(served):  # give back the slots in the order they were granted, one at a time
+            for s in served[released]:
+                assert table.release(s.index, s.generation, s.request_id, s.secret)
+                await settle()
+            released += 1
+        await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD)
+        assert [",".join(s.request_id for s in grant) for grant in served] == \
+            ["x,y", "g-0,g-1", "urgent", "late-0", "late-1", "batch-5", "batch-6"]
 
     asyncio.run(main())
 

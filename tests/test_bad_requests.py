@@ -277,6 +277,7 @@ _COMMON = {
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "user": _TEXT,
+    "priority": st.sampled_from([0, 1, -1, 2**31 - 1, -(2**31), 2**31, "high"]),
 }
 _MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),

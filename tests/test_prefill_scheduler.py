@@ -145,6 +145,29 @@ def test_a_short_prompt_behind_a_long_one(workers, policy):
     c.wait_idle()
 
 
+@pytest.mark.parametrize("policy", ["rr", "srf"])
+def test_a_prompt_of_a_worse_priority_waits(workers, policy):
+    """As the test above, but the short prompt has priority 5 against the long one's 0 (lower first): under either
+    interleaving policy it waits for the whole long prompt, and its result is still its solo run's."""
+    c = workers[policy]
+    long_p, short_p = prompt_of(103, LONG), prompt_of(104, 20)
+    want_short = solo(c, "pri-solo-s", short_p, greedy())
+    leases = {"l": c.reserve("pri-l", LONG), "s": c.reserve("pri-s", 20)}
+    try:
+        fut_l = c.prefill.Prefill.future(c.prefill_req("pri-l", long_p, leases["l"], greedy()), timeout=HANG_GUARD)
+        wait_counts(c, 0, 1)
+        short = c.prefill_req("pri-s", short_p, leases["s"], greedy())
+        short.priority = 5
+        got_s = c.prefill.Prefill(short, timeout=HANG_GUARD)
+        got_l = fut_l.result(HANG_GUARD)
+    finally:
+        for rid, lease in leases.items():
+            release(c, f"pri-{rid}", lease)
+    assert same_result(got_s, want_short)
+    assert got_s.first_chunk_step > got_l.last_chunk_step
+    c.wait_idle()
+
+
 def test_concurrent_results_equal_solo_runs(workers):
     """Six prompts of mixed lengths (some not a multiple of the chunk) with seeded sampling, in flight together on
     the rr worker: each one's first token, logprobs, sampler state and slot K/V checksum equal its solo run's."""

@@ -3,9 +3,12 @@
 The queue lives here, in the worker that owns the slots, rather than in a gateway: several gateways in front of one
 decode worker then share one order of arrival, and a slot that frees is handed on the spot, without a round trip.
 
-* First come, first served. A Reserve that finds no free slot, or finds others already waiting, joins the tail; a
-  slot that frees goes to the head. A newcomer takes a free slot at once only when no one is waiting, so it never
-  jumps the queue (a slot may be free for an instant while its hand-over to the head is still on its way here).
+* First come, first served within a priority. A Reserve that finds no free slot, or finds others already waiting,
+  joins the queue behind every waiter of its priority or a lower value (lower is first: vLLM's priority; all 0
+  unless the gateway runs --scheduling-policy priority); a slot that frees goes to the head. A newcomer takes a
+  free slot at once only when no one is waiting, so it never jumps the queue (a slot may be free for an instant
+  while its hand-over to the head is still on its way here); one of a lower priority value than every waiter goes
+  to the head, and is served as the head is.
 * A group (ReserveGroup: the choices of one request, n > 1 or several prompts) is granted all its slots at once or
   waits, at its place in the queue, until as many are free. Granting them one by one would let two groups each
   hold part of what they need and wait for the rest until both time out; and a group's first lease would have to
@@ -103,6 +106,7 @@ class _Waiter:
     lease_s: float
     future: asyncio.Future
     since: float  # monotonic
+    priority: int = 0
     timer: asyncio.TimerHandle | None = None
 
 
@@ -139,11 +143,12 @@ class Admission:
         """SlotTable's on_free: any thread, with the table's lock held, so only schedule."""
         self.loop.call_soon_threadsafe(self._on_free)
 
-    async def reserve(self, members: list[tuple[str, int]], lease_s: float) -> tuple[list[Slot], float]:
+    async def reserve(self, members: list[tuple[str, int]], lease_s: float,
+                      priority: int = 0) -> tuple[list[Slot], float]:
         """A slot for each (request_id, max_tokens) member, all at once (copies of their leases), and the seconds
-        waited for them. The caller checks that the table has that many slots. Raises QueueFull, QueueTimeout,
-        Draining; cancelling the caller's task takes it out of the queue (or gives back slots granted at that
-        instant)."""
+        waited for them, queued by `priority` (lower first). The caller checks that the table has that many slots.
+        Raises QueueFull, QueueTimeout, Draining; cancelling the caller's task takes it out of the queue (or gives
+        back slots granted at that instant)."""
         if not 0 < len(members) <= self.table.n_slots:
             raise ValueError(f"{len(members)} slots wanted of a table of {self.table.n_slots}")
         if self.draining:
@@ -161,9 +166,11 @@ class Admission:
             # slots freed in a fraction of a second.)
             raise QueueFull(f"no free KV slot and the queue is full ({ahead} waiting, --max-queue "
                             f"{self.max_queue})", self.rate.retry_after(ahead + 1, time.monotonic(), RETRY_MIN_S))
-        w = _Waiter(members, lease_s, self.loop.create_future(), time.monotonic())
+        w = _Waiter(members, lease_s, self.loop.create_future(), time.monotonic(), priority)
         w.timer = self.loop.call_later(self.timeout_s, self._time_out, w)
-        self._queue.append(w)
+        # Behind every waiter of the same or a lower priority value: the queue stays sorted, arrival order within.
+        at = next((i for i, other in enumerate(self._queue) if other.priority > priority), len(self._queue))
+        self._queue.insert(at, w)
         self.queued_total += 1
         self._grant()  # a slot may have freed with its notice still on its way here
         try:

@@ -148,7 +148,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
     # --------------------------------------------------------------------------------------------------------
 
     async def Reserve(self, request, context):
-        (s,) = await self._reserve([request], request.lease_ms, context)
+        (s,) = await self._reserve([request], request.lease_ms, request.priority, context)
         return self._lease(s)
 
     async def ReserveGroup(self, request, context):
@@ -159,11 +159,12 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                                 f"the group wants {len(request.members)} slots; this worker has {self.table.n_slots}")
         if len({m.request_id for m in request.members}) < len(request.members):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the members' request ids are not distinct")
-        slots = await self._reserve(request.members, request.lease_ms, context)
+        slots = await self._reserve(request.members, request.lease_ms, request.priority, context)
         return pb.LeaseGroup(leases=[self._lease(s) for s in slots])
 
-    async def _reserve(self, members, lease_ms: int, context) -> list:
-        """Leases for every member (ReserveRequests) at once, waiting in the admission queue if need be."""
+    async def _reserve(self, members, lease_ms: int, priority: int, context) -> list:
+        """Leases for every member (ReserveRequests) at once, waiting in the admission queue (at `priority`'s place)
+        if need be."""
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the decode worker is draining")
         ctx = self.model.max_context
@@ -182,7 +183,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
         rid = members[0].request_id
         try:
             slots, waited = await self.admission.reserve([(m.request_id, m.max_tokens) for m in members],
-                                                         lease_ms / 1000)
+                                                         lease_ms / 1000, priority)
         except (QueueFull, QueueTimeout) as e:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, QueueFull) else \
                 grpc.StatusCode.DEADLINE_EXCEEDED

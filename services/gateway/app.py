@@ -106,6 +106,7 @@ class GatewayConfig:
     grammars: Grammars | None = None    # compiles structured-output constraints; None: they are refused
     response_store: StoreLimits = field(default_factory=StoreLimits)   # the Responses API's (response_store.py)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)   # the model's recommended
+    scheduling_policy: str = "fcfs"     # priority: requests' `priority` orders the queues (docs/scheduling.md)
 
 
 class _RequestState:
@@ -310,6 +311,9 @@ class Gateway:
             what = "n" if per_prompt == req.n else "best_of"
             raise invalid(f"{len(prompts)} prompts × {what}={per_prompt} is more than {MAX_CHOICES} choices per "
                           "request", param=what, code="invalid_value")
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise invalid("priority is only taken under the gateway's --scheduling-policy priority; this one "
+                          "serves first come, first served", param="priority", code="invalid_value")
         stop_token_ids = self._check_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self._check_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
         if max_tokens is not None and req.min_tokens > max_tokens:
@@ -325,7 +329,7 @@ class Gateway:
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                                       include_stop_str_in_output=req.include_stop_str_in_output,
                                       prompt_param=param, default_max_tokens=default_max_tokens,
-                                      prompt_logprobs=prompt_logprobs if j == 0 else None))
+                                      prompt_logprobs=prompt_logprobs if j == 0 else None, priority=req.priority))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------

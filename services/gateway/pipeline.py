@@ -58,6 +58,7 @@ class ChoiceSpec:
     prompt_param: str = "prompt"    # the request field the prompt came from, for error messages
     default_max_tokens: int | None = None
     prompt_logprobs: int | None = None  # the prompt's logprobs with the top n per position (None: not asked for)
+    priority: int = 0                   # lower first, in the decode worker's queue and the prefill worker's order
 
     def token_budget(self, context: int) -> int:
         """max_tokens for a slot of `context` positions (checked by check_context first)."""
@@ -172,7 +173,7 @@ class Pipelines:
                 else:
                     want = 1  # this worker's context is not known before its first lease, which is checked below
                 members.append(pb.ReserveRequest(request_id=run.request_id, prompt_tokens=len(spec.prompt_ids),
-                                                 max_tokens=want))
+                                                 max_tokens=want, priority=spec.priority))
             w.reserving += 1
             try:
                 # Cancelled when the client goes away: the decode worker takes the call out of its queue.
@@ -180,8 +181,8 @@ class Pipelines:
                 if len(members) == 1:
                     leases = [await w.stub.Reserve(members[0], timeout=timeout)]
                 else:
-                    leases = list((await w.stub.ReserveGroup(pb.ReserveGroupRequest(members=members),
-                                                             timeout=timeout)).leases)
+                    leases = list((await w.stub.ReserveGroup(pb.ReserveGroupRequest(
+                        members=members, priority=runs[0].spec.priority), timeout=timeout)).leases)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -248,7 +249,7 @@ class Pipelines:
                                           lease=run.lease, sampling=run.spec.sampling,
                                           stop_token_ids=run.spec.stop_token_ids, ignore_eos=run.spec.ignore_eos,
                                           response_id=run.response_id, operation=run.operation,
-                                          prompt_logprobs=run.spec.prompt_logprobs),
+                                          prompt_logprobs=run.spec.prompt_logprobs, priority=run.spec.priority),
                         timeout=self.timeouts.prefill)
                 except grpc.aio.AioRpcError as e:
                     self.pool.mark_failed(w, e)

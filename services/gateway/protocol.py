@@ -127,6 +127,9 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # extension (vLLM): the request's place in the admission queue and among the prompts a prefill worker runs,
+    # lower first; not 0 only under the gateway's --scheduling-policy priority (docs/scheduling.md)
+    priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
     # logits processing (splitgemma/serving/logits.py): OpenAI's, then vLLM's extensions
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

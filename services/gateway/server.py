@@ -57,7 +57,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                  api_keys: list[str] | None = None, metrics_auth: bool = False, service_token: str | None = None,
                  worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
                  render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
-                 response_store: StoreLimits | None = None, generation_config: str = "auto") -> GatewayConfig:
+                 response_store: StoreLimits | None = None, generation_config: str = "auto",
+                 scheduling_policy: str = "fcfs") -> GatewayConfig:
     """default_max_tokens 0: chat without max_tokens runs to the end of the context; generation_config: where the
     sampling defaults come from (splitgemma/serving/generation_config.py)."""
     if model is None and tokenizer is None:
@@ -113,7 +114,7 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                          metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls,
                          limits=limits or RequestLimits(), render_threads=render_threads,
                          render_queue=render_queue, response_store=response_store or StoreLimits(),
-                         sampling_defaults=sampling)
+                         sampling_defaults=sampling, scheduling_policy=scheduling_policy)
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:

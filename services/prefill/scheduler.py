@@ -8,6 +8,9 @@ parallel; but they need not run one after the other either. Each prompt is a Pre
 * ``srf``  shortest remaining first: the job with the fewest positions left (ties: the earliest);
 * ``fifo`` the earliest job runs to its end (one prompt at a time, as the worker did before).
 
+Jobs of the lowest priority value in flight go first (PrefillRequest.priority, vLLM's; all 0 unless the gateway runs
+--scheduling-policy priority): the policy orders the jobs of that priority, and the others wait.
+
 A job's chunks keep their order and their boundaries (0, chunk, 2·chunk, … as a solo call makes them), so its
 K/V, checksum and first token are bit-identical to a solo run whatever runs in between: rows of one pass never
 see another slot. The policies' measured effect on time to first token is in docs/scheduling.md.
@@ -231,9 +234,11 @@ class Scheduler:
         self._thread.join()
 
     def _pick(self) -> PrefillJob:
+        first = min(j.request.priority for j in self._jobs)
+        jobs = [j for j in self._jobs if j.request.priority == first]
         if self.policy == "srf":
-            return min(self._jobs, key=lambda j: j.remaining)  # min keeps the first of equals: the earliest
-        return self._jobs[0]
+            return min(jobs, key=lambda j: j.remaining)  # min keeps the first of equals: the earliest
+        return jobs[0]
 
     def _loop(self) -> None:
         while True:

@@ -35,6 +35,12 @@ _GENERATION = (
      "beside it (its makers' recommendation, as vLLM does), none keeps the API's own (temperature 1, no cut), a "
      "PATH names a generation_config.json or its folder"),
 )
+_SCHEDULING = (
+    ("scheduling_policy", lambda v: _choice(v, ("fcfs", "priority")), "fcfs|priority",
+     "fcfs: requests are served in their order of arrival and a request's priority other than 0 is refused (400); "
+     "priority: a request's priority (vLLM's field: lower first) orders the decode workers' admission queues and "
+     "the prefill workers' prompts, arrival order among equals (docs/scheduling.md)"),
+)
 _RESPONSES = (
     ("response_store_entries", non_negative_int, "N", "finished responses the Responses API keeps for "
      "previous_response_id and GET /v1/responses/{id}, least recently used first out (0: none; store is then "
@@ -44,6 +50,12 @@ _RESPONSES = (
 RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
 
 
+def _choice(value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(choices)}, not {value!r}")
+    return value
+
+
 def add_limit_options(p) -> None:
     """The gateway's limits on what one client may cost (services/gateway/limits.py), for `gateway` and `up`."""
     from splitgemma.services.gateway.app import DEFAULT_CHAT_MAX_TOKENS
@@ -51,10 +63,11 @@ def add_limit_options(p) -> None:
     from splitgemma.services.gateway.response_store import StoreLimits
     store = StoreLimits()
     defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
-                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "generation_config": "auto",
+                "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "generation_config": "auto", "scheduling_policy": "fcfs",
                 "response_store_entries": store.entries,
                 "response_store_mb": store.megabytes}
-    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _RESPONSES:
+    for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + \
+            _RESPONSES:
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
                        help=f"{text} (default: {defaults[name]:g})" if isinstance(defaults[name], float) else
                        f"{text} (default: {defaults[name]})")
@@ -63,7 +76,7 @@ def add_limit_options(p) -> None:
 def limit_argv(args) -> list[str]:
     """The limit options of `args` as gateway arguments."""
     out = []
-    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _RESPONSES:
+    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + _RESPONSES:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
@@ -142,6 +155,7 @@ def run(args) -> int:
                               limits=RequestLimits(args.body_timeout, args.max_messages, args.max_rendered_chars),
                               render_threads=args.render_threads, render_queue=args.render_queue,
                               default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
+                              scheduling_policy=args.scheduling_policy,
                               response_store=StoreLimits(args.response_store_entries, args.response_store_mb))
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
