@@ -84,13 +84,14 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
     return p, m.group(1).decode()
 
 
-def one_request(client, model: str, prompt: list[int], gen: int) -> dict:
+def one_request(client, model: str, prompt: list[int], gen: int, priority: int = 0) -> dict:
+    """One streamed greedy completion of exactly `gen` tokens (`priority`: vLLM's field, sent when not 0)."""
     t0 = time.perf_counter()
     first = last = None
     tokens = chunks = cached = 0
     stream = client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0, stream=True,
                                        logprobs=0, stream_options={"include_usage": True},
-                                       extra_body={"ignore_eos": True})
+                                       extra_body={"ignore_eos": True, **({"priority": priority} if priority else {})})
     for chunk in stream:
         now = time.perf_counter()
         if chunk.choices:
