@@ -186,6 +186,58 @@ def test_counters(stacks):
     assert (so.forced_tokens, so.lookup_drafted, so.lookup_accepted) == (0, 0, 0)
 
 
+def test_a_prediction_drafts_and_changes_no_token(stacks):
+    """OpenAI's predicted outputs (chat's `prediction`): the on stack drafts from the prediction first, the tokens
+    are plain decoding's whatever the prediction says, greedy and seeded; a prediction that is the answer is mostly
+    accepted (the decode worker's counters), and usage says how much of each prediction the answer repeats."""
+    on, off = stacks
+    messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=40)
+    answer = off.client().chat.completions.create(temperature=0, **kw).choices[0].message.content
+    sampled = off.client().chat.completions.create(temperature=1.0, seed=3, **kw).choices[0].message.content
+
+    def accepted_drafts(**extra):
+        before = on.stats().lookup_accepted
+        r = on.client().chat.completions.create(**kw, **extra)
+        return r, on.stats().lookup_accepted - before
+
+    plain, without = accepted_drafts(temperature=0)
+    assert plain.choices[0].message.content == answer
+    assert plain.usage.completion_tokens_details is None or \
+        plain.usage.completion_tokens_details.accepted_prediction_tokens is None
+    counts = {}
+    for name, text in (("whole", answer), ("half", answer[:len(answer) // 2] + " and then the end"),
+                       ("other", "one two three four five six seven eight nine ten")):
+        r, drafted = accepted_drafts(temperature=0, prediction={"type": "content", "content": text})
+        assert r.choices[0].message.content == answer, name
+        d = r.usage.completion_tokens_details
+        ids = httpx.post(on.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+        assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == len(ids)
+        counts[name] = (d.accepted_prediction_tokens / len(ids), drafted)
+        again = on.client().chat.completions.create(temperature=1.0, seed=3, prediction={
+            "type": "content", "content": [{"type": "text", "text": text}]}, **kw)
+        assert again.choices[0].message.content == sampled, name
+    assert counts["whole"][0] > 0.9 and counts["whole"][0] > counts["half"][0] > counts["other"][0]
+    assert counts["whole"][1] > without  # the prediction's drafts are accepted where the prompt's and output's fail
+
+
+def test_a_prediction_is_looked_up_at_its_place():
+    """An n-gram that repeats in the prediction is drafted from its occurrence at or after the place the last draft
+    came from, so an answer that follows the prediction drafts its continuation, not an earlier repeat's."""
+    idx = NgramIndex([7, 8], prediction=[1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3, 6])
+    for t in (1, 2, 3):
+        idx.append(t)
+    assert idx.draft(2) == [9, 1]            # the first occurrence: nothing was drafted from it yet
+    for t in (9, 1, 2, 3):
+        idx.append(t)
+    assert idx.draft(3) == [4, 5, 1]         # at or after where the last draft came from
+    for t in (4, 5, 1, 2, 3):
+        idx.append(t)
+    assert idx.draft(2) == [6]               # the prediction's end
+    assert NgramIndex([5, 5], prediction=[0, 1]).draft(2) == []      # no match there: the prompt lookup's (none)
+    assert NgramIndex([1, 2, 7, 1, 2], prediction=[0, 1]).draft(2) == [7, 1]
+
+
 def test_ngram_index_drafts_what_followed_the_last_occurrence():
     idx = NgramIndex([1, 2, 3, 4, 5, 1, 2, 3])
     assert idx.draft(4) == [4, 5, 1, 2]  # the trigram (1, 2, 3) was followed by 4 5 1 2 ...

@@ -64,6 +64,7 @@ class Sequence:
     queue: asyncio.Queue
     matcher: object = None  # splitgemma.serving.grammar.Matcher of a constrained sequence
     prompt_ids: tuple = ()  # the prompt's ids when the gateway sent them (prompt lookup drafts from them)
+    prediction_ids: tuple = ()  # a predicted output's ids (prompt lookup drafts from them first)
     # state, written by the batch thread only (except cancelled, set by the stream handler or Release)
     generated: int = 0
     # Tokens taken but not yet fed to the model, in order (one after a plain step; a forced run after that); the
@@ -251,7 +252,7 @@ class BatchLoop:
             # A row's token is a function of its logits and of its sampler's state (history and random state: one
             # draw per sampled token), so a draft verified row after row, each row sampled only once the one before
             # was taken, yields plain decoding's tokens, greedy or sampled.
-            seq.lookup = LookupState(NgramIndex(seq.prompt_ids))
+            seq.lookup = LookupState(NgramIndex(seq.prompt_ids, seq.prediction_ids))
         if self._accept_row(seq, seq.first, len(self._running) + 1, out) and not seq.done:
             self._running.append(seq)
 

@@ -398,7 +398,7 @@ class DecodeServicer(pb_grpc.DecodeServicer):
                              include_stop=request.include_stop_str_in_output)
                   if self.tokenizer is not None else None),
             token_name=self._token_name, queue=asyncio.Queue(), matcher=matcher,
-            prompt_ids=tuple(request.prompt_token_ids))
+            prompt_ids=tuple(request.prompt_token_ids), prediction_ids=tuple(request.prediction_token_ids))
 
     def _verify(self, slot: int, key: int, generation: int) -> float:
         t0 = time.perf_counter()

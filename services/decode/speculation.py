@@ -18,6 +18,7 @@ This module owns the per-sequence lookup index and the rule for when to draft; b
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 from collections import deque
@@ -113,11 +114,19 @@ class NgramIndex:
 
     The table is built at the first draft(), not at admission: every sequence gets an index, but one decoded in
     batches wider than --lookup-max-batch (or with lookup off) never drafts, and the build is O(prompt) on the decode
-    loop's thread (~10 ms for 4,096 ids one append at a time; the comprehension below takes about a third of that)."""
+    loop's thread (~10 ms for 4,096 ids one append at a time; the comprehension below takes about a third of that).
 
-    def __init__(self, tokens):
+    A predicted output (`prediction`: OpenAI's, text the answer is expected to repeat) is looked up first: there an
+    n-gram's occurrences are all kept, and the first one past the place the last draft from the prediction came
+    from is taken (else the last one before it), so that an answer that follows the prediction drafts from its place in it rather than from an
+    earlier repeat of the same n-gram."""
+
+    def __init__(self, tokens, prediction=()):
         self.tokens: list[int] = list(tokens)
         self._last: dict[tuple, int] | None = None
+        self.prediction: list[int] = list(prediction)
+        self._places: dict[tuple, list[int]] | None = None
+        self._cursor = 0
 
     def append(self, token: int) -> None:
         t = self.tokens
@@ -130,6 +139,28 @@ class NgramIndex:
                     self._last[(n,) + tuple(t[-n - 1:-1])] = len(t) - 1
 
     def draft(self, k: int) -> list[int]:
+        return self._predicted(k) or self._looked_up(k)
+
+    def _predicted(self, k: int) -> list[int]:
+        t, p = self.tokens, self.prediction
+        if not p:
+            return []
+        if self._places is None:
+            self._places = {}
+            for n in NGRAM_SIZES:
+                for i in range(n, len(p)):
+                    self._places.setdefault((n, *p[i - n:i]), []).append(i)
+        for n in NGRAM_SIZES:
+            if len(t) >= n:
+                places = self._places.get((n,) + tuple(t[-n:]))
+                if places:
+                    at = bisect.bisect_left(places, self._cursor)
+                    i = places[at] if at < len(places) else places[-1]
+                    self._cursor = i + 1  # the output grows before the next draft: its place there is later
+                    return p[i:i + k]
+        return []
+
+    def _looked_up(self, k: int) -> list[int]:
         t = self.tokens
         if self._last is None:
             # What append() would have recorded token by token: for each n-gram, the position after its most recent

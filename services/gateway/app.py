@@ -349,10 +349,16 @@ class Gateway:
 
         def prompt(cancelled):
             ids = self.fitted_prompt(req, messages, plan, cancelled, prompt_param, truncate)
-            # The tools' grammar is built here too: its cost grows with the tools' schemas.
-            return ids, plan.constraint() if plan else None
+            # The tools' grammar is built here too: its cost grows with the tools' schemas; and a prediction's ids.
+            predicted = self.config.tokenizer.encode(req.prediction.text, add_special_tokens=False).ids \
+                if req.prediction is not None else []
+            context = self.pool.known_context()
+            if context and len(predicted) > context:
+                raise invalid(f"the prediction is {len(predicted)} tokens, more than the model's context ({context}) "
+                              "could ever repeat", param="prediction", code="invalid_value")
+            return ids, plan.constraint() if plan else None, predicted
 
-        ids, tool_constraint = await self.offload.run(Offload.is_light(body_bytes, len(messages)), prompt)
+        ids, tool_constraint, predicted = await self.offload.run(Offload.is_light(body_bytes, len(messages)), prompt)
         constraint = await self.constraint(req, body_bytes)
         if reasoning is not None:
             constraint, tool_constraint = reasoning.constrain(constraint), reasoning.constrain(tool_constraint)
@@ -363,7 +369,12 @@ class Gateway:
             plan.apply(specs, tool_constraint)
         if reasoning is not None:
             reasoning.apply(specs)
-        return await self.run(state, req, specs, make_render(plan, reasoning, len(specs)))
+        render = make_render(plan, reasoning, len(specs))
+        if predicted:
+            for spec in specs:
+                spec.prediction_ids = predicted
+            render.prediction = predicted
+        return await self.run(state, req, specs, render)
 
     async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],
                   render: ChoiceRenderer) -> Response:

@@ -59,6 +59,7 @@ class ChoiceSpec:
     default_max_tokens: int | None = None
     prompt_logprobs: int | None = None  # the prompt's logprobs with the top n per position (None: not asked for)
     priority: int = 0                   # lower first, in the decode worker's queue and the prefill worker's order
+    prediction_ids: list[int] = field(default_factory=list)  # a predicted output's (the decode worker drafts from it)
 
     def token_budget(self, context: int) -> int:
         """max_tokens for a slot of `context` positions (checked by check_context first)."""
@@ -296,7 +297,7 @@ class Pipelines:
             rng_state=run.prefill_result.rng_state, include_special_tokens=not spec.skip_special_tokens,
             include_stop_str_in_output=spec.include_stop_str_in_output,
             # the decode worker reads the prompt's ids for repetition_penalty and for prompt lookup
-            prompt_token_ids=spec.prompt_ids,
+            prompt_token_ids=spec.prompt_ids, prediction_token_ids=spec.prediction_ids,
             response_id=run.response_id, operation=run.operation)
         w.in_flight += 1
         reader = _StreamReader(w.stub.Generate(request))

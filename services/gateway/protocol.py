@@ -268,6 +268,16 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+class Prediction(_Strict):
+    """OpenAI's predicted output: text the answer is expected to repeat much of (a file to be edited, say)."""
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -282,6 +292,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # include_reasoning (vLLM's extension) is false
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True
+    # drafts for the decode worker's speculation (docs/speculation.md): the same tokens, sooner where it is right
+    prediction: Prediction | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self):

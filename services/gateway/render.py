@@ -8,6 +8,7 @@ and asks it for the body or the stream's frames.
 
 from __future__ import annotations
 
+import difflib
 import json
 import time
 from typing import TYPE_CHECKING
@@ -22,6 +23,13 @@ from .tools import ToolPlan, ToolStream, tool_message
 
 if TYPE_CHECKING:
     from .app import Gateway
+
+
+def predicted_in(prediction: list[int], ids: list[int]) -> int:
+    """Tokens of `prediction` that `ids` repeat: the sizes of their matching blocks (difflib's longest matches, in
+    order; its heuristic for frequent elements keeps long inputs near linear)."""
+    m = difflib.SequenceMatcher(None, prediction, ids)
+    return sum(block.size for block in m.get_matching_blocks())
 
 
 def sse(obj, event: str | None = None) -> str:
@@ -59,6 +67,9 @@ class ChoiceRenderer:
         self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else None
         self.thought = [""] * n_choices
         self.thought_lp: list[list[bool]] = [[] for _ in range(n_choices)]
+        # A predicted output's ids (chat's prediction): usage says how much of it each choice's tokens repeat.
+        self.prediction: list[int] | None = None
+        self.ids: list[list[int]] = [[] for _ in range(n_choices)]
         # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
         self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
         self.parts: dict[int, PromptPart] = {}  # choice index -> its prompt's part
@@ -99,8 +110,17 @@ class ChoiceRenderer:
         usage = {"prompt_tokens": self.input_tokens, "completion_tokens": out,
                  "total_tokens": self.input_tokens + out,
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        details = {}
         if self.splitters is not None:
-            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+            details["reasoning_tokens"] = self.reasoning_tokens()
+        if self.prediction is not None:
+            # OpenAI's: the prediction's tokens that appear in the completion (here: in the longest matching
+            # blocks, in order), and the rest; per choice, summed.
+            accepted = sum(predicted_in(self.prediction, ids) for ids in self.ids)
+            details["accepted_prediction_tokens"] = accepted
+            details["rejected_prediction_tokens"] = len(self.prediction) * len(self.ids) - accepted
+        if details:
+            usage["completion_tokens_details"] = details
         return usage
 
     def add(self, index: int, event: pb.GenerateEvent) -> tuple[str, str, object]:
@@ -122,6 +142,8 @@ class ChoiceRenderer:
                 thought = "".join(piece for kind, piece in pieces if kind == "thought")
         self.text[index] += text
         self.thought[index] += thought
+        if self.prediction is not None:
+            self.ids[index].extend(t.token_id for t in event.tokens)
         self.tokens[index] = max(self.tokens[index] + len(event.tokens), event.completion_tokens)
         if finished:
             self.finish[index] = FINISH_REASONS.get(event.finish_reason, "stop")

@@ -543,7 +543,8 @@ class ResponsesRenderer(ChoiceRenderer):
     def sse_event(self, index: int, event: pb.GenerateEvent) -> list[str]:
         text, thought, lp = self.add(index, event)
         if lp is not None:
-            self.pending_lp += self._lp(lp, self.thought_lp[0][-len(lp):])
+            flags = self.thought_lp[0]
+            self.pending_lp += self._lp(lp, flags[len(flags) - len(lp):])
         finish = self.finish[0] if event.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None
         if self.tool_streams is None:
             deltas = [{"content": text}] if text else []
