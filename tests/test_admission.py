@@ -423,6 +423,40 @@ def test_priority_orders_the_queue():
     asyncio.run(main())
 
 
+def test_a_full_queue_takes_a_caller_that_outranks_its_last():
+    """max_queue 2, both waiting at priority 5: a caller at 0 takes the last one's place (that one is refused as
+    a full queue refuses), a caller at 5 or worse is refused itself."""
+    from splitgemma.services.decode.admission import QueueFull
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        table = SlotTable(1, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
+                          writing=lambda slot: False)
+        queue = Admission(table, loop, CollectorRegistry(), max_queue=2, timeout_s=HANG_GUARD)
+        table.on_free = queue.slot_freed
+
+        async def settle():
+            for _ in range(8):
+                await asyncio.sleep(0)
+
+        (held,), _ = await queue.reserve([("held", 1)], 30.0)
+        first, second = (asyncio.ensure_future(queue.reserve([(r, 1)], 30.0, 5)) for r in ("b-1", "b-2"))
+        await settle()
+        with pytest.raises(QueueFull):
+            await queue.reserve([("b-3", 1)], 30.0, 5)
+        urgent = asyncio.ensure_future(queue.reserve([("urgent", 1)], 30.0, 0))
+        await settle()
+        with pytest.raises(QueueFull, match="higher priority took this one's place"):
+            await second
+        assert queue.depth == 2 and queue.refused_full == 2 and not first.done()
+        assert table.release(held.index, held.generation, held.request_id, held.secret)
+        (got,), _ = await asyncio.wait_for(urgent, HANG_GUARD)
+        assert got.request_id == "urgent" and not first.done()
+        first.cancel()
+
+    asyncio.run(main())
+
+
 def test_drain_estimate():
     """Retry-After from given timestamps (no clock): the mean interval between frees, times the caller's position."""
     r = DrainEstimate()

@@ -14,8 +14,8 @@ decode worker then share one order of arrival, and a slot that frees is handed o
   hold part of what they need and wait for the rest until both time out; and a group's first lease would have to
   outlive the queue waits of the others. The head of the queue is served strictly: a single Reserve behind a
   waiting group waits too, so a group is never starved by the singles that keep arriving.
-* Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull); a caller that waited
-  `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
+* Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull), unless it outranks the
+  last waiter, which is then refused in its place; a caller that waited `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
   slot has freed lately (DrainEstimate) times how many callers would be served first.
 * A caller that goes away (its call is cancelled) leaves the queue at once; the callers behind it move up.
 * Draining: every waiter is refused (Draining) and no one else is queued.
@@ -125,12 +125,13 @@ class Admission:
               registry=registry).set_function(lambda: len(self._queue))
         self._wait = Histogram("splitgemma_decode_queue_wait_seconds",
                                "how long a Reserve waited in the queue, by outcome (granted, timeout, cancelled, "
-                               "draining); Reserves served at once are not counted", ["outcome"],
+                               "draining, displaced by a higher priority); Reserves served at once are not counted",
+                               ["outcome"],
                                buckets=_WAIT_BUCKETS, registry=registry)
         self._refused = Counter("splitgemma_decode_reserve_refused", "Reserve calls refused by the queue",
                                 ["reason"], registry=registry)
         # Every series exists from the start (at 0), so a rate over it is defined before the first event.
-        for outcome in ("granted", "timeout", "cancelled", "draining"):
+        for outcome in ("granted", "timeout", "cancelled", "draining", "displaced"):
             self._wait.labels(outcome=outcome)
         for reason in ("queue_full", "timeout"):
             self._refused.labels(reason=reason)
@@ -157,7 +158,11 @@ class Admission:
             slots = self.table.reserve(members, lease_s, time.time())
             if slots is not None:
                 return slots, 0.0
-        if len(self._queue) >= self.max_queue:
+        if len(self._queue) >= self.max_queue and self._queue and self._queue[-1].priority > priority:
+            # A full queue takes a caller that outranks its last waiter: that one is refused in its place, as it
+            # would have been had it come now.
+            self._displace(self._queue.pop())
+        elif len(self._queue) >= self.max_queue:
             self.refused_full += 1
             self._refused.labels(reason="queue_full").inc()
             ahead = len(self._queue)
@@ -188,6 +193,9 @@ class Admission:
             raise
         except QueueTimeout:
             self._wait.labels(outcome="timeout").observe(time.monotonic() - w.since)
+            raise
+        except QueueFull:
+            self._wait.labels(outcome="displaced").observe(time.monotonic() - w.since)
             raise
         except Draining:
             self._wait.labels(outcome="draining").observe(time.monotonic() - w.since)
@@ -226,6 +234,16 @@ class Admission:
             self._queue.popleft()
             w.timer.cancel()
             w.future.set_result(slots)
+
+    def _displace(self, w: _Waiter) -> None:
+        w.timer.cancel()
+        self.refused_full += 1
+        self._refused.labels(reason="queue_full").inc()
+        if not w.future.done():
+            w.future.set_exception(QueueFull(
+                f"no free KV slot and the queue is full ({len(self._queue) + 1} waiting, --max-queue "
+                f"{self.max_queue}): a request of a higher priority took this one's place",
+                self.rate.retry_after(len(self._queue) + 1, time.monotonic(), RETRY_MIN_S)))
 
     def _time_out(self, w: _Waiter) -> None:
         if w.future.done():  # cancelled in this same instant: its caller takes it out

@@ -8,7 +8,7 @@ and asks it for the body or the stream's frames.
 
 from __future__ import annotations
 
-import difflib
+import bisect
 import json
 import time
 from typing import TYPE_CHECKING
@@ -25,11 +25,26 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 
-def predicted_in(prediction: list[int], ids: list[int]) -> int:
-    """Tokens of `prediction` that `ids` repeat: the sizes of their matching blocks (difflib's longest matches, in
-    order; its heuristic for frequent elements keeps long inputs near linear)."""
-    m = difflib.SequenceMatcher(None, prediction, ids)
-    return sum(block.size for block in m.get_matching_blocks())
+def predicted_in(prediction: list[int], ids: list[int], n: int = 3) -> int:
+    """Tokens of `prediction` that the answer `ids` repeats in order, found in one walk along both (linear, where a
+    longest-common-subsequence would be quadratic in a long prediction): the answer's token counts when it is the
+    prediction's next one, or the one after (a token replaced); otherwise the place in the prediction moves to just
+    past the next occurrence there of the answer's last n tokens, if it has one."""
+    places: dict[tuple, list[int]] = {}
+    for j in range(n, len(prediction) + 1):
+        places.setdefault(tuple(prediction[j - n:j]), []).append(j)
+    at = matched = 0
+    for i, t in enumerate(ids):
+        if at < len(prediction) and prediction[at] == t:
+            matched, at = matched + 1, at + 1
+        elif at + 1 < len(prediction) and prediction[at + 1] == t:
+            matched, at = matched + 1, at + 2
+        elif i + 1 >= n:
+            later = places.get(tuple(ids[i + 1 - n:i + 1]))
+            k = bisect.bisect_left(later, at + 1) if later else 0
+            if later and k < len(later):
+                at = later[k]
+    return matched
 
 
 def sse(obj, event: str | None = None) -> str:
@@ -114,8 +129,8 @@ class ChoiceRenderer:
         if self.splitters is not None:
             details["reasoning_tokens"] = self.reasoning_tokens()
         if self.prediction is not None:
-            # OpenAI's: the prediction's tokens that appear in the completion (here: in the longest matching
-            # blocks, in order), and the rest; per choice, summed.
+            # OpenAI's: the prediction's tokens that appear in the completion (here: repeated in order,
+            # predicted_in), and the rest; per choice, summed.
             accepted = sum(predicted_in(self.prediction, ids) for ids in self.ids)
             details["accepted_prediction_tokens"] = accepted
             details["rejected_prediction_tokens"] = len(self.prediction) * len(self.ids) - accepted
