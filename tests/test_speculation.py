@@ -221,6 +221,27 @@ def test_a_prediction_drafts_and_changes_no_token(stacks):
     assert counts["whole"][1] > without  # the prediction's drafts are accepted where the prompt's and output's fail
 
 
+def test_accepted_prediction_tokens_are_the_longest_common_subsequence():
+    import random
+
+    from splitgemma.services.gateway.render import predicted_in
+
+    def lcs(a, b):  # the textbook table, row by row
+        prev = [0] * (len(b) + 1)
+        for x in a:
+            cur = [0]
+            for j, y in enumerate(b):
+                cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+            prev = cur
+        return prev[-1]
+
+    rng = random.Random(5)
+    for _ in range(300):
+        a = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        b = [rng.randrange(5) for _ in range(rng.randrange(0, 40))]
+        assert predicted_in(a, b) == predicted_in(b, a) == lcs(a, b), (a, b)
+
+
 def test_a_prediction_is_looked_up_at_its_place():
     """An n-gram that repeats in the prediction is drafted from its occurrence at or after the place the last draft
     came from, so an answer that follows the prediction drafts its continuation, not an earlier repeat's."""

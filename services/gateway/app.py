@@ -430,6 +430,7 @@ class Gateway:
             raise
         finally:
             self.metrics.in_flight.dec()
+        await self._count_prediction(render)
         body = render.body()  # first: reading tool calls settles the finish reasons
         state.finish(response_id=render.id, finish_reasons=render.finish_reasons(),
                      input_tokens=render.input_tokens)
@@ -491,6 +492,7 @@ class Gateway:
             async for index, event in self._events(state, runs):
                 for frame in render.sse_event(index, event):
                     yield frame
+            await self._count_prediction(render)
             for frame in render.sse_end():
                 yield frame
             error_type = None
@@ -504,6 +506,13 @@ class Gateway:
             raise
         finally:
             close(error_type)
+
+    @staticmethod
+    async def _count_prediction(render: ChoiceRenderer) -> None:
+        """usage's prediction counts: quadratic in the tokens, so in a thread (not a prompt lane: the answer is
+        done, and a full lane must not turn it into a 503)."""
+        if render.prediction is not None:
+            await asyncio.to_thread(render.count_prediction)
 
     def _stream_closer(self, state: _RequestState, runs: list[Run], render: ChoiceRenderer):
         """The end of a streamed request, run once: from the stream's own end, or from the response when the

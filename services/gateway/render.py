@@ -8,10 +8,11 @@ and asks it for the body or the stream's frames.
 
 from __future__ import annotations
 
-import bisect
 import json
 import time
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from splitgemma.v1 import serving_pb2 as pb
 
@@ -25,26 +26,19 @@ if TYPE_CHECKING:
     from .app import Gateway
 
 
-def predicted_in(prediction: list[int], ids: list[int], n: int = 3) -> int:
-    """Tokens of `prediction` that the answer `ids` repeats in order, found in one walk along both (linear, where a
-    longest-common-subsequence would be quadratic in a long prediction): the answer's token counts when it is the
-    prediction's next one, or the one after (a token replaced); otherwise the place in the prediction moves to just
-    past the next occurrence there of the answer's last n tokens, if it has one."""
-    places: dict[tuple, list[int]] = {}
-    for j in range(n, len(prediction) + 1):
-        places.setdefault(tuple(prediction[j - n:j]), []).append(j)
-    at = matched = 0
-    for i, t in enumerate(ids):
-        if at < len(prediction) and prediction[at] == t:
-            matched, at = matched + 1, at + 1
-        elif at + 1 < len(prediction) and prediction[at + 1] == t:
-            matched, at = matched + 1, at + 2
-        elif i + 1 >= n:
-            later = places.get(tuple(ids[i + 1 - n:i + 1]))
-            k = bisect.bisect_left(later, at + 1) if later else 0
-            if later and k < len(later):
-                at = later[k]
-    return matched
+def predicted_in(prediction: list[int], ids: list[int]) -> int:
+    """Tokens of `prediction` that the answer `ids` repeats in order: the length of their longest common
+    subsequence, by rows of the dynamic programme in numpy (row j: cur = prefix max of max(prev, prev shifted + equal);
+    O(len × len) work, ~5 ms for 1,000 × 1,000 tokens): run off the event loop (ChoiceRenderer.count_prediction)."""
+    if not prediction or not ids:
+        return 0
+    a, b = (prediction, ids) if len(prediction) >= len(ids) else (ids, prediction)
+    a = np.asarray(a, dtype=np.int64)
+    row = np.zeros(len(a) + 1, dtype=np.int32)
+    for t in b:
+        best = np.maximum(row[1:], row[:-1] + (a == t))
+        np.maximum.accumulate(best, out=row[1:])
+    return int(row[-1])
 
 
 def sse(obj, event: str | None = None) -> str:
@@ -82,8 +76,10 @@ class ChoiceRenderer:
         self.splitters = [reasoning.splitter() for _ in range(n_choices)] if reasoning else None
         self.thought = [""] * n_choices
         self.thought_lp: list[list[bool]] = [[] for _ in range(n_choices)]
-        # A predicted output's ids (chat's prediction): usage says how much of it each choice's tokens repeat.
+        # A predicted output's ids (chat's prediction): usage says how much of it each choice's tokens repeat,
+        # counted once they are all in (count_prediction, off the event loop).
         self.prediction: list[int] | None = None
+        self.prediction_accepted: int | None = None
         self.ids: list[list[int]] = [[] for _ in range(n_choices)]
         # The prompt's side (services/gateway/prompt_logprobs.py): echo, prompt_logprobs, best_of.
         self.cumulative = [0.0] * n_choices  # each choice's summed token logprob, for best_of
@@ -113,6 +109,12 @@ class ChoiceRenderer:
     def finish_reasons(self) -> list[str]:
         return [f or "stop" for f in self.finish]
 
+    def count_prediction(self) -> None:
+        """The prediction's tokens the choices repeat, for usage (Gateway.run calls it in an offload thread once
+        the choices are done)."""
+        if self.prediction is not None:
+            self.prediction_accepted = sum(predicted_in(self.prediction, ids) for ids in self.ids)
+
     def reasoning_tokens(self) -> int:
         return sum(s.tokens for s in self.splitters or ())
 
@@ -128,12 +130,11 @@ class ChoiceRenderer:
         details = {}
         if self.splitters is not None:
             details["reasoning_tokens"] = self.reasoning_tokens()
-        if self.prediction is not None:
+        if self.prediction_accepted is not None:
             # OpenAI's: the prediction's tokens that appear in the completion (here: repeated in order,
             # predicted_in), and the rest; per choice, summed.
-            accepted = sum(predicted_in(self.prediction, ids) for ids in self.ids)
-            details["accepted_prediction_tokens"] = accepted
-            details["rejected_prediction_tokens"] = len(self.prediction) * len(self.ids) - accepted
+            details["accepted_prediction_tokens"] = self.prediction_accepted
+            details["rejected_prediction_tokens"] = len(self.prediction) * len(self.ids) - self.prediction_accepted
         if details:
             usage["completion_tokens_details"] = details
         return usage
