@@ -5,8 +5,8 @@
 
 Starts `splitgemma up` (prompt lookup as configured by --lookup-k, the adaptive draft policy), takes the greedy
 answer of --tokens tokens (ignore_eos) to each of a few prompts, then alternates, per prompt and round, the same
-request with no prediction, with the answer itself as the prediction, and with the answer edited (every
---edit-every-th word replaced): the tokens are the same in every arm (checked); the decode rate (tokens after the
+request with no prediction, with the answer itself as the prediction, and with the answer edited (one region of
+--edit-share of its words replaced; every --edit-every-th word replaced): the tokens are the same in every arm (checked); the decode rate (tokens after the
 first over the time from the first to the last) differs. Reported: the median rate per arm, its ratio to no
 prediction, and usage's accepted_prediction_tokens share. The machine is shared: the load average is printed.
 """
@@ -52,9 +52,19 @@ def stream(client, model, prompt: str, tokens: int, prediction: str | None) -> t
     return text, (n - 1) / (last - first), share
 
 
-def edited(text: str, every: int) -> str:
+def scattered(text: str, every: int) -> str:
+    """Every `every`-th word replaced (edits all through the text)."""
     words = text.split(" ")
     return " ".join("banana" if i % every == every - 1 else w for i, w in enumerate(words))
+
+
+def one_region(text: str, share: float) -> str:
+    """A run of `share` of the words, in the middle, replaced (one edit: the common case of a file changed in one
+    place)."""
+    words = text.split(" ")
+    a = int(len(words) * (0.5 - share / 2))
+    b = a + max(1, int(len(words) * share))
+    return " ".join(words[:a] + ["banana"] * (b - a) + words[b:])
 
 
 def main() -> None:
@@ -66,6 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--edit-every", type=int, default=10)
+    ap.add_argument("--edit-share", type=float, default=0.1)
     args = ap.parse_args()
     shm = tempfile.mkdtemp(prefix="sg-bench-prediction-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
     stack_args = SimpleNamespace(model=args.model, tokenizer=args.tokenizer, threads=args.threads, concurrency=[1],
@@ -77,7 +88,8 @@ def main() -> None:
         model = client.models.list().data[0].id
         answers = {p: stream(client, model, p, args.tokens, None)[0] for p in PROMPTS}
         arms = {"none": lambda a: None, "the answer": lambda a: a,
-                f"edited (1 word in {args.edit_every})": lambda a: edited(a, args.edit_every)}
+                f"one region edited ({args.edit_share:.0%} of the words)": lambda a: one_region(a, args.edit_share),
+                f"edited all through (1 word in {args.edit_every})": lambda a: scattered(a, args.edit_every)}
         rates: dict[str, list[float]] = {a: [] for a in arms}
         shares: dict[str, list[float]] = {a: [] for a in arms}
         for r in range(args.rounds):
