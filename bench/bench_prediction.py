@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
-from types import SimpleNamespace
 
-from bench_serving import start_stack
+from bench_serving import stack_up
 
 PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
@@ -78,14 +75,8 @@ def main() -> None:
     ap.add_argument("--edit-every", type=int, default=10)
     ap.add_argument("--edit-share", type=float, default=0.1)
     args = ap.parse_args()
-    shm = tempfile.mkdtemp(prefix="sg-bench-prediction-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    stack_args = SimpleNamespace(model=args.model, tokenizer=args.tokenizer, threads=args.threads, concurrency=[1],
-                                 max_context=2048)
-    proc, url = start_stack(stack_args, shm, ("--lookup-k", str(args.lookup_k)))
-    try:
-        import openai
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
+    args.max_context = 2048
+    with stack_up(args, 1, ("--lookup-k", str(args.lookup_k))) as (client, model):
         answers = {p: stream(client, model, p, args.tokens, None)[0] for p in PROMPTS}
         arms = {"none": lambda a: None, "the answer": lambda a: a,
                 f"one region edited ({args.edit_share:.0%} of the words)": lambda a: one_region(a, args.edit_share),
@@ -111,10 +102,6 @@ def main() -> None:
             m = statistics.median(rates[arm])
             share = f"{statistics.median(shares[arm]):.2f}" if shares[arm] else "–"
             print(f"| {arm} | {m:.1f} | {m / base:.2f}× | {share} |")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -17,25 +17,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import statistics
-import tempfile
 import threading
 import time
-from types import SimpleNamespace
 
-from bench_serving import one_request, start_stack
+from bench_serving import one_request, stack_up
 
 
 def run_arm(args, policy: str) -> dict:
-    shm = tempfile.mkdtemp(prefix="sg-bench-priority-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    stack_args = SimpleNamespace(model=args.model, tokenizer=args.tokenizer, threads=args.threads,
-                                 concurrency=[args.slots], max_context=args.max_context)
-    proc, url = start_stack(stack_args, shm, ("--scheduling-policy", policy, "--lookup-k", "0"))
-    try:
-        import openai
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
-        model = client.models.list().data[0].id
+    with stack_up(args, args.slots, ("--scheduling-policy", policy, "--lookup-k", "0")) as (client, model):
         rng = random.Random(7)
         batch_priority = args.batch_priority if policy == "priority" else 0
         stop = threading.Event()
@@ -67,10 +57,6 @@ def run_arm(args, policy: str) -> dict:
         for t in threads:
             t.join(timeout=600)
         return {"ttft": ttft, "batch_tok_s": batch_tokens[0] / wall, "load": os.getloadavg()[0]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        shutil.rmtree(shm, ignore_errors=True)
 
 
 def main() -> None:

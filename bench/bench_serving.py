@@ -51,6 +51,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import statistics
 import subprocess
@@ -58,7 +59,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
@@ -82,6 +85,24 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
     if not m:
         raise SystemExit(f"unexpected output from splitgemma up: {line!r}")
     return p, m.group(1).decode()
+
+
+@contextmanager
+def stack_up(args, slots: int, extra: tuple[str, ...] = ()):
+    """start_stack for args.model (args.tokenizer, args.threads, args.max_context) with `slots` slots, on a private
+    shared-memory folder: yields (an openai client of it, the model id); stopped and cleaned up after."""
+    import openai
+    shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    stack_args = SimpleNamespace(model=args.model, tokenizer=args.tokenizer, threads=args.threads,
+                                 concurrency=[slots], max_context=args.max_context)
+    proc, url = start_stack(stack_args, shm, extra)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+        yield client, client.models.list().data[0].id
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def one_request(client, model: str, prompt: list[int], gen: int, priority: int = 0) -> dict:

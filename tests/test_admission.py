@@ -309,16 +309,28 @@ def test_queue_limits_retry_after_lease_extension_and_drain(tmp_path):
         s.stop()
 
 
+def _queue(slots: int, max_queue: int = 8) -> tuple[SlotTable, Admission]:
+    """A real SlotTable of `slots` and the queue over it (inside a running event loop), without a worker."""
+    table = SlotTable(slots, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
+                      writing=lambda slot: False)
+    queue = Admission(table, asyncio.get_running_loop(), CollectorRegistry(), max_queue=max_queue,
+                      timeout_s=HANG_GUARD)
+    table.on_free = queue.slot_freed
+    return table, queue
+
+
+async def _settle() -> None:
+    """Let every callback and task step scheduled so far run."""
+    for _ in range(8):
+        await asyncio.sleep(0)
+
+
 def test_queue_order_when_a_slot_frees_and_callers_go_away():
     """The queue in process, over a real SlotTable of one slot, stepped by the event loop's own callback order (no
     timing): a newcomer never takes a slot the head is owed; a waiter that goes away leaves its place to the next;
     a slot granted in the instant its caller goes away is passed on."""
     async def main():
-        loop = asyncio.get_running_loop()
-        table = SlotTable(1, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
-                          writing=lambda slot: False)
-        queue = Admission(table, loop, CollectorRegistry(), max_queue=8, timeout_s=HANG_GUARD)
-        table.on_free = queue.slot_freed
+        table, queue = _queue(1)
 
         async def ask(rid):
             (s,), _ = await queue.reserve([(rid, 1)], 30.0)
@@ -327,23 +339,19 @@ def test_queue_order_when_a_slot_frees_and_callers_go_away():
         def give_back(s):
             assert table.release(s.index, s.generation, s.request_id, s.secret)
 
-        async def settle():  # let every callback and task step scheduled so far run
-            for _ in range(8):
-                await asyncio.sleep(0)
-
         first = await ask("a")
         b, c, d = (asyncio.ensure_future(ask(r)) for r in "bcd")
-        await settle()
+        await _settle()
         assert queue.depth == 3
         give_back(first)          # free now; the notice to the queue is a callback still to run
         b.cancel()                # the head goes away before it is served
         e = asyncio.ensure_future(ask("e"))
-        await settle()            # e arrives while the slot is free: it queues behind c and d, and c is served
+        await _settle()           # e arrives while the slot is free: it queues behind c and d, and c is served
         assert c.done() and c.result().request_id == "c" and not (d.done() or e.done())
         assert queue.depth == 2 and queue.cancelled == 1
         give_back(c.result())     # the notice runs first, granting d; then d's caller goes away
-        loop.call_soon(d.cancel)
-        await settle()
+        asyncio.get_running_loop().call_soon(d.cancel)
+        await _settle()
         assert d.cancelled() and queue.cancelled == 2
         assert (await asyncio.wait_for(e, HANG_GUARD)).request_id == "e"  # d's slot, passed on
         assert queue.depth == 0 and table.counts()["leased"] == 1
@@ -356,23 +364,15 @@ def test_a_group_gets_all_its_slots_at_once_and_holds_its_place():
     one slot is free (it takes none of them), a single Reserve behind it waits too rather than take that slot,
     and the group is granted both slots in the instant a second one frees; the single then gets the next."""
     async def main():
-        loop = asyncio.get_running_loop()
-        table = SlotTable(3, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
-                          writing=lambda slot: False)
-        queue = Admission(table, loop, CollectorRegistry(), max_queue=8, timeout_s=HANG_GUARD)
-        table.on_free = queue.slot_freed
-
-        async def settle():
-            for _ in range(8):
-                await asyncio.sleep(0)
+        table, queue = _queue(3)
 
         (a, b), _ = await queue.reserve([("a", 1), ("b", 1)], 30.0)
         group = asyncio.ensure_future(queue.reserve([("g-0", 1), ("g-1", 1)], 30.0))
         single = asyncio.ensure_future(queue.reserve([("s", 1)], 30.0))
-        await settle()
+        await _settle()
         assert queue.depth == 2 and table.counts()["free"] == 1 and not (group.done() or single.done())
         assert table.release(a.index, a.generation, a.request_id, a.secret)
-        await settle()
+        await _settle()
         granted, _ = group.result()
         assert [s.request_id for s in granted] == ["g-0", "g-1"] and not single.done()
         assert table.release(b.index, b.generation, b.request_id, b.secret)
@@ -388,33 +388,25 @@ def test_priority_orders_the_queue():
     arrival order among equals; a newcomer of a lower value than every waiter is the next served, a group included
     (it holds the head until its slots are free)."""
     async def main():
-        loop = asyncio.get_running_loop()
-        table = SlotTable(2, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
-                          writing=lambda slot: False)
-        queue = Admission(table, loop, CollectorRegistry(), max_queue=16, timeout_s=HANG_GUARD)
-        table.on_free = queue.slot_freed
+        table, queue = _queue(2, max_queue=16)
         served: list[list] = []  # the slots of each grant, in the order granted
 
         async def ask(members, priority):
             slots, _ = await queue.reserve([(m, 1) for m in members], 30.0, priority)
             served.append(slots)
 
-        async def settle():
-            for _ in range(8):
-                await asyncio.sleep(0)
-
         await ask(["x", "y"], 0)
         tasks = [asyncio.ensure_future(ask([rid], p)) for rid, p in
                  (("late-0", 0), ("batch-5", 5), ("urgent", -1), ("late-1", 0), ("batch-6", 5))]
-        await settle()
+        await _settle()
         tasks.append(asyncio.ensure_future(ask(["g-0", "g-1"], -3)))   # a group that outranks everyone
-        await settle()
+        await _settle()
         assert queue.depth == 6
         released = 0
         while released < len(served):  # give back the slots in the order they were granted, one at a time
             for s in served[released]:
                 assert table.release(s.index, s.generation, s.request_id, s.secret)
-                await settle()
+                await _settle()
             released += 1
         await asyncio.wait_for(asyncio.gather(*tasks), HANG_GUARD)
         assert [",".join(s.request_id for s in grant) for grant in served] == \
@@ -429,23 +421,15 @@ def test_a_full_queue_takes_a_caller_that_outranks_its_last():
     from splitgemma.services.decode.admission import QueueFull
 
     async def main():
-        loop = asyncio.get_running_loop()
-        table = SlotTable(1, stamp=lambda slot, generation, secret: None, revoke=lambda slot: True,
-                          writing=lambda slot: False)
-        queue = Admission(table, loop, CollectorRegistry(), max_queue=2, timeout_s=HANG_GUARD)
-        table.on_free = queue.slot_freed
-
-        async def settle():
-            for _ in range(8):
-                await asyncio.sleep(0)
+        table, queue = _queue(1, max_queue=2)
 
         (held,), _ = await queue.reserve([("held", 1)], 30.0)
         first, second = (asyncio.ensure_future(queue.reserve([(r, 1)], 30.0, 5)) for r in ("b-1", "b-2"))
-        await settle()
+        await _settle()
         with pytest.raises(QueueFull):
             await queue.reserve([("b-3", 1)], 30.0, 5)
         urgent = asyncio.ensure_future(queue.reserve([("urgent", 1)], 30.0, 0))
-        await settle()
+        await _settle()
         with pytest.raises(QueueFull, match="higher priority took this one's place"):
             await second
         assert queue.depth == 2 and queue.refused_full == 2 and not first.done()

@@ -26,7 +26,7 @@ from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest
 from splitgemma.services.gateway.reasoning import ReasoningFormat, plan_reasoning, template_kwargs
 from splitgemma.services.gateway.responses import chat_messages, input_items
 from splitgemma.v1 import serving_pb2 as pb
-from tools.tool_fixture import (TEMPLATE, accepts, chat_tokenizer, ll_tokenizer, model_folder, openai_tools,
+from tools.tool_fixture import (TEMPLATE, accepts, chat_tokenizer, gemma4_stack, ll_tokenizer, openai_tools,
                                 tokenizer_json)
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
@@ -272,10 +272,7 @@ def test_reasoning_items_become_the_next_assistant_turns_thought():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from test_gateway import Stack
-
-    folder = tmp_path_factory.mktemp("reasoning")
-    s = Stack(folder, model=model_folder(folder / "model"), gateway_args=("--chat-template", str(TEMPLATE)))
+    s = gemma4_stack(tmp_path_factory.mktemp("reasoning"))
     yield s
     s.stop()
 

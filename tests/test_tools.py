@@ -26,8 +26,8 @@ from splitgemma.serving.tool_calls import (CALL_CLOSE, CALL_OPEN, STRING_DELIM, 
                                            parse_json_convention, render_gemma_value)
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest, parse_request
 from splitgemma.services.gateway.tools import ToolFormat, plan_tools, template_messages, tool_message
-from tools.tool_fixture import (EVENT, FIX, GET, TEMPLATE, TOOLS, accepts, chat_tokenizer, ll_tokenizer,
-                                model_folder, openai_tools, sample, schema_of)
+from tools.tool_fixture import (EVENT, FIX, GET, TEMPLATE, TOOLS, accepts, chat_tokenizer, gemma4_stack,
+                                ll_tokenizer, openai_tools, sample, schema_of)
 
 D = STRING_DELIM
 CALL = f"{CALL_OPEN}call:get_current_weather{{location:{D}Tokyo, JP{D},unit:{D}celsius{D}}}{CALL_CLOSE}"
@@ -360,11 +360,7 @@ def test_tool_request_validation(extra, param):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from test_gateway import Stack
-
-    folder = tmp_path_factory.mktemp("tools")
-    model = model_folder(folder / "model")
-    s = Stack(folder, model=model, gateway_args=("--chat-template", str(TEMPLATE)))
+    s = gemma4_stack(tmp_path_factory.mktemp("tools"))
     yield s
     s.stop()
 

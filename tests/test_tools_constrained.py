@@ -16,7 +16,7 @@ import json
 import jsonschema
 import pytest
 
-from tools.tool_fixture import TEMPLATE, model_folder, openai_tools
+from tools.tool_fixture import gemma4_stack, openai_tools
 
 SETTINGS = {"name": "set_thermostat", "description": "Sets the thermostat.",
             "parameters": {"type": "object", "properties": {
@@ -36,10 +36,7 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from test_gateway import Stack
-
-    folder = tmp_path_factory.mktemp("tools-constrained")
-    s = Stack(folder, model=model_folder(folder / "model"), gateway_args=("--chat-template", str(TEMPLATE)))
+    s = gemma4_stack(tmp_path_factory.mktemp("tools-constrained"))
     yield s
     s.stop()
 

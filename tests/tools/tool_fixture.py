@@ -116,3 +116,11 @@ def model_folder(folder: Path) -> Path:
     stops = [tok.token_to_id(t) for t in ("<eos>", "<turn|>", "<|tool_response>")]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     return model
+
+
+def gemma4_stack(folder: Path):
+    """A decode + prefill + gateway stack (test_gateway.Stack) serving model_folder's model with Gemma 4's chat
+    template."""
+    from test_gateway import Stack
+
+    return Stack(folder, model=model_folder(folder / "model"), gateway_args=("--chat-template", str(TEMPLATE)))
