@@ -294,6 +294,10 @@ _CHAT = st.fixed_dictionaries(
     optional={**_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20),
               "tools": st.just([]), "tool_choice": st.just("none"), "response_format": st.just({"type": "text"}),
               "add_generation_prompt": st.booleans(), "include_reasoning": st.booleans(),
+              "prediction": st.fixed_dictionaries({"type": st.sampled_from(["content", "x"]),
+                                                   "content": _TEXT | st.lists(st.fixed_dictionaries(
+                                                       {"type": st.sampled_from(["text", "image"]), "text": _TEXT}),
+                                                       max_size=2) | st.integers()}) | _TEXT,
               "reasoning_effort": st.sampled_from(["none", "low", "high", "max"]) | _TEXT,
               "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "messages",
                                                                       "bos_token", "x"]) | _TEXT, _ANY,
@@ -301,7 +305,7 @@ _CHAT = st.fixed_dictionaries(
 _FIELDS = sorted({*_COMMON, "model", "prompt", "messages", "max_tokens", "logprobs", "top_logprobs", "best_of",
                   "echo", "suffix", "tools", "tool_choice", "response_format", "max_completion_tokens",
                   "presence_penalty", "logit_bias", "chat_template_kwargs", "add_generation_prompt",
-                  "reasoning_effort", "include_reasoning", "unknown"})
+                  "reasoning_effort", "include_reasoning", "prediction", "unknown"})
 
 
 _CONTENT_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image",
