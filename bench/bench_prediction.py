@@ -74,9 +74,16 @@ def main() -> None:
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--edit-every", type=int, default=10)
     ap.add_argument("--edit-share", type=float, default=0.1)
+    ap.add_argument("--gguf", help="the same model as a GGUF: llama-server's single-stream rate on the same prompts "
+                    "(no prediction: it has none) is printed beside, the host's anchor")
     args = ap.parse_args()
-    args.max_context = 2048
-    with stack_up(args, 1, ("--lookup-k", str(args.lookup_k))) as (client, model):
+    args.max_context, args.model_name = 2048, None
+    anchor = None
+    if args.gguf:
+        with stack_up(args, "llama-server", 1) as (client, model):
+            rates = [stream(client, model, p, args.tokens, None)[1] for _ in range(args.rounds) for p in PROMPTS]
+            anchor = statistics.median(rates)
+    with stack_up(args, "splitgemma", 1) as (client, model):
         answers = {p: stream(client, model, p, args.tokens, None)[0] for p in PROMPTS}
         arms = {"none": lambda a: None, "the answer": lambda a: a,
                 f"one region edited ({args.edit_share:.0%} of the words)": lambda a: one_region(a, args.edit_share),
@@ -102,6 +109,8 @@ def main() -> None:
             m = statistics.median(rates[arm])
             share = f"{statistics.median(shares[arm]):.2f}" if shares[arm] else "–"
             print(f"| {arm} | {m:.1f} | {m / base:.2f}× | {share} |")
+        if anchor is not None:
+            print(f"| llama-server, same prompts, no prediction | {anchor:.1f} | {anchor / base:.2f}× | – |")
 
 
 if __name__ == "__main__":

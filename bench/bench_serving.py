@@ -51,7 +51,6 @@ import os
 import random
 import re
 import select
-import shutil
 import signal
 import statistics
 import subprocess
@@ -61,7 +60,6 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 
 def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
@@ -88,21 +86,17 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
 
 
 @contextmanager
-def stack_up(args, slots: int, extra: tuple[str, ...] = ()):
-    """start_stack for args.model (args.tokenizer, args.threads, args.max_context) with `slots` slots, on a private
-    shared-memory folder: yields (an openai client of it, the model id); stopped and cleaned up after."""
+def stack_up(args, arm: str, slots: int, extra: tuple[str, ...] = ()):
+    """start_arm's server ("splitgemma" with `slots` slots and `extra` options, or "llama-server" with `slots`
+    parallel slots): yields (an openai client of it, its model id); stopped after."""
     import openai
-    shm = tempfile.mkdtemp(prefix="sg-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-    stack_args = SimpleNamespace(model=args.model, tokenizer=args.tokenizer, threads=args.threads,
-                                 concurrency=[slots], max_context=args.max_context)
-    proc, url = start_stack(stack_args, shm, extra)
+    args.concurrency = [slots]
+    stop, url, _ = start_arm(args, arm, slots, extra)
     try:
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         yield client, client.models.list().data[0].id
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
-        shutil.rmtree(shm, ignore_errors=True)
+        stop()
 
 
 def one_request(client, model: str, prompt: list[int], gen: int, priority: int = 0) -> dict:
