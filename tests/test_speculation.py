@@ -257,6 +257,9 @@ def test_a_prediction_is_looked_up_at_its_place():
     assert idx.draft(2) == [6]               # the prediction's end
     assert NgramIndex([5, 5], prediction=[0, 1]).draft(2) == []      # no match there: the prompt lookup's (none)
     assert NgramIndex([1, 2, 7, 1, 2], prediction=[0, 1]).draft(2) == [7, 1]
+    # a draft from the prediction may be longer than the prompt lookup's (the decode worker asks for MAX_DRAFT)
+    assert NgramIndex([4, 1, 2], prediction=[1, 2, 3, 4, 5, 6, 7]).draft(2, 4) == [3, 4, 5, 6]
+    assert NgramIndex([1, 2, 7, 1, 2], prediction=[0, 1]).draft(2, 4) == [7, 1]
 
 
 def test_ngram_index_drafts_what_followed_the_last_occurrence():

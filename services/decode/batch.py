@@ -36,7 +36,7 @@ from splitgemma.serving.grammar import compute_masks, forced_sample
 from splitgemma.serving.worker import token_message
 from splitgemma.v1 import serving_pb2 as pb
 
-from .speculation import LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_drafts
+from .speculation import MAX_DRAFT, LookupState, NgramIndex, SpeculationConfig, StepCosts, choose_drafts
 
 log = logging.getLogger("splitgemma.decode.batch")
 
@@ -337,14 +337,15 @@ class BatchLoop:
         chunk, ctx = self.model.chunk, self.model.max_context
         drafts = []
         for seq in batch:
-            k = 0
+            room = 0
             if seq.lookup is not None:
                 # The run stays within a chunk and the context; a step takes at most len(draft) + 1 tokens, so no
                 # draft past max_tokens.
-                k = min(cfg.lookup_k, chunk - len(seq.pending), ctx - seq.position - len(seq.pending))
+                room = min(chunk - len(seq.pending), ctx - seq.position - len(seq.pending))
                 if seq.max_tokens:
-                    k = min(k, seq.max_tokens - seq.generated - 1)
-            drafts.append(seq.lookup.index.draft(k) if k > 0 else [])
+                    room = min(room, seq.max_tokens - seq.generated - 1)
+            k = min(cfg.lookup_k, room)
+            drafts.append(seq.lookup.index.draft(k, min(MAX_DRAFT, room)) if k > 0 else [])
         if cfg.lookup_policy == "adaptive" and any(drafts):
             ks = choose_drafts([s.lookup.p if d else 0.0 for s, d in zip(batch, drafts)], list(map(len, drafts)),
                                self.costs, len(batch))

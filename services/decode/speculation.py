@@ -25,12 +25,16 @@ from collections import deque
 from dataclasses import dataclass
 
 NGRAM_SIZES = (3, 2)  # longest first: a longer match predicts better
+# The longest draft: --lookup-k's bound, and the length of every draft from a predicted output (a request's own
+# prediction is right for long runs when it is right at all: measured 1.58x at 8 against 1.28x at 4, and no loss
+# where it is wrong all through: docs/benchmarks.md, session 38).
+MAX_DRAFT = 8
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
     forced: bool = True  # take grammar-forced tokens without the model, fed as one run
-    lookup_k: int = 4  # longest draft (0: no prompt lookup); at most 8
+    lookup_k: int = 4  # longest draft (0: no prompt lookup); at most MAX_DRAFT
     # Draft only in steps with at most this many sequences (0: in any step). choose_drafts weighs a step's draft
     # rows against its measured cost, yet where extra rows cost about what they yield it still lost a little: on
     # AVX2, any step against none gave 1.15x at 4 clients, 1.00x at 8, 0.96x at 32 (docs/speculation.md).
@@ -40,8 +44,8 @@ class SpeculationConfig:
     lookup_policy: str = "adaptive"
 
     def __post_init__(self):
-        if not 0 <= self.lookup_k <= 8:
-            raise ValueError(f"lookup_k must be in [0, 8], got {self.lookup_k}")
+        if not 0 <= self.lookup_k <= MAX_DRAFT:
+            raise ValueError(f"lookup_k must be in [0, {MAX_DRAFT}], got {self.lookup_k}")
         if self.lookup_max_batch < 0:
             raise ValueError(f"lookup_max_batch must be 0 (no limit) or positive, got {self.lookup_max_batch}")
         if self.lookup_policy not in ("adaptive", "fixed"):
@@ -138,8 +142,9 @@ class NgramIndex:
                 if len(t) > n:
                     self._last[(n,) + tuple(t[-n - 1:-1])] = len(t) - 1
 
-    def draft(self, k: int) -> list[int]:
-        return self._predicted(k) or self._looked_up(k)
+    def draft(self, k: int, k_predicted: int | None = None) -> list[int]:
+        """Up to `k_predicted` (default k) tokens from the prediction, else up to k from the prompt and output."""
+        return self._predicted(k if k_predicted is None else k_predicted) or self._looked_up(k)
 
     def _predicted(self, k: int) -> list[int]:
         t, p = self.tokens, self.prediction
