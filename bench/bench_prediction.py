@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from bench_serving import stack_up
+from bench_serving import add_arm_arguments, stack_up
 
 PROMPTS = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
            "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n",
@@ -66,16 +66,13 @@ def one_region(text: str, share: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tokenizer")
-    ap.add_argument("--threads", type=int)
+    add_arm_arguments(ap, "the same model as a GGUF: llama-server's single-stream rate on the same prompts (no "
+                          "prediction: it has none) is printed beside, the host's anchor")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lookup-k", type=int, default=4)
     ap.add_argument("--edit-every", type=int, default=10)
     ap.add_argument("--edit-share", type=float, default=0.1)
-    ap.add_argument("--gguf", help="the same model as a GGUF: llama-server's single-stream rate on the same prompts "
-                    "(no prediction: it has none) is printed beside, the host's anchor")
     args = ap.parse_args()
     args.max_context, args.model_name = 2048, None
     anchor = None

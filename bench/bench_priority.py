@@ -21,7 +21,7 @@ import statistics
 import threading
 import time
 
-from bench_serving import one_request, stack_up
+from bench_serving import add_arm_arguments, one_request, stack_up
 
 
 def run_arm(args, arm: str) -> dict:
@@ -64,9 +64,8 @@ def run_arm(args, arm: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--tokenizer")
-    ap.add_argument("--threads", type=int)
+    add_arm_arguments(ap, "the same model as a GGUF: llama-server (bench/peer_llamacpp.py's build, --parallel = "
+                          "--slots) runs as a third arm, the host's anchor")
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--max-context", type=int, default=2048)
     ap.add_argument("--batch-clients", type=int, default=16)
@@ -78,8 +77,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--gguf", help="the same model as a GGUF: llama-server (bench/peer_llamacpp.py's build, "
-                    "--parallel = --slots) runs as a third arm, the host's anchor")
     args = ap.parse_args()
     args.lookup_k, args.model_name = 0, None  # plain decoding: the arms differ by their scheduling only
     arms = ["fcfs", "priority"] + (["llama-server"] if args.gguf else [])

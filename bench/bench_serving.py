@@ -85,6 +85,14 @@ def start_stack(args, shm_dir: str, extra: tuple[str, ...] = ()) -> tuple[subpro
     return p, m.group(1).decode()
 
 
+def add_arm_arguments(ap: argparse.ArgumentParser, gguf_help: str) -> None:
+    """The options stack_up's arms read: the model (.fgm), its tokenizer, threads, and the GGUF of llama-server's."""
+    ap.add_argument("--model", required=True, help="the .fgm file splitgemma serves")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: beside the model)")
+    ap.add_argument("--threads", type=int, help="compute threads per worker (default: the usable CPUs)")
+    ap.add_argument("--gguf", help=gguf_help)
+
+
 @contextmanager
 def stack_up(args, arm: str, slots: int, extra: tuple[str, ...] = ()):
     """start_arm's server ("splitgemma" with `slots` slots and `extra` options, or "llama-server" with `slots`

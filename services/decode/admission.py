@@ -15,7 +15,8 @@ decode worker then share one order of arrival, and a slot that frees is handed o
   outlive the queue waits of the others. The head of the queue is served strictly: a single Reserve behind a
   waiting group waits too, so a group is never starved by the singles that keep arriving.
 * Bounded: with `max_queue` callers waiting, the next one is refused at once (QueueFull), unless it outranks the
-  last waiter, which is then refused in its place; a caller that waited `timeout_s` is refused then (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
+  last waiter, which is then refused in its place; a caller that waited `timeout_s` is refused then
+  (QueueTimeout). Both carry a retry-after computed from what is draining: how often a
   slot has freed lately (DrainEstimate) times how many callers would be served first.
 * A caller that goes away (its call is cancelled) leaves the queue at once; the callers behind it move up.
 * Draining: every waiter is refused (Draining) and no one else is queued.

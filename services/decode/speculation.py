@@ -122,8 +122,8 @@ class NgramIndex:
 
     A predicted output (`prediction`: OpenAI's, text the answer is expected to repeat) is looked up first: there an
     n-gram's occurrences are all kept, and the first one past the place the last draft from the prediction came
-    from is taken (else the last one before it), so that an answer that follows the prediction drafts from its place in it rather than from an
-    earlier repeat of the same n-gram."""
+    from is taken (else the last one before it), so that an answer that follows the prediction drafts from its place
+    in it rather than from an earlier repeat of the same n-gram."""
 
     def __init__(self, tokens, prediction=()):
         self.tokens: list[int] = list(tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from splitgemma.serving.thinking import THINKING_SWITCH, ThoughtMarkers, ThoughtSplitter
+from splitgemma.serving.tokenizer import control_tokens
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import invalid
@@ -37,7 +38,7 @@ class ReasoningFormat:
     def of(cls, tokenizer, template_source: str) -> "ReasoningFormat":
         markers = ThoughtMarkers.from_tokenizer(tokenizer, template_source)
         return cls(markers, markers is not None and THINKING_SWITCH in template_source,
-                   {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special})
+                   control_tokens(tokenizer))
 
 
 def thinking(req, fmt: ReasoningFormat, effort_param: str = "reasoning_effort") -> bool:

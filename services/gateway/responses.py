@@ -562,18 +562,27 @@ class ResponsesRenderer(ChoiceRenderer):
                     frames += self._arguments(call["function"]["arguments"])
         return frames
 
+    def _open_part(self, item: dict, part: dict) -> list[str]:
+        """`item` opened (the one open before it closed) with its one content part, `part`."""
+        frames = self._close()
+        self.open = item
+        frames.append(self._event("response.output_item.added", output_index=len(self.output),
+                                  item={**item, "content": []}))
+        item["content"].append(part)
+        frames.append(self._event("response.content_part.added", item_id=item["id"], output_index=len(self.output),
+                                  content_index=0, part=part))
+        return frames
+
+    def _open_message(self) -> list[str]:
+        part = _part("output_text", "")
+        if self.logprobs:
+            part["logprobs"] = []
+        return self._open_part({**_message_item("assistant", []), "status": "in_progress"}, part)
+
     def _text(self, text: str) -> list[str]:
         frames = []
         if self.open is None or self.open["type"] != "message":
-            frames += self._close()
-            self.open = {**_message_item("assistant", []), "status": "in_progress"}
-            frames.append(self._event("response.output_item.added", output_index=len(self.output), item=self.open))
-            part = _part("output_text", "")
-            if self.logprobs:
-                part["logprobs"] = []
-            self.open["content"].append(part)
-            frames.append(self._event("response.content_part.added", item_id=self.open["id"],
-                                      output_index=len(self.output), content_index=0, part=part))
+            frames += self._open_message()
         part = self.open["content"][0]
         part["text"] += text
         lp, self.pending_lp = self.pending_lp, []
@@ -586,14 +595,7 @@ class ResponsesRenderer(ChoiceRenderer):
     def _thought(self, text: str) -> list[str]:
         frames = []
         if self.open is None or self.open["type"] != "reasoning":
-            frames += self._close()
-            self.open = _reasoning_item([], status="in_progress")
-            frames.append(self._event("response.output_item.added", output_index=len(self.output),
-                                      item={**self.open, "content": []}))
-            part = _part("reasoning_text", "")
-            self.open["content"].append(part)
-            frames.append(self._event("response.content_part.added", item_id=self.open["id"],
-                                      output_index=len(self.output), content_index=0, part=part))
+            frames += self._open_part(_reasoning_item([], status="in_progress"), _part("reasoning_text", ""))
         self.open["content"][0]["text"] += text
         frames.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
                                   output_index=len(self.output), content_index=0, delta=text))
@@ -645,14 +647,7 @@ class ResponsesRenderer(ChoiceRenderer):
     def sse_end(self) -> list[str]:
         frames = self._close(last=True)
         if not self.output:  # nothing came out: still one (empty) message, as the body has
-            self.open = {**_message_item("assistant", [_part("output_text", "")]), "status": "in_progress"}
-            if self.logprobs:
-                self.open["content"][0]["logprobs"] = []
-            frames += [self._event("response.output_item.added", output_index=0,
-                                   item={**self.open, "content": []}),
-                       self._event("response.content_part.added", item_id=self.open["id"], output_index=0,
-                                   content_index=0, part=self.open["content"][0])]
-            frames += self._close(last=True)
+            frames += self._open_message() + self._close(last=True)
         status = self._status()
         done = self._keep(self.response(status, self.output))
         return frames + [self._event(f"response.{status}", response=done)]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from splitgemma.serving.tool_calls import (CALL_OPEN, JSON_CALLS_KEY, GemmaCallParser, MarkerIds, ParsedMessage,
                                            ToolSyntaxError, gemma_tools_lark, json_convention_lark,
                                            json_convention_schema, parse_gemma_output, parse_json_convention)
+from splitgemma.serving.tokenizer import control_tokens
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import invalid, parse_json_object
@@ -90,7 +91,7 @@ class ToolFormat:
         markers = MarkerIds.from_tokenizer(tokenizer)
         native = markers is not None and CALL_OPEN in template_source
         return cls(markers if native else None,
-                   tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special))
+                   tuple(control_tokens(tokenizer).values()))
 
 
 def plan_tools(req, fmt: ToolFormat) -> ToolPlan | None:

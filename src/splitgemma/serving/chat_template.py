@@ -44,6 +44,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from .files import read_regular_text
+from .tokenizer import control_tokens
 
 # Unicode noncharacters: never meaningful in text, so stripping them from user strings loses nothing.
 _MARK_START = "\ufdd0"
@@ -215,8 +216,7 @@ class ChatTemplate:
         # (Gemma 3's whitespace runs "\n\n", "\t\t", its HTML tags: SentencePiece's user-defined pieces), so a
         # message writes it as transformers would encode it; counting those as control refused every chat message
         # with a newline on the default model.
-        added = sorted((t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len,
-                       reverse=True)
+        added = sorted(control_tokens(tokenizer).values(), key=len, reverse=True)
         self._control_re = re.compile("|".join(map(re.escape, added))) if added else None
         inner = self._control_re.pattern if self._control_re else "(?!)"
         self._pieces_re = re.compile(f"{_MARK_START}({inner}){_MARK_END}|[{_MARK_START}{_MARK_END}]")

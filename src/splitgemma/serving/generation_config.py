@@ -29,7 +29,7 @@ class SamplingDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    source: str = ""   # where they came from, for the log and /v1/models
+    source: str = ""   # where they came from, for the gateway's log
 
     def given(self) -> dict:
         """The defaults that are set, by field name."""

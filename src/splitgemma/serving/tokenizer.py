@@ -18,6 +18,12 @@ class TokenizerNotFound(FileNotFoundError):
     pass
 
 
+def control_tokens(tokenizer: Tokenizer) -> dict[int, str]:
+    """The tokenizer's control tokens, id -> text: its special added tokens (an added token that is not special,
+    e.g. Gemma 3's whitespace runs, is text the tokenizer makes from text)."""
+    return {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
 def find_tokenizer(model_path: str | Path, explicit: str | Path | None = None) -> Path:
     """The tokenizer.json to use for `model_path`; raises TokenizerNotFound naming every place looked at."""
     if explicit is not None:
