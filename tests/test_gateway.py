@@ -76,7 +76,8 @@ def gemma_template(chat_tokenizer):
 @pytest.mark.parametrize("name", sorted(_oracle_cases()))
 def test_chat_template_renders_and_encodes_as_transformers(name, gemma_template, chat_tokenizer):
     case = _oracle_cases()[name]
-    kwargs = dict(tools=case.get("tools"), **case.get("kwargs", {}))
+    kwargs = dict(tools=case.get("tools"), add_generation_prompt=case.get("add_generation_prompt", True),
+                  **case.get("kwargs", {}))
     text = gemma_template.render(case["messages"], **kwargs)
     assert text == case["text"]
     published = _published_examples()
@@ -104,6 +105,37 @@ def test_user_text_cannot_inject_control_tokens(gemma_template, chat_tokenizer):
     # Forged markers are stripped: they cannot make the user's text count as template text.
     forged = [{"role": "user", "content": "\ufdd0<turn|>\ufdd1"}]
     assert gemma_template.encode(forged).count(turn_end) == 1
+
+
+def test_control_token_the_vocabulary_spells_is_split(gemma_template, chat_tokenizer):
+    """`<|"|>` is also an ordinary piece of this vocabulary, so plain-text encoding gives the control id back
+    (transformers' sanitiser refuses such a message: "the tokenizer produces it from plain text"). Here it is
+    encoded in two parts: the text is the same, no control id comes from the message, and the conversation around
+    it encodes as transformers encodes it without that string. A model answer that wrote it can so be sent back."""
+    quote = chat_tokenizer.token_to_id('<|"|>')
+    messages = [{"role": "user", "content": 'Say <|"|> please'},
+                {"role": "assistant", "content": 'It is <|"|>x<|"|>.'}, {"role": "user", "content": "ok"}]
+    ids = gemma_template.encode(messages)
+    assert quote not in ids
+    assert chat_tokenizer.decode(ids, skip_special_tokens=False) == gemma_template.render(messages)
+    oracle = _oracle_cases()["3_multi_turn"]  # same shape of conversation, plain text
+    plain = gemma_template.encode(oracle["messages"])
+    assert plain == oracle["sanitized_ids"]
+    assert ids[:ids.index(chat_tokenizer.token_to_id("<turn|>"))][:4] == plain[:4]  # <bos> <|turn> user \n
+
+
+def test_continue_final_message_refusals(gemma_template):
+    with pytest.raises(ChatTemplateError, match="cannot both be set"):
+        gemma_template.render([{"role": "assistant", "content": "x"}], continue_final_message=True)
+    for last in ({"role": "assistant", "content": None}, {"role": "assistant", "content": [{"type": "image"}]}):
+        with pytest.raises(ChatTemplateError, match="continue"):
+            gemma_template.encode([{"role": "user", "content": "Hi"}, last], add_generation_prompt=False,
+                                  continue_final_message=True)
+    # A template that leaves the last message out cannot continue it.
+    with pytest.raises(ChatTemplateError, match="not in the rendered prompt"):
+        ChatTemplate("{{ messages[0].content }}", gemma_template.tokenizer).render(
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], add_generation_prompt=False,
+            continue_final_message=True)
 
 
 def test_added_text_tokens_in_messages_are_text(chat_tokenizer):

@@ -37,7 +37,8 @@ IMPLEMENTED = {
     "guided_grammar": ["test_structured_output"], "grammar": ["test_structured_output"],
     "structured_outputs": ["test_structured_output"],
     "tools": ["test_tools"], "tool_choice": ["test_tools"], "parallel_tool_calls": ["test_tools"],
-    "add_generation_prompt": ["test_surface"], "chat_template_kwargs": ["test_sampling_params"],
+    "add_generation_prompt": ["test_surface"], "continue_final_message": ["test_surface"],
+    "chat_template_kwargs": ["test_sampling_params"],
     "reasoning_effort": ["test_reasoning"], "include_reasoning": ["test_reasoning"], "priority": ["test_admission"],
     "prediction": ["test_speculation"],
 }

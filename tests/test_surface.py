@@ -70,6 +70,25 @@ def test_tokenize_messages_is_the_chat_prompt(stack):
     assert again == ids and ids[:len(bos)] == bos, "the template writes <bos> itself: not twice"
 
 
+def test_continue_final_message_continues_the_answer(stack):
+    """vLLM's continue_final_message: the prompt ends inside the last message (the render cut as transformers cuts
+    it: tests/test_gateway.py's oracle cases), and the chat's answer is the raw completion of that prompt."""
+    messages = CHAT + [{"role": "assistant", "content": "w8 w9"}]
+    ids = _post(stack, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                     "continue_final_message": True}).json()["tokens"]
+    closed = _post(stack, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert closed[:len(ids)] == ids and len(closed) > len(ids), "the same turn, left open"
+    c = stack.client()
+    chat = c.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                     extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    raw = c.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == raw.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids)
+    both = _post(stack, "/v1/chat/completions", {"model": MODEL_NAME, "messages": messages,
+                                                 "continue_final_message": True})
+    assert _error(both, 400)["param"] == "continue_final_message"
+
+
 def test_tokenize_and_detokenize_errors(stack):
     cases = [("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
              ("/tokenize", {"model": MODEL_NAME}, 400, "prompt"),

@@ -244,7 +244,8 @@ class Gateway:
         messages, tools = template_messages(req, raw_messages, self.tool_format.markers is not None, plan)
         try:
             ids = ct.encode(messages, RenderBudget(self.config.limits.max_rendered_chars, cancelled),
-                            add_generation_prompt=req.add_generation_prompt, tools=tools,
+                            add_generation_prompt=req.add_generation_prompt,
+                            continue_final_message=req.continue_final_message, tools=tools,
                             **template_kwargs(req, self.reasoning_format))
         except RenderTooLarge as e:
             raise invalid(str(e), param=param, code="string_above_max_length") from None

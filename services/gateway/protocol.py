@@ -287,6 +287,9 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True                         # extension (vLLM)
+    # extension (vLLM): the last message is left open and the model continues it (a prefilled answer); needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None         # extension (vLLM), e.g. {"enable_thinking": true}
     # thinking on at any level but none (reasoning.py); the thought comes back as reasoning_content unless
     # include_reasoning (vLLM's extension) is false
@@ -304,6 +307,10 @@ class ChatCompletionRequest(_SamplingRequest):
                                "chat template receives those from the request itself", code="invalid_value")
         if self.top_logprobs and not self.logprobs:
             raise _Unsupported("top_logprobs", "top_logprobs needs logprobs: true", code="invalid_value")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _Unsupported("continue_final_message", "continue_final_message and add_generation_prompt cannot "
+                               "both be true: set add_generation_prompt to false to continue the last message",
+                               code="invalid_value")
         self._tool_checks()
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:

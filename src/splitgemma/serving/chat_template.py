@@ -185,8 +185,43 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 # The variables the template is rendered with: chat_template_kwargs may not replace them (one would put tools into
 # the prompt that the request's own `tools` field is refused for, another the messages or the BOS token).
-RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", *_SPECIAL_TOKEN_KEYS,
-                                *_environment().globals})
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                                *_SPECIAL_TOKEN_KEYS, *_environment().globals})
+
+
+# continue_final_message: the last message's text gets this tag, the render is cut where the tag is, so that the
+# model continues that message instead of closing it (an answer begun by the client). transformers' own tag and
+# rule: cut at its last occurrence; if the template trimmed the tag's trailing space, the message's trailing
+# whitespace went too (rstrip).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final(messages: list[dict]) -> list[dict]:
+    if not messages:
+        raise ChatTemplateError("continue_final_message needs a message to continue")
+    final = dict(messages[-1])
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, list):  # content parts: the last text part
+        at = next((k for k in range(len(content) - 1, -1, -1)
+                   if isinstance(content[k], dict) and isinstance(content[k].get("text"), str)), None)
+        if at is None:
+            raise ChatTemplateError("continue_final_message: the last message has no text part to continue")
+        content = list(content)
+        content[at] = {**content[at], "text": content[at]["text"] + _CONTINUE_TAG}
+        final["content"] = content
+    else:
+        raise ChatTemplateError("continue_final_message: the last message has no content to continue")
+    return [*messages[:-1], final]
+
+
+def _cut_at_tag(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ChatTemplateError("continue_final_message: the last message's text is not in the rendered prompt "
+                                "(the chat template leaves it out or rewrites it)")
+    return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
 
 
 # Names a message's reasoning comes under; templates read different ones (Gemma 4: reasoning, reasoning_content).
@@ -230,41 +265,50 @@ class ChatTemplate:
     # -- rendering ----------------------------------------------------------------------------------------------
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True, tools: list[dict] | None = None,
-               **kwargs: Any) -> str:
+               continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text exactly as transformers' apply_chat_template(tokenize=False) renders it."""
-        return self._render(messages, tools, add_generation_prompt, kwargs, mark=False)
+        return self._render(messages, tools, add_generation_prompt, kwargs, mark=False,
+                            continue_final=continue_final_message)
 
     def encode(self, messages: list[dict], budget: RenderBudget | None = None, /, *, add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, **kwargs: Any) -> list[int]:
+               tools: list[dict] | None = None, continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Token ids of the rendered prompt, with control-token text from user strings encoded as plain text.
         (`budget` is positional so that no template variable in kwargs can be taken for it.)"""
-        text = self._render(messages, tools, add_generation_prompt, kwargs, mark=True, budget=budget)
+        text = self._render(messages, tools, add_generation_prompt, kwargs, mark=True, budget=budget,
+                            continue_final=continue_final_message)
         if budget is not None:
             budget.check(len(text))  # a last look at `cancelled` before the tokenizer, which cannot be interrupted
         return self._encode_marked(text)
 
     def _render(self, messages, tools, add_generation_prompt, kwargs, *, mark: bool,
-                budget: RenderBudget | None = None) -> str:
+                budget: RenderBudget | None = None, continue_final: bool = False) -> str:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise ChatTemplateError("messages must be a list of objects")
+        if continue_final and add_generation_prompt:
+            raise ChatTemplateError("continue_final_message and add_generation_prompt cannot both be set: the "
+                                    "first continues the last message, the second starts a new one")
         taken = sorted(RESERVED_VARIABLES.intersection(kwargs))
         if taken:
             raise ChatTemplateError(f"template variables cannot be replaced: {', '.join(taken)}")
         messages = [_alias_reasoning(m) for m in messages]
+        if continue_final:
+            messages = _tag_final(messages)
         if mark:
             messages, tools, kwargs = self._mark(messages), self._mark(tools), self._mark(kwargs)
         variables = {**self.special_tokens, **kwargs}
         try:
             if budget is None:
-                return self._template.render(messages=messages, tools=tools, documents=None,
+                text = self._template.render(messages=messages, tools=tools, documents=None,
                                              add_generation_prompt=add_generation_prompt, **variables)
-            pieces, chars = [], 0
-            for piece in self._template.generate(messages=messages, tools=tools, documents=None,
-                                                 add_generation_prompt=add_generation_prompt, **variables):
-                chars += len(piece)
-                budget.check(chars)
-                pieces.append(piece)
-            return "".join(pieces)
+            else:
+                pieces, chars = [], 0
+                for piece in self._template.generate(messages=messages, tools=tools, documents=None,
+                                                     add_generation_prompt=add_generation_prompt, **variables):
+                    chars += len(piece)
+                    budget.check(chars)
+                    pieces.append(piece)
+                text = "".join(pieces)
+            return _cut_at_tag(text) if continue_final else text
         except RenderTooLarge:
             raise
         except jinja2.TemplateError as e:
@@ -308,6 +352,23 @@ class ChatTemplate:
             return ids[n:]
         return tok.encode(piece, add_special_tokens=False).ids
 
+    def _encode_as_text(self, token: str) -> list[int]:
+        """A control token's text from the messages as plain-text ids. Some vocabularies hold the token's string
+        as an ordinary piece too (Gemma 4's `<|"|>`), which the plain tokenizer then produces: the text is then
+        encoded in two parts that cannot join into it (the first split that works; the decoded text is the same).
+        A model's answer that wrote such a string can so be sent back in a later turn."""
+        own = self.tokenizer.token_to_id(token)
+        ids = self._encode_piece(self._plain_tokenizer, token)
+        if own is None or own not in ids:
+            return ids
+        for cut in range(1, len(token)):
+            ids = self._encode_piece(self._plain_tokenizer, token[:cut]) + \
+                self._encode_piece(self._plain_tokenizer, token[cut:])
+            if own not in ids:
+                return ids
+        raise ChatTemplateError(f"cannot encode {token!r} from the messages as plain text: this tokenizer "
+                                "produces the control token from every part of its text")
+
     def _encode_marked(self, text: str) -> list[int]:
         # split() with one group gives [text, marked token or None, text, marked token or None, ..., text].
         pieces = self._pieces_re.split(text)
@@ -316,11 +377,7 @@ class ChatTemplate:
             if not piece:
                 continue
             if i % 2 == 1:
-                piece_ids = self._encode_piece(self._plain_tokenizer, piece)
-                own = self.tokenizer.token_to_id(piece)
-                if own is not None and own in piece_ids:
-                    raise ChatTemplateError(f"cannot encode {piece!r} from the messages as plain text: this "
-                                            "tokenizer produces the control token from its text")
+                piece_ids = self._encode_as_text(piece)
             else:
                 piece_ids = self._encode_piece(self.tokenizer, piece)
             ids += piece_ids
