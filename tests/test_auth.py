@@ -84,13 +84,34 @@ def test_a_wrong_or_missing_key_is_a_401_in_openais_shape(stack):
                                         "type": "invalid_request_error", "param": None, "code": None}}
     assert "Authorization: Bearer" in missing.json()["error"]["message"]
     for headers in ({"Authorization": KEYS["flag"]}, {"Authorization": f"Basic {KEYS['flag']}"},
-                    {"Authorization": "Bearer"}, {"X-Api-Key": KEYS["flag"]}):
+                    {"Authorization": "Bearer"}, {"X-Api-Key": f"Bearer {KEYS['flag']}"}, {"X-Api-Key": "sk-wrong"}):
         r = httpx.get(stack.url + "/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error", headers
     # An unknown path says 401 too: without a key nobody learns which paths exist.
     assert httpx.get(stack.url + "/v2/anything").status_code == 401
     assert httpx.get(stack.url + "/v2/anything", headers={"Authorization": f"Bearer {KEYS['flag']}"}) \
         .status_code == 404
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(stack):
+    """Anthropic's clients send the key as x-api-key (this SDK version as a bearer token): either works, on the
+    Messages API and elsewhere; a wrong one is a 401 in Anthropic's envelope under /v1/messages."""
+    import anthropic
+
+    body = {"model": MODEL_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "w5 w6"}]}
+    for key in KEYS.values():
+        r = httpx.post(stack.url + "/v1/messages", json=body, headers={"x-api-key": key})
+        assert r.status_code == 200 and r.json()["type"] == "message", r.text
+        assert httpx.get(stack.url + "/v1/models", headers={"X-Api-Key": key}).status_code == 200
+    ok = anthropic.Anthropic(base_url=stack.url, api_key=KEYS["flag"], max_retries=0, timeout=60)
+    assert ok.messages.create(**body).usage.output_tokens <= 2
+    for key in ("sk-wrong", None):
+        headers = {} if key is None else {"x-api-key": key}
+        r = httpx.post(stack.url + "/v1/messages", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=stack.url, api_key="sk-wrong", max_retries=0, timeout=60).messages.create(**body)
 
 
 def test_probes_and_metrics_stay_open(stack):

@@ -83,7 +83,7 @@ def chat(**fields) -> dict:
     return {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **fields}
 
 
-C, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+C, CHAT, RESPONSES, MESSAGES = "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"
 M = json.dumps(MODEL_NAME)
 
 
@@ -375,9 +375,14 @@ def _check_answer(http, path: str, content: bytes) -> None:
     assert not LEAKS.search(text), (content[:300], text[:500])
     if r.status_code >= 400:
         err = json.loads(text)["error"]
-        assert set(err) == {"message", "type", "param", "code"}, text[:500]
+        envelope = {"message", "type"} if path == MESSAGES else {"message", "type", "param", "code"}
+        assert set(err) == envelope, text[:500]
     elif r.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        if path == MESSAGES:  # typed events: the message's start, its end last
+            typed = [json.loads(e)["type"] for e in events]
+            assert typed[0] == "message_start" and typed[-1] == "message_stop", text[-500:]
+            return
         if path == RESPONSES:  # typed events, numbered, the last one the response's end
             typed = [json.loads(e) for e in events]
             assert [e["sequence_number"] for e in typed] == list(range(len(typed))), text[-500:]
@@ -435,6 +440,55 @@ def test_fuzzed_responses_bodies_get_an_answer_never_a_500(http, body, mangle, j
     """The same for /v1/responses, with bodies of its own shape: input items of every type, tools, formats, stored
     ids (mostly unknown), truncation."""
     _check_answer(http, RESPONSES, _mangled(body, mangle, junk))
+
+
+_BLOCK = (st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT})
+          | st.fixed_dictionaries({"type": st.just("tool_use"), "id": _TEXT, "name": st.sampled_from(["f", "g"]),
+                                   "input": st.dictionaries(_TEXT, _TEXT, max_size=2)})
+          | st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": _TEXT},
+                                  optional={"is_error": st.booleans(), "content": _TEXT | st.lists(
+                                      st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=2)})
+          | st.fixed_dictionaries({"type": st.just("thinking"), "thinking": _TEXT, "signature": _TEXT})
+          | st.fixed_dictionaries({"type": _TEXT | st.sampled_from(["image", "redacted_thinking", "document"])}))
+_MESSAGES_BODY = st.fixed_dictionaries(
+    {"model": st.just(MODEL_NAME), "max_tokens": st.integers(min_value=1, max_value=4),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                                 "content": _TEXT | st.lists(_BLOCK, max_size=3)}),
+                          min_size=1, max_size=4)},
+    optional={"system": _TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _TEXT}), max_size=2),
+              "stop_sequences": st.lists(_TEXT, max_size=3), "stream": st.booleans(),
+              "temperature": st.floats(min_value=0, max_value=1.5), "top_p": st.floats(min_value=0, max_value=1),
+              "top_k": st.integers(min_value=-1, max_value=2**31),
+              "tools": st.just([]) | st.just([{"name": "f", "input_schema": {"type": "object"}}])
+              | st.just([{"type": "web_search_20250305", "name": "web_search"}]),
+              "tool_choice": st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                              {"type": "tool", "name": "f"}, {"type": "tool"}]),
+              "thinking": st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
+                                           {"type": "disabled"}, {"type": "enabled"}]),
+              "output_config": st.sampled_from([{"format": {"type": "json_schema", "schema": {"type": "object"}}},
+                                                {"effort": "high"}, {"format": {"type": "x"}}]),
+              "metadata": st.fixed_dictionaries({"user_id": _TEXT})})
+_MESSAGES_FIELDS = sorted({"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature",
+                           "top_p", "top_k", "tools", "tool_choice", "thinking", "output_config", "metadata",
+                           "container", "unknown"})
+
+
+@st.composite
+def _messages_bodies(draw):
+    body = dict(draw(_MESSAGES_BODY))
+    if draw(st.booleans()):
+        body[draw(st.sampled_from(_MESSAGES_FIELDS))] = draw(_ANY)
+    return body
+
+
+@settings(_FUZZ, max_examples=REQUEST_EXAMPLES // 2)
+@given(body=_messages_bodies(), mangle=st.sampled_from(["none", "none", "none", "surrogate", "nan", "nest",
+                                                         "duplicate", "truncate", "bytes"]),
+       junk=st.binary(max_size=40))
+def test_fuzzed_messages_bodies_get_an_answer_never_a_500(http, body, mangle, junk):
+    """The same for Anthropic's /v1/messages: blocks of every type in either role, tools (a server tool too),
+    thinking, output formats; errors in Anthropic's envelope."""
+    _check_answer(http, MESSAGES, _mangled(body, mangle, junk))
 
 
 def _mangled(body: dict, mangle: str, junk: bytes) -> bytes:

@@ -129,7 +129,8 @@ def test_model_card_version_root_and_openapi(stack):
     assert docs.status_code == 200 and "swagger" in docs.text.lower() and "/openapi.json" in docs.text
     paths = httpx.get(stack.url + "/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/{response_id}",
-            "/v1/models", "/tokenize", "/detokenize", "/version"} <= set(paths)
+            "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize",
+            "/version"} <= set(paths)
     assert "/v1/responses" in root["endpoints"]
 
 

@@ -2,6 +2,7 @@
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
   POST /v1/responses, and GET / DELETE the stored ones (responses.py; stream: typed SSE events)
+  POST /v1/messages, /v1/messages/count_tokens: Anthropic's Messages API (messages.py; its envelope for errors)
   GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /, /docs, /openapi.json
                  (endpoints.py)
   GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
@@ -59,6 +60,8 @@ from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
 from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
+from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
+from .messages import chat_request as messages_chat_request
 from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
                         conversation_before, input_items, request_owner, truncated)
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
@@ -338,11 +341,12 @@ class Gateway:
     async def chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
                    make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer], *,
                    prompt_param: str = "messages", effort_param: str = "reasoning_effort",
-                   truncate: bool = False) -> Response:
+                   truncate: bool = False, fit_context: bool = False) -> Response:
         """A chat request from its validated form to its answer (chat completions and the Responses API): the tools
         and the reading of the thought planned, the prompt rendered (with `truncate`, the oldest turns dropped until
         it fits the context: responses truncation auto), the constraint compiled (after the thought, when the
-        request thinks), the choices run; make_render(tools, reasoning, n_choices) renders them."""
+        request thinks), the choices run; make_render(tools, reasoning, n_choices) renders them. `fit_context`: the
+        context may end the answer before its token limit (ChoiceSpec.fit_context)."""
         check_messages(messages, self.config.limits, prompt_param)
         state = _RequestState(self, "chat", rid)
         plan = plan_tools(req, self.tool_format)
@@ -366,6 +370,8 @@ class Gateway:
         specs = self.specs(req, [ids], req.token_limit, req.logprobs, req.top_logprobs or 0, prompt_param,
                            constraint, default_max_tokens=self.config.default_max_tokens,
                            prompt_logprobs=req.prompt_logprobs)
+        for spec in specs:
+            spec.fit_context = fit_context
         if plan is not None:
             plan.apply(specs, tool_constraint)
         if reasoning is not None:
@@ -605,8 +611,8 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
     return task.result()
 
 
-_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/models",
-           "/tokenize", "/detokenize"}
+_TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
+           "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize"}
 
 
 def _route(path: str) -> str | None:
@@ -700,9 +706,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_middleware(ApiKeyMiddleware, keys=config.api_keys, metrics_auth=config.metrics_auth)
     app.add_middleware(_ObserveMiddleware, gateway=gw)
 
+    def error_response(request: Request, e: ApiError, headers: dict | None = None) -> JSONResponse:
+        """OpenAI's envelope, or Anthropic's under /v1/messages."""
+        body = error_body(e, getattr(request.state, "request_id", None)) if is_messages_path(request.url.path) \
+            else e.body()
+        return JSONResponse(body, status_code=e.status, headers=headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers())
+        return error_response(request, e, e.headers())
 
     @app.exception_handler(ClientGoneError)
     async def client_gone(request: Request, e: ClientGoneError):
@@ -713,7 +725,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         message = {404: f"no such endpoint: {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
         err = ApiError(e.status_code, str(message), code="not_found" if e.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=e.status_code)
+        return error_response(request, err)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception):
@@ -722,7 +734,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         rid = _request_id(request)
         log.exception("unexpected error", extra={"request_id": rid})
         err = ApiError(500, f"internal server error (request id {rid})")
-        return JSONResponse(err.body(), status_code=500, headers={"X-Request-Id": rid})
+        return error_response(request, err, {"X-Request-Id": rid})
 
     def check_model(name: str) -> None:
         if name != config.model_name:
@@ -831,6 +843,48 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return {"object": "response.input_tokens", "input_tokens": n}
 
         return await _until_disconnect(request, work)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
+        rid = _request_id(request, "msg_", client_ids=False)  # Anthropic's id shape; the request's own id
+
+        async def work():
+            req, _ = await gw.parse(MessagesRequest, raw)
+            check_model(req.model)
+            chat, messages = await gw.offload.run(Offload.is_light(len(raw), len(req.messages)),
+                                                  lambda cancelled: messages_chat(req))
+            return await gw.chat(rid, chat, messages, len(raw),
+                                 lambda plan, reasoning, _: MessagesRenderer(gw, rid, req, plan, reasoning),
+                                 effort_param="thinking", fit_context=True)
+
+        return await _until_disconnect(request, work)
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request):
+        raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
+
+        async def work():
+            req, _ = await gw.parse(CountTokensRequest, raw)
+            check_model(req.model)
+
+            def count(cancelled):
+                chat, messages = messages_chat(req)
+                check_messages(messages, config.limits, "messages")
+                thinking(chat, gw.reasoning_format, "thinking")
+                return len(gw.chat_prompt(chat, messages, plan_tools(chat, gw.tool_format), cancelled))
+
+            return {"input_tokens": await gw.offload.run(Offload.is_light(len(raw), len(req.messages)), count)}
+
+        return await _until_disconnect(request, work)
+
+    def messages_chat(req: MessagesRequest):
+        """The chat request a Messages request means; thinking asked of a model that cannot think is refused here,
+        under Anthropic's name for it."""
+        if req.thinks and not gw.reasoning_format.can_think:
+            raise ApiError(400, "thinking: this model does not think (its chat template has no thinking mode); "
+                           "leave thinking out or disable it", param="thinking", code="unsupported_parameter")
+        return messages_chat_request(req, effort_if_adaptive=gw.reasoning_format.can_think)
 
     add_store_endpoints(app, gw.response_store, bool(config.api_keys))
     add_endpoints(app, gw, check_model)

@@ -3,10 +3,10 @@
 Keys come from --api-key KEY (repeatable), --api-key-file FILE (one key a line; blank lines and lines starting
 with # are skipped) and the SPLITGEMMA_API_KEYS variable (comma-separated), all together. With at least one key,
 every request but /health, /ready (probes) and /metrics (unless --metrics-auth) needs `Authorization: Bearer <key>`
-matching one of them, else 401 in OpenAI's error envelope; OpenAI's own answers are matched: no key gives code
-null, a wrong one code "invalid_api_key", both of type invalid_request_error (the openai client raises
-AuthenticationError for either). With no key the API is open, as before, and a gateway listening beyond loopback
-says so in its log at start.
+or `x-api-key: <key>` (as Anthropic's clients send it) matching one of them, else 401 in OpenAI's error envelope
+(Anthropic's under /v1/messages); OpenAI's own answers are matched: no key gives code null, a wrong one code
+"invalid_api_key", both of type invalid_request_error (the openai client raises AuthenticationError for either).
+With no key the API is open, as before, and a gateway listening beyond loopback says so in its log at start.
 
 vLLM's VLLM_API_KEY is not read: a variable meant for another server, inherited from a shell or an orchestrator's
 environment, would silently lock this one (or, emptied, open it).
@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse
 from splitgemma.serving.credentials import CredentialError, bearer_matches, check_token_text, read_secret_file, \
     token_digest
 
+from .messages import error_body, is_messages_path
 from .protocol import ApiError
 
 log = logging.getLogger("splitgemma.gateway")
@@ -73,14 +74,15 @@ def warn_if_open(host: str, keys: list[str]) -> None:
                     extra={"host": host})
 
 
-def _refusal(header: bytes | None) -> JSONResponse:
-    if header is None:
+def _refusal(given: bool, path: str) -> JSONResponse:
+    if not given:
         err = ApiError(401, "You didn't provide an API key. Send it in an Authorization header using Bearer auth "
-                            "(Authorization: Bearer YOUR_KEY).")
+                            "(Authorization: Bearer YOUR_KEY), or in an x-api-key header.")
     else:  # never echoed, not even in part: the body may end up in a log
         err = ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    body = error_body(err) if is_messages_path(path) else err.body()
     # RFC 9110 §11.6.1: a 401 names the scheme the client should use.
-    return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ApiKeyMiddleware:
@@ -96,6 +98,9 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.digests or scope["path"] in self.open_paths:
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if bearer_matches(header, self.digests):
+        api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+        # Anthropic's clients send the key as x-api-key; either header may carry it.
+        if bearer_matches(header, self.digests) or api_key is not None and \
+                bearer_matches(b"Bearer " + api_key, self.digests):
             return await self.app(scope, receive, send)
-        await _refusal(header)(scope, receive, send)
+        await _refusal(header is not None or api_key is not None, scope["path"])(scope, receive, send)

@@ -136,6 +136,6 @@ def add_endpoints(app: FastAPI, gw: "Gateway", check_model) -> None:
     @app.get("/")
     async def root():
         return {"name": "splitgemma", "version": __version__, "model": cfg.model_name, "openai_base_path": "/v1",
-                "endpoints": ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
-                              "/detokenize", "/version", "/health", "/ready", "/metrics"],
+                "endpoints": ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models",
+                              "/tokenize", "/detokenize", "/version", "/health", "/ready", "/metrics"],
                 "docs": "/docs", "openapi": "/openapi.json"}

@@ -60,12 +60,15 @@ class ChoiceSpec:
     prompt_logprobs: int | None = None  # the prompt's logprobs with the top n per position (None: not asked for)
     priority: int = 0                   # lower first, in the decode worker's queue and the prefill worker's order
     prediction_ids: list[int] = field(default_factory=list)  # a predicted output's (the decode worker drafts from it)
+    # max_tokens bounds the answer and the context may end it sooner, instead of a prompt + max_tokens beyond the
+    # context being a 400 (Anthropic's Messages API: stop_reason model_context_window_exceeded)
+    fit_context: bool = False
 
     def token_budget(self, context: int) -> int:
         """max_tokens for a slot of `context` positions (checked by check_context first)."""
-        if self.max_tokens is not None:
-            return self.max_tokens
         rest = context - len(self.prompt_ids)
+        if self.max_tokens is not None:
+            return min(self.max_tokens, rest) if self.fit_context else self.max_tokens
         return rest if self.default_max_tokens is None else min(rest, self.default_max_tokens)
 
 
@@ -91,7 +94,7 @@ def check_context(spec: ChoiceSpec, context: int) -> None:
     if not context:
         return
     n = len(spec.prompt_ids)
-    if spec.max_tokens is None:
+    if spec.max_tokens is None or spec.fit_context:
         if n >= context:
             raise context_error(n, None, context, spec.prompt_param)
     elif n + spec.max_tokens > context:
