@@ -294,6 +294,7 @@ _CHAT = st.fixed_dictionaries(
     optional={**_COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(min_value=0, max_value=20),
               "tools": st.just([]), "tool_choice": st.just("none"), "response_format": st.just({"type": "text"}),
               "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+              "thinking_token_budget": st.integers(min_value=-1, max_value=8),
               "include_reasoning": st.booleans(),
               "prediction": st.fixed_dictionaries({"type": st.sampled_from(["content", "x"]),
                                                    "content": _TEXT | st.lists(st.fixed_dictionaries(
@@ -306,7 +307,7 @@ _CHAT = st.fixed_dictionaries(
 _FIELDS = sorted({*_COMMON, "model", "prompt", "messages", "max_tokens", "logprobs", "top_logprobs", "best_of",
                   "echo", "suffix", "tools", "tool_choice", "response_format", "max_completion_tokens",
                   "presence_penalty", "logit_bias", "chat_template_kwargs", "add_generation_prompt",
-                  "continue_final_message",
+                  "continue_final_message", "thinking_token_budget",
                   "reasoning_effort", "include_reasoning", "prediction", "unknown"})
 
 

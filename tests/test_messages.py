@@ -244,6 +244,7 @@ def test_a_thought_is_a_thinking_block(display):
     thinking = {"type": "enabled", "budget_tokens": 1024, **({"display": display} if display else {})}
     req = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 2048, "messages": ASK, "thinking": thinking})
     chat, _ = chat_request(req, effort_if_adaptive=True)
+    assert chat.reasoning_effort == "medium" and chat.thinking_token_budget == 1024  # the budget bounds the thought
     gw = SimpleNamespace(config=SimpleNamespace(model_name=MODEL))
     thought = "celsius"
     raw = f"<|channel>thought\n{thought}<channel|>It is clear"

@@ -15,6 +15,7 @@ import random
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 
@@ -23,11 +24,12 @@ from splitgemma.serving.detokenize import TextStream
 from splitgemma.serving.grammar import Grammars
 from splitgemma.serving.thinking import CHANNEL_CLOSE, CHANNEL_NAME, CHANNEL_OPEN, ThoughtMarkers, ThoughtSplitter
 from splitgemma.services.gateway.protocol import ApiError, ChatCompletionRequest
-from splitgemma.services.gateway.reasoning import ReasoningFormat, plan_reasoning, template_kwargs
+from splitgemma.services.gateway.reasoning import (ANY_ANSWER, ReasoningFormat, ReasoningPlan, plan_reasoning,
+                                                    template_kwargs)
 from splitgemma.services.gateway.responses import chat_messages, input_items
 from splitgemma.v1 import serving_pb2 as pb
-from tools.tool_fixture import (TEMPLATE, accepts, chat_tokenizer, gemma4_stack, ll_tokenizer, openai_tools,
-                                tokenizer_json)
+from tools.tool_fixture import (TEMPLATE, accepts, chat_tokenizer, gemma4_stack, ll_tokenizer, matcher,
+                                openai_tools, tokenizer_json)
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}
@@ -240,6 +242,40 @@ def test_a_thinking_constraint_admits_a_thought_first(grammars, markers, constra
     assert accepts(lltok, plain, good) and not accepts(lltok, plain, thought + good)
 
 
+@pytest.mark.parametrize("budget", [0, 1, 4])
+def test_a_budget_bounds_the_thought(grammars, markers, tok, budget):
+    """thinking_token_budget: at most `budget` tokens between the markers, and once they are spent the close
+    marker is the only token llguidance allows; any answer after it (a request with no constraint of its own)."""
+    lltok = ll_tokenizer()
+    plan = ReasoningPlan(markers, True, True, {}, {}, budget)
+    grammar = grammars.check(plan.constrain(None))
+    text = tok.encode("thought\nlet me see what the weather is", add_special_tokens=False).ids
+    answer = tok.encode("It is clear.", add_special_tokens=False).ids
+
+    def allowed(m) -> np.ndarray:
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return np.flatnonzero(bits[:lltok.vocab_size])
+
+    def admits(ids) -> bool:
+        """Each token is in the mask when it comes (the mask is what the decode worker samples from; the token
+        count of a lexeme is the mask's business, not validate_tokens')."""
+        m = matcher(lltok, grammar)
+        for t in ids:
+            if t not in allowed(m):
+                return False
+            assert m.consume_token(t), m.get_error()
+        return True
+
+    for k in range(budget + 3):
+        assert admits([markers.open, *text[:k], markers.close, *answer]) == (k <= budget), k
+    m = matcher(lltok, grammar)
+    assert m.consume_tokens([markers.open, *text[:budget]])
+    assert list(allowed(m)) == [markers.close]
+    assert admits(answer) and plan.constrain(None).lark == ANY_ANSWER
+    # Without a budget nothing is added to a request that has no constraint.
+    assert ReasoningPlan(markers, True, True, {}, {}).constrain(None) is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Responses: reasoning items in the input
 
@@ -424,6 +460,27 @@ def test_thinking_before_a_forced_call(client, model, markers):
                         json={"model": model, "messages": messages, "tools": openai_tools([PING])}).json()
     assert follow.input_tokens == prompt["count"]
     assert markers.open in prompt["tokens"]  # the thought is in the prompt
+
+
+def test_thinking_token_budget_closes_the_thought(client, model, markers):
+    """A bias that never lets the model close its thought: without a budget the thought takes every token; with
+    thinking_token_budget B it holds B tokens (reasoning_tokens counts the markers too), then the answer comes."""
+    bias = {str(markers.open): 100, str(markers.close): -100}
+    kw = dict(model=model, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=5, logit_bias=bias,
+              reasoning_effort="high")
+    endless = client.chat.completions.create(**kw)
+    assert endless.choices[0].finish_reason == "length" and not endless.choices[0].message.content
+    assert endless.usage.completion_tokens_details.reasoning_tokens == 40
+    for budget in (0, 6):
+        r = client.chat.completions.create(**kw, extra_body={"thinking_token_budget": budget})
+        assert r.usage.completion_tokens_details.reasoning_tokens == budget + 2
+        assert r.choices[0].message.content, "the answer follows the closed thought"
+        if budget:
+            assert r.choices[0].message.reasoning_content
+    # Not thinking: the budget changes nothing.
+    plain = dict(kw, logit_bias={}, reasoning_effort="none", temperature=0)
+    assert client.chat.completions.create(**plain, extra_body={"thinking_token_budget": 3}).choices[0].message \
+        .content == client.chat.completions.create(**plain).choices[0].message.content
 
 
 def test_refusals_name_their_parameter(client, model):

@@ -39,7 +39,8 @@ IMPLEMENTED = {
     "tools": ["test_tools"], "tool_choice": ["test_tools"], "parallel_tool_calls": ["test_tools"],
     "add_generation_prompt": ["test_surface"], "continue_final_message": ["test_surface"],
     "chat_template_kwargs": ["test_sampling_params"],
-    "reasoning_effort": ["test_reasoning"], "include_reasoning": ["test_reasoning"], "priority": ["test_admission"],
+    "reasoning_effort": ["test_reasoning"], "include_reasoning": ["test_reasoning"],
+    "thinking_token_budget": ["test_reasoning"], "priority": ["test_admission"],
     "prediction": ["test_speculation"],
 }
 # OpenAI's end-user identifier: metadata for abuse monitoring, which by its definition changes no output.

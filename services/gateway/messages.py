@@ -24,8 +24,9 @@ from the prefix cache, cache_read_input_tokens those that were). Errors come in 
 What this server does not do is refused with a 400 naming the parameter: server tools (web search, code execution,
 …), MCP servers, containers, context management, images, documents and other non-text blocks. Accepted with no
 effect, because the server has nothing they would change: cache_control (the prefix cache needs no breakpoints),
-service_tier, metadata.user_id (the request's user), inference_geo, `output_config.effort` (the model has one effort)
-and `thinking.budget_tokens` (checked as Anthropic checks it, not enforced: the thought is bounded by max_tokens).
+service_tier, metadata.user_id (the request's user), inference_geo and `output_config.effort` (the model has one
+effort). `thinking.budget_tokens` bounds the thought (chat's thinking_token_budget: at most that many tokens, then it
+is closed).
 """
 
 from __future__ import annotations
@@ -332,6 +333,8 @@ def chat_request(req: MessagesRequest, *, effort_if_adaptive: bool) -> tuple[Cha
         "model": req.model, "messages": messages, "max_completion_tokens": req.max_tokens, "stream": req.stream,
         "add_generation_prompt": not prefill, "continue_final_message": prefill, "reasoning_effort": effort,
         "include_reasoning": True}
+    if thinks and req.thinking is not None and req.thinking.budget_tokens is not None:
+        body["thinking_token_budget"] = req.thinking.budget_tokens
     for name in ("temperature", "top_p", "top_k"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)

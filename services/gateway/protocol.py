@@ -295,6 +295,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # include_reasoning (vLLM's extension) is false
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     include_reasoning: bool = True
+    # extension (vLLM): a thinking request's thought holds at most this many tokens, then it is closed
+    thinking_token_budget: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
     # drafts for the decode worker's speculation (docs/speculation.md): the same tokens, sooner where it is right
     prediction: Prediction | None = None
 

@@ -12,6 +12,11 @@ the stream's deltas; llama-server's and DeepSeek's field, which vLLM also sent b
 reasoning item (Responses); `include_reasoning: false` (vLLM's) drops it. Its tokens are counted in
 `completion_tokens_details.reasoning_tokens` / `output_tokens_details.reasoning_tokens`, and in the token limit, as
 OpenAI counts them.
+
+Budget: vLLM's `thinking_token_budget` (Anthropic's thinking.budget_tokens on /v1/messages) bounds a thinking
+request's thought: its constraint (an answer of any text when the request has none) admits at most that many tokens
+between the markers, after which the close marker is the only token allowed — the decode worker takes it without
+the model — and the answer follows.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from splitgemma.serving.tokenizer import control_tokens
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import invalid
+
+# The answer a budgeted thought leaves unconstrained: any text (a thinking request without a constraint of its own).
+ANY_ANSWER = "start: /(?s:.*)/"
 
 @dataclass(frozen=True)
 class ReasoningFormat:
@@ -77,6 +85,7 @@ class ReasoningPlan:
     include: bool
     hide_thought: dict[int, str]
     hide_answer: dict[int, str]
+    budget: int | None = None   # the thought's most tokens between its markers (thinking requests)
 
     def splitter(self) -> ThoughtSplitter:
         return ThoughtSplitter(self.markers, self.hide_thought, self.hide_answer)
@@ -88,12 +97,18 @@ class ReasoningPlan:
             spec.skip_special_tokens = False
 
     def constrain(self, c: pb.Constraint | None) -> pb.Constraint | None:
-        """The constraint held only after the thought (a thinking request's); as it is otherwise."""
-        if c is None or not self.thinks:
+        """The constraint held only after the thought (a thinking request's), the thought within the budget (with
+        a budget, a request without a constraint gets one: any answer); as it is otherwise."""
+        if not self.thinks or c is None and self.budget is None:
             return c
         out = pb.Constraint()
-        out.CopyFrom(c)
+        if c is None:
+            out.lark = ANY_ANSWER
+        else:
+            out.CopyFrom(c)
         out.thought.open, out.thought.close = self.markers.open, self.markers.close
+        if self.budget is not None:
+            out.thought.max_tokens = self.budget
         return out
 
 
@@ -105,4 +120,5 @@ def plan_reasoning(req, fmt: ReasoningFormat, tool_parser_reads: bool,
     if fmt.markers is None:
         return None
     hide = fmt.special if req.skip_special_tokens else {}
-    return ReasoningPlan(fmt.markers, thinks, req.include_reasoning, hide, {} if tool_parser_reads else hide)
+    return ReasoningPlan(fmt.markers, thinks, req.include_reasoning, hide, {} if tool_parser_reads else hide,
+                         req.thinking_token_budget)

@@ -63,14 +63,20 @@ def _grammar_text(c) -> str:
 def _with_thought(body: str, thought) -> str:
     """`body` (a grammar as the llguidance constructors return it: top-level JSON, or Lark text) behind an optional
     thought block: the open marker, any text (a text lexeme never matches a special token, so the close marker ends
-    it), the close marker. The body becomes a named sub-grammar; a JSON schema goes in through Lark's %json, as a
-    named json_schema grammar cannot be referenced."""
+    it) of at most `thought.max_tokens` tokens when set, the close marker. The body becomes a named sub-grammar; a
+    JSON schema goes in through Lark's %json, as a named json_schema grammar cannot be referenced."""
     top = json.loads(body) if body.lstrip().startswith("{") else {"grammars": [{"lark_grammar": body}]}
     inner = top["grammars"][0]  # every Constraint kind compiles to one grammar
     if inner.get("json_schema") is not None:
         inner = {"lark_grammar": "start: %json " + json.dumps(inner["json_schema"])}
-    main = (f"start: thought? @body\nthought: <[{thought.open}]> THOUGHT <[{thought.close}]>\n"
-            "THOUGHT: /(?s:.*)/\n")
+    if not thought.HasField("max_tokens"):
+        main = (f"start: thought? @body\nthought: <[{thought.open}]> THOUGHT <[{thought.close}]>\n"
+                "THOUGHT: /(?s:.*)/\n")
+    elif thought.max_tokens == 0:
+        main = f"start: thought? @body\nthought: <[{thought.open}]> <[{thought.close}]>\n"
+    else:  # a budget: llguidance ends the text lexeme after max_tokens tokens, leaving only the close marker
+        main = (f"start: thought? @body\nthought: <[{thought.open}]> thought_text <[{thought.close}]>\n"
+                f"thought_text[max_tokens={thought.max_tokens}]: /(?s:.*)/\n")
     return json.dumps({"grammars": [{"name": "main", "lark_grammar": main}, {**inner, "name": "body"}]})
 
 
