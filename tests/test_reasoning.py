@@ -357,6 +357,7 @@ def test_chat_returns_the_thought_apart(stack, client, model, markers):
         assert thought is not None, raw  # the bias opens one
         msg = choice.message
         assert msg.reasoning_content == thought and (msg.content or "") == answer
+        assert msg.reasoning == thought  # vLLM's name for it, beside llama-server's
         if CHANNEL_CLOSE in raw and choice.finish_reason == "stop":
             jsonschema.validate(json.loads(msg.content), SCHEMA)
             closed += 1
@@ -375,8 +376,8 @@ def test_the_stream_carries_the_thought_in_its_deltas(client, model, markers):
                                  stream_options={"include_usage": True}))
     for choice in whole.choices:
         deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].index == choice.index]
-        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == \
-            choice.message.reasoning_content
+        for name in ("reasoning_content", "reasoning"):
+            assert "".join(getattr(d, name, None) or "" for d in deltas) == choice.message.reasoning_content
         assert "".join(d.content or "" for d in deltas) == (choice.message.content or "")
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == \
         whole.usage.completion_tokens_details.reasoning_tokens

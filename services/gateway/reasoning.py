@@ -7,9 +7,9 @@ same one on. A model whose template has no thinking mode refuses an effort that 
 answers for a model without reasoning); the two ways may not disagree.
 
 Read: whenever the model has a thought channel (splitgemma.serving.thinking), thinking on or not — a thought block in
-the output is never left inside the answer. The thought is returned as `reasoning_content` (chat: the message and
-the stream's deltas; llama-server's and DeepSeek's field, which vLLM also sent before it renamed it) or as a
-reasoning item (Responses); `include_reasoning: false` (vLLM's) drops it. Its tokens are counted in
+the output is never left inside the answer. The thought is returned as `reasoning_content` and `reasoning` (chat: the
+message and the stream's deltas; llama-server's and DeepSeek's field, and vLLM's new name for it) or as a reasoning
+item (Responses); `include_reasoning: false` (vLLM's) drops it. Its tokens are counted in
 `completion_tokens_details.reasoning_tokens` / `output_tokens_details.reasoning_tokens`, and in the token limit, as
 OpenAI counts them.
 

@@ -41,6 +41,12 @@ def predicted_in(prediction: list[int], ids: list[int]) -> int:
     return int(row[-1])
 
 
+def thought_fields(thought: str) -> dict:
+    """A chat message's (or delta's) thought under both names clients read: `reasoning_content` (llama-server's,
+    DeepSeek's, vLLM's until it renamed it) and `reasoning` (vLLM's now)."""
+    return {"reasoning_content": thought, "reasoning": thought}
+
+
 def sse(obj, event: str | None = None) -> str:
     """One server-sent event: `data: {json}` (and `event: name` before it when named)."""
     data = "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
@@ -209,7 +215,7 @@ class ChoiceRenderer:
                     message, finish = tool_message(self.tools, self.text[i], finish)
                     self.finish[i] = finish
                 if self.has_thought(i):
-                    message["reasoning_content"] = self.thought[i]
+                    message.update(thought_fields(self.thought[i]))
                 choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
             else:
                 text, part = self.text[i], self.parts.get(i)
@@ -264,7 +270,7 @@ class ChoiceRenderer:
 
     @staticmethod
     def _thought_deltas(thought: str) -> list[dict]:
-        return [{"reasoning_content": thought}] if thought else []
+        return [thought_fields(thought)] if thought else []
 
     def _tool_deltas(self, index: int, text: str, finish: str | None) -> list[dict]:
         """A choice's new text through its tool parser, as chat deltas; at its end (finish) the parser's last deltas,
