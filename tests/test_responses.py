@@ -310,7 +310,7 @@ def _fits(client, model, turns) -> bool:
 
 
 @pytest.mark.parametrize("extra, param", [
-    (dict(background=True), "background"),
+    (dict(background=True, store=False), "background"),
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
      "input[0].content[0].type"),
@@ -335,6 +335,103 @@ def test_what_is_not_served_is_refused_by_name(client, model, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**kw)
     assert e.value.body["param"] == param, e.value.body
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Background responses
+
+def _until_done(client, rid: str, timeout: float = 60.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        r = client.responses.retrieve(rid)
+        if r.status not in ("queued", "in_progress") or time.monotonic() > end:
+            return r
+        time.sleep(0.02)
+
+
+def test_a_background_response_is_the_response_it_would_have_been(client, model):
+    kw = dict(model=model, input=INPUT, instructions="Answer briefly.", max_output_tokens=40, temperature=0)
+    queued = client.responses.create(**kw, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background is True and queued.output == []
+    done = _until_done(client, queued.id)
+    now = client.responses.create(**kw)
+    assert done.id == queued.id and done.background is True and now.background is False
+    assert done.status == now.status and done.output_text == now.output_text
+    assert done.usage.input_tokens == now.usage.input_tokens and done.usage.output_tokens == now.usage.output_tokens
+    assert [i.content[0].text for i in client.responses.input_items.list(done.id).data] == [INPUT]
+    nxt = client.responses.create(model=model, previous_response_id=done.id, input="And then?", max_output_tokens=4)
+    assert nxt.status in ("completed", "incomplete")
+
+
+def _events(stream) -> list[dict]:
+    return [e.model_dump() for e in stream]
+
+
+def test_a_background_stream_can_be_left_and_read_again(client, model):
+    kw = dict(model=model, input=INPUT, max_output_tokens=30, temperature=0, background=True)
+    events = _events(client.responses.create(**kw, stream=True))
+    assert [e["type"] for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert events[0]["response"]["status"] == "queued" and events[0]["response"]["background"] is True
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    rid = events[0]["response"]["id"]
+    assert _events(client.responses.retrieve(rid, stream=True, starting_after=5)) == events[6:]
+    assert _events(client.responses.retrieve(rid, stream=True)) == events
+    # Leaving the stream cancels nothing: the response runs to its end.
+    stream = client.responses.create(**{**kw, "max_output_tokens": 200}, stream=True)
+    first = [next(iter(stream)) for _ in range(4)]
+    stream.close()
+    done = _until_done(client, first[0].response.id)
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens > 0
+    whole = client.responses.create(**{**kw, "max_output_tokens": 200, "background": False})
+    assert done.output_text == whole.output_text
+
+
+def test_cancelling_a_background_response_frees_its_slot(stack, client, model):
+    kw = dict(model=model, input=INPUT, max_output_tokens=CONTEXT - 40, temperature=0, background=True,
+              extra_body={"ignore_eos": True})
+    r = client.responses.create(**kw)
+    while client.responses.retrieve(r.id).status == "queued":
+        pass
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.usage.output_tokens < CONTEXT - 40
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    assert client.responses.cancel(r.id).status == "cancelled"   # idempotent
+    stats = stack.wait_idle()
+    assert stats.slots_leased == stats.slots_running == 0
+    # A running one can be deleted (cancelled first); a response not made in the background cannot be cancelled.
+    gone = client.responses.create(**kw)
+    client.responses.delete(gone.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
+    assert stack.wait_idle().slots_leased == 0
+    plain = client.responses.create(model=model, input=INPUT, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.cancel(plain.id)
+    assert e.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        list(client.responses.retrieve(plain.id, stream=True))
+    assert e.value.body["param"] == "stream"
+
+
+def test_a_running_background_response_cannot_be_continued_yet(client, model):
+    r = client.responses.create(model=model, input=INPUT, max_output_tokens=CONTEXT - 40, temperature=0,
+                                background=True, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, previous_response_id=r.id, input="x", max_output_tokens=2)
+    assert e.value.body["param"] == "previous_response_id"
+    client.responses.cancel(r.id)
+
+
+def test_background_runs_are_bounded():
+    from splitgemma.services.gateway.background import BackgroundRuns
+    from splitgemma.services.gateway.protocol import ApiError
+
+    with pytest.raises(ApiError) as e:
+        BackgroundRuns(0).check_room()
+    assert e.value.status == 429 and e.value.retry_after
 
 
 def test_unknown_ids_are_404(client, model):

@@ -56,9 +56,10 @@ from .endpoints import add_endpoints
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .metrics import GatewayMetrics
 from .offload import Offload
-from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
+from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts, check_context
 from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
 from .render import ChoiceRenderer
+from .background import BackgroundRuns
 from .response_store import ResponseStore, StoreLimits
 from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
 from .messages import chat_request as messages_chat_request
@@ -173,6 +174,7 @@ class Gateway:
         self.vocab_size = config.vocab_size or config.tokenizer.get_vocab_size(with_added_tokens=True)
         self.grammars = config.grammars or Grammars(None, (), self.vocab_size)
         self.response_store = ResponseStore(config.response_store)
+        self.background = BackgroundRuns(config.response_store.background)
 
     # -- parsing and tokenization (in Offload's threads) --------------------------------------------------------
 
@@ -339,14 +341,23 @@ class Gateway:
     # -- the request flow ----------------------------------------------------------------------------------------
 
     async def chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
-                   make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer], *,
-                   prompt_param: str = "messages", effort_param: str = "reasoning_effort",
-                   truncate: bool = False, fit_context: bool = False) -> Response:
-        """A chat request from its validated form to its answer (chat completions and the Responses API): the tools
-        and the reading of the thought planned, the prompt rendered (with `truncate`, the oldest turns dropped until
-        it fits the context: responses truncation auto), the constraint compiled (after the thought, when the
-        request thinks), the choices run; make_render(tools, reasoning, n_choices) renders them. `fit_context`: the
-        context may end the answer before its token limit (ChoiceSpec.fit_context)."""
+                   make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer],
+                   **options) -> Response:
+        """A chat request from its validated form to its answer (chat completions, the Responses and Messages
+        APIs): prepare_chat, then the choices run."""
+        state, specs, render = await self.prepare_chat(rid, req, messages, body_bytes, make_render, **options)
+        return await self.run(state, req, specs, render)
+
+    async def prepare_chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
+                           make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer], *,
+                           prompt_param: str = "messages", effort_param: str = "reasoning_effort",
+                           truncate: bool = False, fit_context: bool = False) \
+            -> tuple[_RequestState, list[ChoiceSpec], ChoiceRenderer]:
+        """What run() takes for a chat request: the tools and the reading of the thought planned, the prompt rendered
+        (with `truncate`, the oldest turns dropped until it fits the context: responses truncation auto), the
+        constraint compiled (after the thought, when the request thinks), the choices' specs, and
+        make_render(tools, reasoning, n_choices)'s renderer. `fit_context`: the context may end the answer before its
+        token limit (ChoiceSpec.fit_context)."""
         check_messages(messages, self.config.limits, prompt_param)
         state = _RequestState(self, "chat", rid)
         plan = plan_tools(req, self.tool_format)
@@ -381,7 +392,7 @@ class Gateway:
             for spec in specs:
                 spec.prediction_ids = predicted
             render.prediction = predicted
-        return await self.run(state, req, specs, render)
+        return state, specs, render
 
     async def run(self, state: _RequestState, req, specs: list[ChoiceSpec],
                   render: ChoiceRenderer) -> Response:
@@ -688,6 +699,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         try:
             yield
         finally:
+            await gw.background.close()
             await gw.pipelines.drain()
             await gw.pool.close()
             gw.offload.close()
@@ -799,7 +811,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if req.model is not None:  # required on create (validated), optional when counting
             check_model(req.model)
         owner = request_owner(request, bool(config.api_keys))
-        before, before_bytes = conversation_before(gw.response_store, req, owner)
+        before, before_bytes = conversation_before(gw.response_store, gw.background, req, owner)
         return req, owner, before, len(raw) + before_bytes
 
     @app.post("/v1/responses")
@@ -816,12 +828,32 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 return items, *chat_request(req, before + items)
 
             items, chat, messages = await gw.offload.run(Offload.is_light(size, len(before)), translate)
-            return await gw.chat(rid, chat, messages, size,
-                                 lambda plan, reasoning, _: ResponsesRenderer(
-                                     gw, rid, req, plan, reasoning, store=gw.response_store, owner=owner,
-                                     input_items=items),
-                                 prompt_param="input", effort_param="reasoning.effort",
-                                 truncate=req.truncation == "auto")
+            options = dict(prompt_param="input", effort_param="reasoning.effort", truncate=req.truncation == "auto")
+
+            def render(plan, reasoning, _):
+                return ResponsesRenderer(gw, rid, req, plan, reasoning, store=gw.response_store, owner=owner,
+                                         input_items=items)
+
+            if not req.background:
+                return await gw.chat(rid, chat, messages, size, render, **options)
+            if not gw.response_store.enabled:
+                raise invalid("background responses need the response store, which this gateway has off "
+                              "(--response-store-entries 0)", param="background", code="invalid_value")
+            gw.background.check_room()
+            # Checked and rendered now (a bad request is a 400 at once); run as a stream whatever the client asked.
+            chat = chat.model_copy(update={"stream": True})
+            state, specs, render = await gw.prepare_chat(rid, chat, messages, size, render, **options)
+            for spec in specs:
+                check_context(spec, gw.pool.known_context())
+
+            async def events():
+                return (await gw.run(state, chat, specs, render)).body_iterator
+
+            run = gw.background.start(owner, render, events)
+            if req.stream:  # the client may leave this stream: the response goes on
+                return StreamingResponse(run.follow(None), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return JSONResponse(run.snapshot(), headers={"X-Request-Id": rid})
 
         return await _until_disconnect(request, work)
 
@@ -886,7 +918,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            "leave thinking out or disable it", param="thinking", code="unsupported_parameter")
         return messages_chat_request(req, effort_if_adaptive=gw.reasoning_format.can_think)
 
-    add_store_endpoints(app, gw.response_store, bool(config.api_keys))
+    add_store_endpoints(app, gw.response_store, gw.background, bool(config.api_keys))
     add_endpoints(app, gw, check_model)
 
     @app.get("/health")

@@ -25,10 +25,14 @@ DEFAULT_ENTRIES = 1024
 DEFAULT_MEGABYTES = 64
 
 
+DEFAULT_BACKGROUND = 64
+
+
 @dataclass
 class StoreLimits:
     entries: int = DEFAULT_ENTRIES      # 0: nothing is stored (store: true answers as if false)
     megabytes: int = DEFAULT_MEGABYTES
+    background: int = DEFAULT_BACKGROUND   # background responses running at once (background.py; 0: none)
 
 
 @dataclass

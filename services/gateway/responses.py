@@ -2,10 +2,11 @@
 
   POST   /v1/responses                        create (stream: the typed SSE events, `event: response.…`)
   POST   /v1/responses/input_tokens           the prompt tokens a create request would have (truncation included)
-  GET    /v1/responses/{id}                   a stored response
+  GET    /v1/responses/{id}                   a stored response, or a background one as it stands (stream=true:
+                                              its events after starting_after, then the rest as they come)
   GET    /v1/responses/{id}/input_items       its input items (limit, order, after)
-  DELETE /v1/responses/{id}                   forget it
-  POST   /v1/responses/{id}/cancel            400: only background responses can be cancelled, and none run here
+  DELETE /v1/responses/{id}                   forget it (a running background response is cancelled first)
+  POST   /v1/responses/{id}/cancel            cancel a background response (background.py)
 
 A request becomes the chat request it means (`chat_request`): `instructions` a system message first, the input
 items (a string, or messages, function calls and their outputs) and, with `previous_response_id`, the stored
@@ -20,8 +21,11 @@ output_text, a function_call item per call; `status` completed, or incomplete (`
 max_output_tokens) when the token limit or the context ended it. A reasoning item in the input goes back to the
 model as the thought of the assistant turn after it (the template replays a thought before that turn's calls).
 
-What this server does not do is refused with a 400 naming the parameter, never silently dropped: background
-responses, conversations (the Conversations API), saved prompts, hosted tools (web search, file search, …: function
+`background: true` queues the response and answers at once; it runs in the gateway and is read back, streamed or
+cancelled by its id (background.py).
+
+What this server does not do is refused with a 400 naming the parameter, never silently dropped: conversations (the
+Conversations API), saved prompts, hosted tools (web search, file search, …: function
 tools only), input images, files and audio, item references, n > 1.
 `include` values that name output this server never produces (reasoning.encrypted_content, hosted tools' results,
 input image URLs) are accepted and have nothing to include; a reasoning item's encrypted_content (another server's)
@@ -41,7 +45,7 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
 from splitgemma.serving.credentials import bearer_token, token_digest
@@ -49,6 +53,7 @@ from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import (MAX_TOOLS, MAX_TOP_LOGPROBS, ApiError, ChatCompletionRequest, FunctionDefinition,
                        PositiveInt, _SamplingRequest, _Strict, _Unsupported, check_tools, invalid)
+from .background import BackgroundRuns
 from .reasoning import ReasoningPlan
 from .render import ChoiceRenderer, sse
 from .response_store import ChainBroken, ResponseStore
@@ -84,8 +89,7 @@ def new_id(prefix: str) -> str:
 # OpenAI's parameters for what this server does not do: the values that ask for nothing, and why anything else is
 # refused.
 REFUSED = {
-    "background": ((None, False), "it runs every response while its request waits"),
-    "background_options": ((None,), "it runs no background responses"),
+    "background_options": ((None,), "a background response runs with the gateway's own options"),
     "conversation": ((None,), "continue a conversation with previous_response_id"),
     "prompt": ((None,), "send input and instructions instead of a saved prompt"),
     "context_management": ((None, []), "truncation auto drops the oldest turns instead of compacting them"),
@@ -197,6 +201,9 @@ class ResponsesRequest(_SamplingRequest):
         for name, (nothing, why) in REFUSED.items():
             if getattr(self, name) not in nothing:
                 raise _Unsupported(name, f"{name} is not supported by this server: {why}")
+        if self.background and not self.store:
+            raise _Unsupported("background", "a background response is stored (its client reads it back later): "
+                               "background needs store true", code="invalid_value")
         for k in self.include or ():
             if k != LOGPROBS_INCLUDE and k not in NOTHING_TO_INCLUDE:
                 raise _Unsupported("include", f"include: {k[:80]!r} is not a value this API defines",
@@ -461,6 +468,10 @@ class ResponsesRenderer(ChoiceRenderer):
         self.output: list[dict] = []        # finished output items (streaming)
         self.open: dict | None = None       # the item being streamed
         self.pending_lp: list[dict] = []    # logprobs of tokens whose text has not gone out yet
+        # background responses (background.py)
+        self.started = False                # the stream began (admitted and prefilled)
+        self.kept = False                   # the final response went to the store
+        self.error: dict | None = None      # the error a failed stream ended with
 
     # the response object
     def response(self, status: str, output: list[dict], *, error: dict | None = None) -> dict:
@@ -470,7 +481,8 @@ class ResponsesRenderer(ChoiceRenderer):
             {"type": "text"}
         tool_choice = req.tool_choice or "auto"
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": status, "background": False,
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "background": bool(req.background),
             "completed_at": int(time.time()) if status == "completed" else None, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -487,7 +499,7 @@ class ResponsesRenderer(ChoiceRenderer):
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "top_logprobs": req.top_logprobs or 0, "top_p": self.gw.effective(req, "top_p", 1.0),
             "truncation": req.truncation or "disabled", "user": req.user,
-            "usage": self.usage() if done and error is None else None,
+            "usage": self.usage() if done and error is None or status == "cancelled" else None,
         }
 
     def usage(self) -> dict:
@@ -502,7 +514,16 @@ class ResponsesRenderer(ChoiceRenderer):
     def _keep(self, response: dict) -> dict:
         if self.stored and not self.store.put(self.owner, response, self.items, self.req.previous_response_id):
             log.warning("response too large for the store: not kept", extra={"request_id": self.id})
+        self.kept = True
         return response
+
+    def finish_as(self, status: str, error: dict | None = None) -> dict:
+        """A background response that ended other than by its stream's end (cancelled, failed), stored: the output
+        finished so far, and the item that was being streamed, incomplete."""
+        output = list(self.output)
+        if self.open is not None:
+            output.append({**self.open, "status": "incomplete"})
+        return self._keep(self.response(status, output, error=error))
 
     def _lp(self, entries, in_thought: list[bool]) -> list[dict]:
         """The output_text's logprobs: the answer's tokens (a thought's are not the message's)."""
@@ -536,9 +557,17 @@ class ResponsesRenderer(ChoiceRenderer):
         return sse({"type": kind, "sequence_number": self.seq - 1, **fields}, event=kind)
 
     def sse_start(self) -> list[str]:
+        self.started = True
         started = self.response("in_progress", [])
+        if self.req.background:  # created and queued went out when it was queued (sse_queued)
+            return [self._event("response.in_progress", response=started)]
         return [self._event("response.created", response=started),
                 self._event("response.in_progress", response=started)]
+
+    def sse_queued(self) -> list[str]:
+        """A background response's first events, when it is queued."""
+        queued = self.response("queued", [])
+        return [self._event("response.created", response=queued), self._event("response.queued", response=queued)]
 
     def sse_event(self, index: int, event: pb.GenerateEvent) -> list[str]:
         text, thought, lp = self.add(index, event)
@@ -654,7 +683,8 @@ class ResponsesRenderer(ChoiceRenderer):
 
     def sse_error(self, e: ApiError) -> list[str]:
         code = "rate_limit_exceeded" if e.status == 429 else "server_error" if e.status >= 500 else "invalid_prompt"
-        failed = self.response("failed", self.output, error={"code": code, "message": e.message})
+        self.error = {"code": code, "message": e.message}
+        failed = self.response("failed", self.output, error=self.error)
         return [self._event("error", code=e.code or e.type, message=e.message, param=e.param),
                 self._event("response.failed", response=failed)]
 
@@ -663,10 +693,15 @@ class ResponsesRenderer(ChoiceRenderer):
 # The stored responses' endpoints
 
 
-def conversation_before(store: ResponseStore, req: ResponsesRequest, owner: str) -> tuple[list[dict], int]:
+def conversation_before(store: ResponseStore, runs: BackgroundRuns, req: ResponsesRequest,
+                        owner: str) -> tuple[list[dict], int]:
     """The stored conversation `previous_response_id` continues (none without one) and its size in bytes."""
     if req.previous_response_id is None:
         return [], 0
+    if runs.running(req.previous_response_id, owner) is not None:
+        raise invalid(f"Previous response with id '{req.previous_response_id[:MAX_ID]}' is a background response "
+                      "still running: continue it once it has completed", param="previous_response_id",
+                      code="invalid_value")
     try:
         found = store.conversation(req.previous_response_id, owner)
     except ChainBroken:
@@ -679,23 +714,47 @@ def conversation_before(store: ResponseStore, req: ResponsesRequest, owner: str)
     return found
 
 
-def add_store_endpoints(app: FastAPI, store: ResponseStore, keyed: bool) -> None:
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id[:MAX_ID]}' not found.", param="response_id",
+                    code="not_found")
+
+
+def add_store_endpoints(app: FastAPI, store: ResponseStore, runs: BackgroundRuns, keyed: bool) -> None:
     def stored(request: Request, response_id: str):
         entry = store.get(response_id, request_owner(request, keyed))
         if entry is None:
-            raise ApiError(404, f"Response with id '{response_id[:MAX_ID]}' not found.", param="response_id",
-                           code="not_found")
+            raise _not_found(response_id)
         return entry
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str):
-        return JSONResponse(stored(request, response_id).response)
+        owner = request_owner(request, keyed)
+        query = request.query_params
+        if query.get("stream", "false") not in ("true", "false"):
+            raise invalid("stream must be true or false", param="stream", code="invalid_value")
+        after = query.get("starting_after")
+        if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 9):
+            raise invalid("starting_after must be a sequence number (an integer ≥ 0)", param="starting_after",
+                          code="invalid_value")
+        if query.get("stream") == "true":
+            run = runs.get(response_id, owner)
+            if run is None:
+                stored(request, response_id)  # 404 if it is not stored either
+                raise invalid("only a background response's events can be streamed again, while the gateway keeps "
+                              "them: GET this response without stream", param="stream", code="invalid_value")
+            return StreamingResponse(run.follow(None if after is None else int(after)),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        run = runs.running(response_id, owner)
+        return JSONResponse(run.snapshot() if run is not None else stored(request, response_id).response)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
-        if not store.delete(response_id, request_owner(request, keyed)):
-            raise ApiError(404, f"Response with id '{response_id[:MAX_ID]}' not found.", param="response_id",
-                           code="not_found")
+        owner = request_owner(request, keyed)
+        run = runs.running(response_id, owner)
+        if run is not None:
+            await runs.cancel(run)
+        if not store.delete(response_id, owner):
+            raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")
@@ -722,6 +781,15 @@ def add_store_endpoints(app: FastAPI, store: ResponseStore, keyed: bool) -> None
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str):
-        stored(request, response_id)
-        raise invalid("only background responses can be cancelled, and this server runs none: this response has "
-                      "finished", param="response_id", code="invalid_value")
+        """Cancels a running background response; one that has ended is answered as it is (cancelling is
+        idempotent); a response that was not created in the background cannot be cancelled."""
+        run = runs.running(response_id, request_owner(request, keyed))
+        if run is not None:
+            await runs.cancel(run)
+            entry = store.get(response_id, run.owner)
+            return JSONResponse(entry.response if entry is not None else run.snapshot())
+        entry = stored(request, response_id)
+        if not entry.response.get("background"):
+            raise invalid("only background responses can be cancelled: this one was not created with background "
+                          "true", param="response_id", code="invalid_value")
+        return JSONResponse(entry.response)

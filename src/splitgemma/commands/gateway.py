@@ -46,6 +46,8 @@ _RESPONSES = (
      "previous_response_id and GET /v1/responses/{id}, least recently used first out (0: none; store is then "
      "answered false)"),
     ("response_store_mb", positive_int, "MB", "memory those stored responses may take"),
+    ("background_responses", non_negative_int, "N", "Responses API responses with background true that may run at "
+     "once (more are refused with 429; 0: background refused)"),
 )
 RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
 
@@ -65,7 +67,7 @@ def add_limit_options(p) -> None:
     defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
                 "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "generation_config": "auto", "scheduling_policy": "fcfs",
                 "response_store_entries": store.entries,
-                "response_store_mb": store.megabytes}
+                "response_store_mb": store.megabytes, "background_responses": store.background}
     for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + \
             _RESPONSES:
         p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
@@ -85,10 +87,10 @@ def limit_argv(args) -> list[str]:
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "gateway", help="serve the OpenAI API over prefill and decode workers",
-        description="Serve /v1/completions, /v1/chat/completions and /v1/responses (with SSE streaming), /v1/models, "
-                    "/tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. Each request is tokenized here (with the model's chat template for "
-                    "chat), gets a KV slot from a decode worker, is prefilled into it by a prefill worker and "
-                    "streamed back by the decode worker. Telemetry follows the OTEL_* environment variables.",
+        description="Serve /v1/completions, /v1/chat/completions and /v1/responses (with SSE streaming), Anthropic's "
+                    "/v1/messages, /v1/models, /tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. "
+                    "Each request is tokenized here (with the model's chat template for chat), gets a KV slot from "
+                    "a decode worker, is prefilled into it by a prefill worker and streamed back by the decode worker. Telemetry follows the OTEL_* environment variables.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-name", metavar="NAME",
                    help="the model id clients send (default: the --model file name without .fgm)")
@@ -156,7 +158,8 @@ def run(args) -> int:
                               render_threads=args.render_threads, render_queue=args.render_queue,
                               default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
                               scheduling_policy=args.scheduling_policy,
-                              response_store=StoreLimits(args.response_store_entries, args.response_store_mb))
+                              response_store=StoreLimits(args.response_store_entries, args.response_store_mb,
+                                                         args.background_responses))
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           max_header_bytes=args.max_header_bytes)
