@@ -241,7 +241,8 @@ def test_render_budget_bounds_and_cancels_a_render():
     tok = Tokenizer.from_file(str(MODEL.parent / "tokenizer.json"))
     ct = ChatTemplate(TEMPLATE.read_text(), tok, special_token_strings(tok))
     for case in _oracle_cases().values():
-        kwargs = dict(tools=case.get("tools"), **case.get("kwargs", {}))
+        kwargs = dict(tools=case.get("tools"), add_generation_prompt=case.get("add_generation_prompt", True),
+                      **case.get("kwargs", {}))
         assert ct.encode(case["messages"], RenderBudget(10 ** 6), **kwargs) == ct.encode(case["messages"], **kwargs)
     messages = _many_messages(10)
     size = len(ct.render(messages))

@@ -279,6 +279,15 @@ def test_a_thought_is_a_thinking_block(display):
     assert frames[-2]["usage"] == message["usage"]
 
 
+def test_anthropics_client_lists_the_model(stack, client):
+    [info] = client.models.list().data
+    assert info.id == MODEL and info.type == "model" and info.display_name == MODEL and info.lifecycle == "active"
+    assert int(info.created_at.timestamp()) == stack.client().models.retrieve(MODEL).created
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("other")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Errors, in Anthropic's envelope
 

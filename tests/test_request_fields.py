@@ -89,15 +89,14 @@ def test_a_refused_field_is_a_400_naming_it(model, base, field, value):
 # request as they are (responses._CARRIED: what they do is tested above, through chat).
 RESPONSES_IMPLEMENTED = {name: ["test_responses"] for name in (
     "input", "instructions", "max_output_tokens", "top_logprobs", "include", "tools", "tool_choice",
-    "parallel_tool_calls", "text", "store", "previous_response_id", "truncation")}
+    "parallel_tool_calls", "text", "store", "previous_response_id", "truncation", "background", "conversation")}
 RESPONSES_IMPLEMENTED["reasoning"] = ["test_reasoning"]
 # Echoed or accepted with nothing to do here: metadata, identifiers, hints for OpenAI's own cache and accounts,
 # bounds on hosted tools (none run here), stream_options' obfuscation padding (none is added).
 RESPONSES_ACCEPTED = {"metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                       "prompt_cache_options", "service_tier", "max_tool_calls", "image", "access_programs",
                       "stream_options"}
-RESPONSES_REFUSED_VALUES = {"background": True, "background_options": {"completion_window": "2h"},
-                            "conversation": "conv_1", "prompt": {"id": "pmpt_1"},
+RESPONSES_REFUSED_VALUES = {"background_options": {"completion_window": "2h"}, "prompt": {"id": "pmpt_1"},
                             "context_management": [{"type": "compaction"}], "moderation": {"model": "omni"},
                             "n": 2, "max_tokens": 5,
                             "response_format": {"type": "json_object"}, "prompt_logprobs": 1, **REFUSED_VALUES}

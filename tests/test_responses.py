@@ -323,7 +323,7 @@ def _fits(client, model, turns) -> bool:
     (dict(tools=[PING], tool_choice={"type": "function", "name": "pong"}), "tool_choice"),
     (dict(text={"format": {"type": "json_schema", "name": "x"}}), "text.format.schema"),
     (dict(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
-    (dict(conversation="conv_1"), "conversation"),
+    (dict(conversation="conv_1", previous_response_id="resp_1"), "conversation"),
     (dict(extra_body={"n": 2}), "n"),
     (dict(extra_body={"max_tokens": 5}), "max_tokens"),
     (dict(extra_body={"response_format": {"type": "json_object"}}), "response_format"),
@@ -401,12 +401,15 @@ def test_cancelling_a_background_response_frees_its_slot(stack, client, model):
     assert client.responses.cancel(r.id).status == "cancelled"   # idempotent
     stats = stack.wait_idle()
     assert stats.slots_leased == stats.slots_running == 0
-    # A running one can be deleted (cancelled first); a response not made in the background cannot be cancelled.
-    gone = client.responses.create(**kw)
-    client.responses.delete(gone.id)
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(gone.id)
-    assert stack.wait_idle().slots_leased == 0
+    # A running one can be deleted (cancelled first), at any stage: even as its slot is being granted (the gateway
+    # gives back a grant that comes after its caller left: Pipelines._abandon_reserve) no slot stays leased.
+    for _ in range(12):
+        gone = client.responses.create(**kw)
+        client.responses.delete(gone.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(gone.id)
+    assert stack.wait_idle(timeout=5).slots_leased == 0
+    # A response not made in the background cannot be cancelled.
     plain = client.responses.create(model=model, input=INPUT, max_output_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.cancel(plain.id)
@@ -423,6 +426,60 @@ def test_a_running_background_response_cannot_be_continued_yet(client, model):
         client.responses.create(model=model, previous_response_id=r.id, input="x", max_output_tokens=2)
     assert e.value.body["param"] == "previous_response_id"
     client.responses.cancel(r.id)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Conversations
+
+def test_a_conversation_carries_its_turns(stack, client, model):
+    system = {"role": "system", "content": "Answer briefly."}
+    conv = client.conversations.create(items=[system], metadata={"topic": "cats"})
+    assert conv.object == "conversation" and conv.id.startswith("conv_") and conv.metadata == {"topic": "cats"}
+    r1 = client.responses.create(model=model, conversation=conv.id, input=INPUT, max_output_tokens=6, temperature=0)
+    c1 = _chat(client, model, [system, {"role": "user", "content": INPUT}], max_tokens=6)
+    assert r1.conversation.id == conv.id and r1.output_text == c1.choices[0].message.content
+    items = client.conversations.items.list(conv.id, order="asc").data
+    assert [(i.type, i.role) for i in items] == [("message", "system"), ("message", "user"), ("message", "assistant")]
+    assert items[2].id == r1.output[0].id
+    # The next response reads the conversation before its input: the chat of all the turns.
+    r2 = client.responses.create(model=model, conversation={"id": conv.id}, input="And then?", max_output_tokens=6,
+                                 temperature=0)
+    c2 = _chat(client, model, [system, {"role": "user", "content": INPUT},
+                               {"role": "assistant", "content": r1.output_text},
+                               {"role": "user", "content": "And then?"}], max_tokens=6)
+    assert r2.output_text == c2.choices[0].message.content and r2.usage.input_tokens == c2.usage.prompt_tokens
+    assert len(client.conversations.items.list(conv.id).data) == 5
+    # Items added, read and removed by the client; metadata replaced.
+    [note] = client.conversations.items.create(conv.id, items=[{"role": "user", "content": "Note."}]).data
+    assert client.conversations.items.retrieve(note.id, conversation_id=conv.id).id == note.id
+    assert client.conversations.items.delete(note.id, conversation_id=conv.id).id == conv.id
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(note.id, conversation_id=conv.id)
+    assert client.conversations.update(conv.id, metadata={"topic": "dogs"}).metadata == {"topic": "dogs"}
+    assert client.conversations.retrieve(conv.id).metadata == {"topic": "dogs"}
+    # Another key's: not found, to read or to continue.
+    other = _client(stack, OTHER_KEY)
+    with pytest.raises(openai.NotFoundError):
+        other.conversations.retrieve(conv.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.create(model=model, conversation=conv.id, input="x", max_output_tokens=2)
+    assert client.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.retrieve(conv.id)
+
+
+def test_conversation_refusals_name_the_parameter(client):
+    for kw, param in ((dict(items=[{"role": "user", "content": "x"}] * 21), "items"),
+                      (dict(items=[{"type": "item_reference", "id": "x"}]), "items[0].type"),
+                      (dict(metadata={f"k{i}": "v" for i in range(17)}), "metadata"),
+                      (dict(metadata={"k": 1}), "metadata")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.conversations.create(**kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    conv = client.conversations.create()
+    assert client.conversations.update(conv.id, metadata=None).metadata == {}
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.delete("msg_nope", conversation_id=conv.id)
 
 
 def test_background_runs_are_bounded():

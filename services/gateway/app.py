@@ -2,6 +2,7 @@
 
   POST /v1/completions, /v1/chat/completions   (stream: SSE `data: {chunk}` … `data: [DONE]`)
   POST /v1/responses, and GET / DELETE the stored ones (responses.py; stream: typed SSE events)
+  /v1/conversations: OpenAI's Conversations API, whose items a response may continue (conversations.py)
   POST /v1/messages, /v1/messages/count_tokens: Anthropic's Messages API (messages.py; its envelope for errors)
   GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /, /docs, /openapi.json
                  (endpoints.py)
@@ -60,6 +61,8 @@ from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts, check_context
 from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
 from .render import ChoiceRenderer
 from .background import BackgroundRuns
+from .conversation_store import ConversationStore
+from .conversations import add_conversation_endpoints
 from .response_store import ResponseStore, StoreLimits
 from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
 from .messages import chat_request as messages_chat_request
@@ -175,6 +178,7 @@ class Gateway:
         self.grammars = config.grammars or Grammars(None, (), self.vocab_size)
         self.response_store = ResponseStore(config.response_store)
         self.background = BackgroundRuns(config.response_store.background)
+        self.conversations = ConversationStore(config.response_store)
 
     # -- parsing and tokenization (in Offload's threads) --------------------------------------------------------
 
@@ -623,7 +627,7 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
 
 
 _TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
-           "/v1/messages/count_tokens", "/v1/models", "/tokenize", "/detokenize"}
+           "/v1/messages/count_tokens", "/v1/conversations", "/v1/models", "/tokenize", "/detokenize"}
 
 
 def _route(path: str) -> str | None:
@@ -636,6 +640,11 @@ def _route(path: str) -> str | None:
         tail = path.rsplit("/", 1)[1]
         return "/v1/responses/{response_id}" + (f"/{tail}" if path.count("/") > 3 and tail in (
             "input_items", "cancel") else "")
+    if path.startswith("/v1/conversations/"):
+        parts = path.split("/")[3:]  # [id], [id, "items"], [id, "items", item id]
+        items = len(parts) > 1 and parts[1] == "items"
+        return "/v1/conversations/{conversation_id}" + (
+            ("/items/{item_id}" if len(parts) > 2 else "/items") if items else "")
     return None
 
 
@@ -811,7 +820,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if req.model is not None:  # required on create (validated), optional when counting
             check_model(req.model)
         owner = request_owner(request, bool(config.api_keys))
-        before, before_bytes = conversation_before(gw.response_store, gw.background, req, owner)
+        if req.conversation_id is None:
+            before, before_bytes = conversation_before(gw.response_store, gw.background, req, owner)
+        else:
+            found = gw.conversations.items(req.conversation_id, owner)
+            if found is None:
+                raise ApiError(404, f"Conversation with id '{req.conversation_id}' not found.", param="conversation",
+                               code="not_found")
+            before, before_bytes = found
         return req, owner, before, len(raw) + before_bytes
 
     @app.post("/v1/responses")
@@ -832,7 +848,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
             def render(plan, reasoning, _):
                 return ResponsesRenderer(gw, rid, req, plan, reasoning, store=gw.response_store, owner=owner,
-                                         input_items=items)
+                                         input_items=items, conversations=gw.conversations)
 
             if not req.background:
                 return await gw.chat(rid, chat, messages, size, render, **options)
@@ -919,6 +935,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return messages_chat_request(req, effort_if_adaptive=gw.reasoning_format.can_think)
 
     add_store_endpoints(app, gw.response_store, gw.background, bool(config.api_keys))
+    add_conversation_endpoints(app, gw.conversations, bool(config.api_keys), config.max_body_bytes,
+                               config.limits.body_timeout)
     add_endpoints(app, gw, check_model)
 
     @app.get("/health")

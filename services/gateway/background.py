@@ -107,6 +107,8 @@ class BackgroundRuns:
         run.add(render.sse_queued())
         self._running[run.id] = run
         run.task = asyncio.create_task(self._run(run, stream), name=f"background {run.id}")
+        # (a callback, not the coroutine's own finally: a task cancelled before its first step never runs it)
+        run.task.add_done_callback(lambda _: self._ended(run))
         return run
 
     async def _run(self, run: BackgroundRun, stream) -> None:
@@ -117,7 +119,7 @@ class BackgroundRuns:
             if not render.kept:  # the stream failed mid-way (an error event): keep the failed response
                 render.finish_as("failed", error=render.error)
         except asyncio.CancelledError:
-            render.finish_as("cancelled")
+            pass  # stored as cancelled when it has ended (_ended)
         except ApiError as e:  # refused before its stream began: admission, the context, a worker
             run.add(render.sse_error(e))
             render.finish_as("failed", error=render.error)
@@ -126,18 +128,24 @@ class BackgroundRuns:
             e = ApiError(500, f"internal server error (request id {run.id})")
             run.add(render.sse_error(e))
             render.finish_as("failed", error=render.error)
-        finally:
-            run.end()
-            self._running.pop(run.id, None)
-            self._finished[run.id] = run
-            while len(self._finished) > self.limit:
-                self._finished.popitem(last=False)
+
+    def _ended(self, run: BackgroundRun) -> None:
+        if run.done:
+            return
+        if not run.render.kept:  # cancelled
+            run.render.finish_as("cancelled")
+        run.end()
+        self._running.pop(run.id, None)
+        self._finished[run.id] = run
+        while len(self._finished) > self.limit:
+            self._finished.popitem(last=False)
 
     async def cancel(self, run: BackgroundRun) -> None:
         """Cancels a running response and waits until it is stored as cancelled."""
         if run.task is not None and not run.done:
             run.task.cancel()
             await asyncio.gather(run.task, return_exceptions=True)
+            self._ended(run)  # now, not when the task's callbacks get their turn
 
     async def close(self) -> None:
         for run in list(self._running.values()):

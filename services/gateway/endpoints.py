@@ -6,7 +6,8 @@
                      → {count, max_model_len, tokens[, token_strs]}
   POST /detokenize   {model?, tokens} → {prompt} (special tokens kept, so a /tokenize result round-trips)
   GET  /v1/models    the model card: OpenAI's id/object/created/owned_by, vLLM's root/parent/max_model_len/
-                     permission, and which chat template chat uses (chat_template)
+                     permission, which chat template chat uses (chat_template), and Anthropic's
+                     type/display_name/created_at/lifecycle/max_input_tokens (its clients list models here too)
   GET  /version      {"version"} as vLLM answers
   GET  /             what this server is and where to look next
   /docs, /openapi.json are FastAPI's own (create_app enables them).
@@ -20,6 +21,7 @@ These need an API key when keys are configured, as every path but /health, /read
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import FastAPI, Request
@@ -68,6 +70,10 @@ def model_card(gw: "Gateway", permission_id: str) -> dict:
     return {"id": cfg.model_name, "object": "model", "created": gw.created, "owned_by": "splitgemma",
             "root": cfg.model_name, "parent": None, "max_model_len": context or None,
             "chat_template": cfg.chat_template_source,
+            # Anthropic's model object (its clients list models at the same path)
+            "type": "model", "display_name": cfg.model_name, "lifecycle": "active",
+            "created_at": datetime.fromtimestamp(gw.created, timezone.utc).isoformat().replace("+00:00", "Z"),
+            "max_input_tokens": context or None,
             "permission": [{"id": f"modelperm-{permission_id}", "object": "model_permission",
                             "created": gw.created, "allow_create_engine": False, "allow_sampling": True,
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
@@ -122,7 +128,9 @@ def add_endpoints(app: FastAPI, gw: "Gateway", check_model) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(gw, permission_id)]}
+        # OpenAI's list, with Anthropic's paging fields beside it (one model: one page)
+        return {"object": "list", "data": [model_card(gw, permission_id)], "has_more": False,
+                "first_id": cfg.model_name, "last_id": cfg.model_name}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):
@@ -136,6 +144,7 @@ def add_endpoints(app: FastAPI, gw: "Gateway", check_model) -> None:
     @app.get("/")
     async def root():
         return {"name": "splitgemma", "version": __version__, "model": cfg.model_name, "openai_base_path": "/v1",
-                "endpoints": ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models",
+                "endpoints": ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/conversations",
+                              "/v1/messages", "/v1/models",
                               "/tokenize", "/detokenize", "/version", "/health", "/ready", "/metrics"],
                 "docs": "/docs", "openapi": "/openapi.json"}

@@ -101,6 +101,15 @@ def check_context(spec: ChoiceSpec, context: int) -> None:
         raise context_error(n, spec.max_tokens, context, spec.prompt_param)
 
 
+# How long an abandoned Reserve may take to answer before it is taken for queued and cancelled (a grant comes back
+# within a round trip: milliseconds).
+RESERVE_GRACE = 1.0
+
+
+async def _reply(call):
+    return await call
+
+
 _RETRY_RE = re.compile(r"retry-after(-ms)?[=: ]+([0-9]+(?:\.[0-9]+)?)", re.I)
 
 
@@ -182,11 +191,18 @@ class Pipelines:
             try:
                 # Cancelled when the client goes away: the decode worker takes the call out of its queue.
                 timeout = w.queue_timeout + self.timeouts.reserve
-                if len(members) == 1:
-                    leases = [await w.stub.Reserve(members[0], timeout=timeout)]
-                else:
-                    leases = list((await w.stub.ReserveGroup(pb.ReserveGroupRequest(
-                        members=members, priority=runs[0].spec.priority), timeout=timeout)).leases)
+                call = w.stub.Reserve(members[0], timeout=timeout) if len(members) == 1 else \
+                    w.stub.ReserveGroup(pb.ReserveGroupRequest(members=members, priority=runs[0].spec.priority),
+                                        timeout=timeout)
+                # Awaited through a shield: a cancellation (the client went away) must not cut the call off just
+                # as its grant arrives, or the lease would be lost (_abandon_reserve).
+                reply_task = asyncio.ensure_future(_reply(call))
+                try:
+                    reply = await asyncio.shield(reply_task)
+                except asyncio.CancelledError:
+                    self._abandon_reserve(w, call, reply_task, runs)
+                    raise
+                leases = [reply] if len(members) == 1 else list(reply.leases)
             except grpc.aio.AioRpcError as e:
                 code = e.code()
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -348,6 +364,30 @@ class Pipelines:
     def release_all(self, runs: list[Run]) -> None:
         for run in runs:
             self.release(run)
+
+    def _abandon_reserve(self, w: Worker, call, reply_task: asyncio.Task, runs: list[Run]) -> None:
+        """The caller was cancelled (its client went away) while its Reserve was in flight. A grant on its way
+        arrives within a round trip, and its leases, which nobody would claim or give back before they expire, are
+        released; a call still unanswered after RESERVE_GRACE waits in the worker's queue and is cancelled, which
+        takes it out. (Cancelling at once would lose a grant already on the wire: the client interceptors then drop
+        the reply.)"""
+
+        async def settle():
+            done, _ = await asyncio.wait((reply_task,), timeout=RESERVE_GRACE)
+            if not done:
+                call.cancel()
+            try:
+                reply = await reply_task
+            except (asyncio.CancelledError, grpc.aio.AioRpcError):
+                return  # refused, or cancelled while queued: nothing was granted
+            leases = [reply] if isinstance(reply, pb.Lease) else list(reply.leases)
+            for run, lease in zip(runs, leases):
+                run.decode, run.lease = w, lease
+                self.release(run)
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _release(self, run: Run) -> None:
         try:

@@ -24,8 +24,10 @@ model as the thought of the assistant turn after it (the template replays a thou
 `background: true` queues the response and answers at once; it runs in the gateway and is read back, streamed or
 cancelled by its id (background.py).
 
-What this server does not do is refused with a 400 naming the parameter, never silently dropped: conversations (the
-Conversations API), saved prompts, hosted tools (web search, file search, …: function
+`conversation` (the Conversations API, conversations.py) reads a conversation's items before the input instead, and
+adds the input and output items to it when the response completes or stops at its token limit.
+
+What this server does not do is refused with a 400 naming the parameter, never silently dropped: saved prompts, hosted tools (web search, file search, …: function
 tools only), input images, files and audio, item references, n > 1.
 `include` values that name output this server never produces (reasoning.encrypted_content, hosted tools' results,
 input image URLs) are accepted and have nothing to include; a reasoning item's encrypted_content (another server's)
@@ -54,6 +56,7 @@ from splitgemma.v1 import serving_pb2 as pb
 from .protocol import (MAX_TOOLS, MAX_TOP_LOGPROBS, ApiError, ChatCompletionRequest, FunctionDefinition,
                        PositiveInt, _SamplingRequest, _Strict, _Unsupported, check_tools, invalid)
 from .background import BackgroundRuns
+from .conversation_store import ConversationStore
 from .reasoning import ReasoningPlan
 from .render import ChoiceRenderer, sse
 from .response_store import ChainBroken, ResponseStore
@@ -90,7 +93,6 @@ def new_id(prefix: str) -> str:
 # refused.
 REFUSED = {
     "background_options": ((None,), "a background response runs with the gateway's own options"),
-    "conversation": ((None,), "continue a conversation with previous_response_id"),
     "prompt": ((None,), "send input and instructions instead of a saved prompt"),
     "context_management": ((None, []), "truncation auto drops the oldest turns instead of compacting them"),
     "moderation": ((None,), "it runs no moderation model"),
@@ -137,6 +139,10 @@ class ReasoningConfig(_Strict):
         return self
 
 
+class ConversationRef(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=MAX_ID)]
+
+
 class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None   # a hint this model has no use for
@@ -170,7 +176,8 @@ class ResponsesRequest(_SamplingRequest):
     # OpenAI's, for what this server does not do: present only to be refused unless they ask for nothing (REFUSED)
     background: bool | None = None
     background_options: dict[str, Any] | None = None
-    conversation: Any = None
+    # the Conversations API's: its id, or {"id": …}
+    conversation: Annotated[str, Field(min_length=1, max_length=MAX_ID)] | ConversationRef | None = None
     prompt: Any = None
     context_management: list[Any] | None = None
     moderation: dict[str, Any] | None = None
@@ -208,12 +215,10 @@ class ResponsesRequest(_SamplingRequest):
             if k != LOGPROBS_INCLUDE and k not in NOTHING_TO_INCLUDE:
                 raise _Unsupported("include", f"include: {k[:80]!r} is not a value this API defines",
                                    code="invalid_value")
-        if self.metadata is not None:
-            if len(self.metadata) > MAX_METADATA or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                                                        for k, v in self.metadata.items()):
-                raise _Unsupported("metadata", f"metadata holds at most {MAX_METADATA} pairs, keys of at most "
-                                   f"{MAX_METADATA_KEY} characters and values of at most {MAX_METADATA_VALUE}",
-                                   code="invalid_value")
+        check_metadata(self.metadata)
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise _Unsupported("conversation", "conversation and previous_response_id cannot both be given: each "
+                               "names the conversation to continue", code="invalid_value")
         fmt = self.text.format if self.text is not None else None
         if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
             raise _Unsupported("text.format.schema", "text.format of type json_schema needs schema",
@@ -230,6 +235,46 @@ class ResponsesRequest(_SamplingRequest):
     def effort(self) -> str | None:
         return self.reasoning.effort if self.reasoning is not None else None
 
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c.id if isinstance(c, ConversationRef) else c
+
+
+def check_metadata(metadata) -> dict[str, str]:
+    """OpenAI's metadata: at most 16 pairs of strings, keys of at most 64 characters, values of at most 512."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise invalid("metadata must be an object of strings", param="metadata", code="invalid_type")
+    if len(metadata) > MAX_METADATA or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                                           for k, v in metadata.items()):
+        raise invalid(f"metadata holds at most {MAX_METADATA} pairs, keys of at most {MAX_METADATA_KEY} characters "
+                      f"and values of at most {MAX_METADATA_VALUE}", param="metadata", code="invalid_value")
+    return dict(metadata)
+
+
+def list_page(items: list[dict], query) -> dict:
+    """A page of items as the API lists them (a response's input items, a conversation's): query limit (1-100,
+    default 20), order (asc, or desc: the default), after (an item id)."""
+    limit = query.get("limit", "20")
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
+        raise invalid("limit must be an integer from 1 to 100", param="limit", code="invalid_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order must be asc or desc", param="order", code="invalid_value")
+    items = items[::-1] if order == "desc" else list(items)
+    after = query.get("after")
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise invalid(f"after: no item with id '{after[:MAX_ID]}' here", param="after", code="invalid_value")
+        items = items[at + 1:]
+    page = items[:int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
 
 class InputTokensRequest(ResponsesRequest):
     """POST /v1/responses/input_tokens: what a create request would put in the prompt, counted (model optional)."""
@@ -240,13 +285,14 @@ class InputTokensRequest(ResponsesRequest):
 # Input items: checked and kept in the shape the API returns them (input_items, stored conversations)
 
 
-def input_items(value: str | list[dict] | None) -> list[dict]:
-    """The request's input as items (a string is one user message), each checked, with an id and a status."""
+def input_items(value: str | list[dict] | None, param: str = "input") -> list[dict]:
+    """The request's input (or a conversation's new items, `param` "items") as items (a string is one user message),
+    each checked, with an id and a status."""
     if value is None:
         return []
     if isinstance(value, str):
         return [_message_item("user", [_part("input_text", value)])]
-    return [_item(item, f"input[{i}]") for i, item in enumerate(value)]
+    return [_item(item, f"{param}[{i}]") for i, item in enumerate(value)]
 
 
 def _part(kind: str, text: str) -> dict:
@@ -456,7 +502,8 @@ class ResponsesRenderer(ChoiceRenderer):
     A failure mid-stream sends `error` and response.failed."""
 
     def __init__(self, gateway: "Gateway", request_id: str, req: ResponsesRequest, plan: ToolPlan | None,
-                 reasoning: ReasoningPlan | None, *, store: ResponseStore, owner: str, input_items: list[dict]):
+                 reasoning: ReasoningPlan | None, *, store: ResponseStore, owner: str, input_items: list[dict],
+                 conversations: ConversationStore | None = None):
         super().__init__(gateway, True, 1, request_id, logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0,
                          include_usage=False, tools=plan, reasoning=reasoning)
         self.req = req
@@ -464,6 +511,7 @@ class ResponsesRenderer(ChoiceRenderer):
         self.owner = owner
         self.items = input_items
         self.stored = req.store and store.enabled
+        self.conversations = conversations   # where a request with `conversation` adds its items
         self.seq = 0
         self.output: list[dict] = []        # finished output items (streaming)
         self.open: dict | None = None       # the item being streamed
@@ -489,6 +537,7 @@ class ResponsesRenderer(ChoiceRenderer):
             "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "model": self.gw.config.model_name,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id, "prompt_cache_key": req.prompt_cache_key,
+            "conversation": {"id": req.conversation_id} if req.conversation_id is not None else None,
             "reasoning": {"effort": req.effort, "summary": req.reasoning.summary or req.reasoning.generate_summary
                           if req.reasoning is not None else None},
             "safety_identifier": req.safety_identifier,
@@ -514,6 +563,13 @@ class ResponsesRenderer(ChoiceRenderer):
     def _keep(self, response: dict) -> dict:
         if self.stored and not self.store.put(self.owner, response, self.items, self.req.previous_response_id):
             log.warning("response too large for the store: not kept", extra={"request_id": self.id})
+        if self.req.conversation_id is not None and response["status"] in ("completed", "incomplete"):
+            try:
+                if not self.conversations.add(self.req.conversation_id, self.owner, self.items + response["output"]):
+                    log.warning("conversation gone before its response ended: items not added",
+                                extra={"request_id": self.id})
+            except ApiError:  # the conversation would outgrow the store
+                log.warning("conversation full: the response's items not added", extra={"request_id": self.id})
         self.kept = True
         return response
 
@@ -759,25 +815,7 @@ def add_store_endpoints(app: FastAPI, store: ResponseStore, runs: BackgroundRuns
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(request: Request, response_id: str):
-        query = request.query_params
-        limit = query.get("limit", "20")
-        if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
-            raise invalid("limit must be an integer from 1 to 100", param="limit", code="invalid_value")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise invalid("order must be asc or desc", param="order", code="invalid_value")
-        items = stored(request, response_id).input_items
-        items = items[::-1] if order == "desc" else list(items)
-        after = query.get("after")
-        if after is not None:
-            at = next((i for i, item in enumerate(items) if item["id"] == after), None)
-            if at is None:
-                raise invalid(f"after: no input item with id '{after[:MAX_ID]}' in this response", param="after",
-                              code="invalid_value")
-            items = items[at + 1:]
-        page = items[:int(limit)]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+        return list_page(stored(request, response_id).input_items, request.query_params)
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(request: Request, response_id: str):
