@@ -19,6 +19,8 @@ import openai
 import pydantic
 import pytest
 
+from splitgemma.services.gateway.conversation_store import ConversationStore
+from splitgemma.services.gateway.protocol import ApiError
 from splitgemma.services.gateway.response_store import ChainBroken, ResponseStore, StoreLimits
 from tools.tool_fixture import TEMPLATE, model_folder
 
@@ -484,7 +486,6 @@ def test_conversation_refusals_name_the_parameter(client):
 
 def test_background_runs_are_bounded():
     from splitgemma.services.gateway.background import BackgroundRuns
-    from splitgemma.services.gateway.protocol import ApiError
 
     with pytest.raises(ApiError) as e:
         BackgroundRuns(0).check_room()
@@ -536,6 +537,26 @@ def test_store_chains_evicts_and_isolates():
     assert not big.put("", _response("huge", "z" * (2 << 20)), [], None)
     off = ResponseStore(StoreLimits(entries=0))
     assert not off.enabled and not off.put("", _response("r"), [], None) and len(off) == 0
+
+
+def test_conversations_are_bounded_and_isolated():
+    store = ConversationStore(StoreLimits(entries=2, megabytes=1))
+    store.create("c1", "a", {}, _items("q1"))
+    store.create("c2", "b", {}, [])
+    assert store.items("c1", "b") is None and not store.add("c1", "b", _items("x"))
+    assert store.add("c1", "a", _items("q2"))     # c1 used last: c2 goes first
+    store.create("c3", "a", {}, [])
+    assert store.get("c2", "b") is None and [i["id"] for i in store.items("c1", "a")[0]] == ["in_q1", "in_q2"]
+    assert store.remove_item("c1", "a", "in_q1") and not store.remove_item("c1", "a", "in_q1")
+    items, size = store.items("c1", "a")
+    assert [i["id"] for i in items] == ["in_q2"] and size == len(json.dumps(items[0], ensure_ascii=False))
+    # A conversation that would outgrow the whole store refuses the items; the one written to is never evicted.
+    with pytest.raises(ApiError) as e:
+        store.add("c1", "a", [{"id": "big", "text": "z" * (2 << 20)}])
+    assert e.value.param == "items" and store.get("c1", "a") is not None
+    assert store.delete("c3", "a") and not store.delete("c3", "a")
+    with pytest.raises(ApiError):
+        ConversationStore(StoreLimits(entries=0)).create("c", "a", {}, [])
 
 
 def test_a_worker_lost_mid_stream_fails_the_response(tmp_path):

@@ -20,6 +20,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_ENTRIES = 1024
 DEFAULT_MEGABYTES = 64
@@ -48,11 +49,14 @@ class ChainBroken(LookupError):
     """A response of the chain is no longer stored (evicted or deleted): the conversation cannot be rebuilt."""
 
 
-class ResponseStore:
+class OwnedStore:
+    """Entries (each with an `owner` and a `size` in bytes) by id, seen only by their owner, the least recently used
+    first out past the limits: the bookkeeping of stored responses and of conversations (conversation_store.py)."""
+
     def __init__(self, limits: StoreLimits | None = None):
         self.limits = limits or StoreLimits()
         self._max_bytes = self.limits.megabytes << 20
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self._entries: OrderedDict[str, Any] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()   # the render threads read conversations while the event loop stores
 
@@ -63,6 +67,38 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def _owned(self, key: str, owner: str):
+        """(under the lock) the entry if `owner` may see it"""
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.owner == owner else None
+
+    def get(self, key: str, owner: str):
+        with self._lock:
+            entry = self._owned(key, owner)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def delete(self, key: str, owner: str) -> bool:
+        with self._lock:
+            entry = self._owned(key, owner)
+            if entry is None:
+                return False
+            del self._entries[key]
+            self._bytes -= entry.size
+            return True
+
+    def _evict(self, keep: str | None = None) -> None:
+        """(under the lock) the least recently used entries out until the limits hold, never `keep`"""
+        while len(self._entries) > self.limits.entries or self._bytes > self._max_bytes:
+            key, gone = next(iter(self._entries.items()))
+            if key == keep:
+                return
+            del self._entries[key]
+            self._bytes -= gone.size
+
+
+class ResponseStore(OwnedStore):
     def put(self, owner: str, response: dict, input_items: list[dict], previous: str | None) -> bool:
         """Keeps a finished response (evicting the least recently used past the limits). False when it cannot be
         kept: the store is off, or this one entry is larger than the whole store may be."""
@@ -77,27 +113,8 @@ class ResponseStore:
                 self._bytes -= old.size
             self._entries[response["id"]] = Stored(owner, response, input_items, previous, size)
             self._bytes += size
-            while len(self._entries) > self.limits.entries or self._bytes > self._max_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self._bytes -= gone.size
+            self._evict()
         return True
-
-    def get(self, response_id: str, owner: str) -> Stored | None:
-        with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is None or entry.owner != owner:
-                return None
-            self._entries.move_to_end(response_id)
-            return entry
-
-    def delete(self, response_id: str, owner: str) -> bool:
-        with self._lock:
-            entry = self._entries.get(response_id)
-            if entry is None or entry.owner != owner:
-                return False
-            del self._entries[response_id]
-            self._bytes -= entry.size
-            return True
 
     def conversation(self, response_id: str, owner: str) -> tuple[list[dict], int] | None:
         """Every item of the conversation up to and including response `response_id`'s output, oldest first (each
@@ -107,8 +124,8 @@ class ResponseStore:
         with self._lock:
             rid: str | None = response_id
             while rid is not None:
-                entry = self._entries.get(rid)
-                if entry is None or entry.owner != owner:
+                entry = self._owned(rid, owner)
+                if entry is None:
                     if not chain:
                         return None
                     raise ChainBroken(rid)
