@@ -32,7 +32,6 @@ is closed).
 from __future__ import annotations
 
 import json
-import secrets
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import Field, ValidationError, model_validator
@@ -73,10 +72,6 @@ def error_body(e: ApiError, request_id: str | None = None) -> dict:
     if request_id is not None:
         body["request_id"] = request_id
     return body
-
-
-def new_id(prefix: str) -> str:
-    return prefix + secrets.token_hex(12)
 
 
 # ---------------------------------------------------------------------------------------------------------------
