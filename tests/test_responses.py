@@ -465,6 +465,8 @@ def test_a_conversation_carries_its_turns(stack, client, model):
         other.conversations.retrieve(conv.id)
     with pytest.raises(openai.NotFoundError):
         other.responses.create(model=model, conversation=conv.id, input="x", max_output_tokens=2)
+    kept = httpx.get(stack.url + "/metrics").text
+    assert 'splitgemma_gateway_kept{kind="conversations"}' in kept and 'kind="background_responses"' in kept
     assert client.conversations.delete(conv.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(conv.id)

@@ -953,6 +953,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         for w in gw.pool.prefill + gw.pool.decode:
             gw.metrics.worker_up.labels(kind=w.kind, worker=w.address).set(1 if w.healthy else 0)
         gw.metrics.take_kv_usage(gw.pool.decode)
+        for kind, store in (("responses", gw.response_store), ("conversations", gw.conversations),
+                            ("background_responses", gw.background)):
+            gw.metrics.kept.labels(kind=kind).set(len(store))
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
