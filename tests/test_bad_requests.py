@@ -492,6 +492,26 @@ def test_fuzzed_messages_bodies_get_an_answer_never_a_500(http, body, mangle, ju
     _check_answer(http, MESSAGES, _mangled(body, mangle, junk))
 
 
+_CONVERSATION_BODY = st.fixed_dictionaries({}, optional={
+    "items": st.lists(_ITEM, max_size=4) | st.lists(_ITEM, min_size=21, max_size=22) | _ANY,
+    "metadata": st.dictionaries(_TEXT, _TEXT, max_size=3) | _ANY, "unknown": _ANY})
+
+
+@settings(_FUZZ, max_examples=REQUEST_EXAMPLES // 5)
+@given(body=_CONVERSATION_BODY, target=st.sampled_from(["create", "items", "update"]),
+       mangle=st.sampled_from(["none", "none", "surrogate", "nan", "duplicate", "truncate", "bytes"]),
+       junk=st.binary(max_size=40))
+def test_fuzzed_conversation_bodies_get_an_answer_never_a_500(http, body, target, mangle, junk):
+    """The Conversations API's bodies: items of every type (and too many), metadata of any shape, on create, on
+    adding items and on updating a conversation."""
+    path = "/v1/conversations"
+    if target != "create":
+        made = post(http, path, {})
+        assert made.status_code == 200, made.text
+        path += "/" + made.json()["id"] + ("/items" if target == "items" else "")
+    _check_answer(http, path, _mangled(body, mangle, junk))
+
+
 def _mangled(body: dict, mangle: str, junk: bytes) -> bytes:
     text = json.dumps(body, ensure_ascii=True)
     if mangle == "surrogate":
