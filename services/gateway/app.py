@@ -53,19 +53,19 @@ from splitgemma.serving.grammar import Grammars
 from splitgemma.v1 import serving_pb2 as pb
 
 from .auth import ApiKeyMiddleware
+from .background import BackgroundRuns
+from .conversation_store import ConversationStore
+from .conversations import add_conversation_endpoints
 from .endpoints import add_endpoints
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
+from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
+from .messages import chat_request as messages_chat_request
 from .metrics import GatewayMetrics
 from .offload import Offload
 from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts, check_context
 from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
 from .render import ChoiceRenderer
-from .background import BackgroundRuns
-from .conversation_store import ConversationStore
-from .conversations import add_conversation_endpoints
 from .response_store import ResponseStore, StoreLimits
-from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
-from .messages import chat_request as messages_chat_request
 from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
                         conversation_before, input_items, request_owner, truncated)
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
