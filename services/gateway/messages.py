@@ -87,6 +87,7 @@ REFUSED = {
 }
 # Content block types a message may hold, by role; anything else is refused by name.
 _BLOCKS = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+_KNOWN_BLOCKS = frozenset(kind for kinds in _BLOCKS.values() for kind in kinds)
 
 
 class TextBlock(_Strict):
@@ -234,8 +235,8 @@ class MessagesRequest(_Strict):
             for j, b in enumerate(m["content"]):
                 kind = b.get("type") if isinstance(b, dict) else None
                 if isinstance(kind, str) and allowed and kind not in allowed:
-                    what = "text only: no images, documents or search results" if kind not in sum(
-                        _BLOCKS.values(), ()) else f"not in a {m['role']} message"
+                    what = "text only: no images, documents or search results" if kind not in _KNOWN_BLOCKS \
+                        else f"not in a {m['role']} message"
                     raise _Unsupported(f"messages[{i}].content[{j}].type",
                                        f"content blocks of type {kind[:60]!r} are not supported here ({what})")
         return data

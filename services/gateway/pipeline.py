@@ -106,10 +106,6 @@ def check_context(spec: ChoiceSpec, context: int) -> None:
 RESERVE_GRACE = 1.0
 
 
-async def _reply(call):
-    return await call
-
-
 _RETRY_RE = re.compile(r"retry-after(-ms)?[=: ]+([0-9]+(?:\.[0-9]+)?)", re.I)
 
 
@@ -196,7 +192,7 @@ class Pipelines:
                                         timeout=timeout)
                 # Awaited through a shield: a cancellation (the client went away) must not cut the call off just
                 # as its grant arrives, or the lease would be lost (_abandon_reserve).
-                reply_task = asyncio.ensure_future(_reply(call))
+                reply_task = asyncio.ensure_future(call)
                 try:
                     reply = await asyncio.shield(reply_task)
                 except asyncio.CancelledError:
