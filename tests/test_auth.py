@@ -114,6 +114,26 @@ def test_anthropic_clients_send_the_key_as_x_api_key(stack):
         anthropic.Anthropic(base_url=stack.url, api_key="sk-wrong", max_retries=0, timeout=60).messages.create(**body)
 
 
+def test_stored_objects_belong_to_the_key_that_was_presented(stack):
+    """Whose conversation (or response, file, batch) a request sees is the key it was let in with, whichever header
+    carried it: a key sent as x-api-key owns what it makes, and another key sent the same way does not see it (it
+    once fell back to the empty Authorization header, which every x-api-key caller shared)."""
+    def headers(name: str, how: str) -> dict:
+        return {"x-api-key": KEYS[name]} if how == "x-api-key" else {"Authorization": f"Bearer {KEYS[name]}"}
+
+    made = httpx.post(stack.url + "/v1/conversations", json={"metadata": {"who": "flag"}},
+                      headers=headers("flag", "x-api-key"))
+    assert made.status_code == 200, made.text
+    path = stack.url + "/v1/conversations/" + made.json()["id"]
+    for how in ("x-api-key", "bearer"):
+        assert httpx.get(path, headers=headers("flag", how)).json()["metadata"] == {"who": "flag"}
+        for other in ("file", "env"):
+            assert httpx.get(path, headers=headers(other, how)).status_code == 404
+    # Both headers, one of them wrong: the request is let in by the right one, and sees as its key.
+    both = {"Authorization": "Bearer sk-wrong", "x-api-key": KEYS["flag"]}
+    assert httpx.get(path, headers=both).status_code == 200
+
+
 def test_probes_and_metrics_stay_open(stack):
     assert httpx.get(stack.url + "/health").json() == {"status": "ok"}
     assert httpx.get(stack.url + "/ready").status_code == 200

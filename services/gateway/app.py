@@ -52,7 +52,7 @@ from splitgemma.serving.generation_config import SamplingDefaults
 from splitgemma.serving.grammar import Grammars
 from splitgemma.v1 import serving_pb2 as pb
 
-from .auth import ApiKeyMiddleware
+from .auth import ApiKeyMiddleware, request_owner
 from .background import BackgroundRuns
 from .conversation_store import ConversationStore
 from .conversations import add_conversation_endpoints
@@ -67,7 +67,7 @@ from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
 from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
-                        conversation_before, input_items, request_owner, truncated)
+                        conversation_before, input_items, truncated)
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint

@@ -18,10 +18,11 @@ import ipaddress
 import logging
 import os
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from splitgemma.serving.credentials import CredentialError, bearer_matches, check_token_text, read_secret_file, \
-    token_digest
+from splitgemma.serving.credentials import CredentialError, bearer_matches, bearer_token, check_token_text, \
+    read_secret_file, token_digest
 
 from .messages import error_body, is_messages_path
 from .protocol import ApiError
@@ -30,6 +31,7 @@ log = logging.getLogger("splitgemma.gateway")
 
 API_KEYS_ENV = "SPLITGEMMA_API_KEYS"
 OPEN_PATHS = frozenset({"/health", "/ready"})
+OWNER_STATE = "api_key_owner"   # the request state's entry: the matched key's digest (hex)
 
 
 def load_api_keys(keys: list[str] | None, files: list[str] | None, environ: dict[str, str] | None = None) \
@@ -85,6 +87,12 @@ def _refusal(given: bool, path: str) -> JSONResponse:
     return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
 
+def request_owner(request: Request, keyed: bool) -> str:
+    """Whose stored objects a request may see: the digest of the API key it was let in with when keys are
+    configured, else everyone's ("")."""
+    return getattr(request.state, OWNER_STATE, "") if keyed else ""
+
+
 class ApiKeyMiddleware:
     """ASGI middleware: the key check above, before any route runs (so an unknown path without a key is a 401, not
     a map of which paths exist)."""
@@ -99,8 +107,10 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         api_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
-        # Anthropic's clients send the key as x-api-key; either header may carry it.
-        if bearer_matches(header, self.digests) or api_key is not None and \
-                bearer_matches(b"Bearer " + api_key, self.digests):
-            return await self.app(scope, receive, send)
+        # Anthropic's clients send the key as x-api-key; either header may carry it. The one that matched names
+        # whose stored objects (responses, conversations, files, batches) the request may see: request_owner.
+        for value in (header, None if api_key is None else b"Bearer " + api_key):
+            if bearer_matches(value, self.digests):
+                scope.setdefault("state", {})[OWNER_STATE] = token_digest(bearer_token(value)).hex()
+                return await self.app(scope, receive, send)
         await _refusal(header is not None or api_key is not None, scope["path"])(scope, receive, send)

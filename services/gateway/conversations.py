@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from .auth import request_owner
 from .conversation_store import Conversation, ConversationStore
 from .limits import read_body
 from .protocol import ApiError, invalid, parse_json_body
-from .responses import check_metadata, input_items, list_page, new_id, request_owner
+from .responses import check_metadata, input_items, list_page, new_id
 
 MAX_NEW_ITEMS = 20   # OpenAI's: items a create or add request may carry
 

@@ -50,11 +50,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, model_validator
 
-from splitgemma.serving.credentials import bearer_token, token_digest
 from splitgemma.v1 import serving_pb2 as pb
 
 from .protocol import (MAX_TOOLS, MAX_TOP_LOGPROBS, ApiError, ChatCompletionRequest, FunctionDefinition,
                        PositiveInt, _SamplingRequest, _Strict, _Unsupported, check_tools, invalid)
+from .auth import request_owner
 from .background import BackgroundRuns
 from .conversation_store import ConversationStore
 from .reasoning import ReasoningPlan
@@ -480,14 +480,6 @@ def truncated(messages: list[dict]) -> list[dict] | None:
     rest = messages[head:]
     nxt = next((i for i in range(1, len(rest)) if rest[i]["role"] == "user"), None)
     return None if nxt is None else messages[:head] + rest[nxt:]
-
-
-def request_owner(request: Request, keyed: bool) -> str:
-    """Whose stored responses a request may see: its API key's digest when keys are configured (the middleware
-    has checked the key), else everyone's."""
-    if not keyed:
-        return ""
-    return token_digest(bearer_token(request.headers.get("authorization")) or "").hex()
 
 
 # ---------------------------------------------------------------------------------------------------------------
