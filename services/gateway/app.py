@@ -11,6 +11,9 @@
   GET  /ready    200 when at least one prefill and one decode worker answer SERVING, else 503
   GET  /metrics  Prometheus
 
+The inference endpoints' work, from a body to its answer, is inference.py's (a batch runs the same); the routes here
+add the request id, the caller's key and the disconnect watch.
+
 With API keys configured every path but /health, /ready (and /metrics unless metrics_auth) needs one (auth.py).
 
 Client disconnects (the vLLM pattern): a request's handler runs beside a task that waits for the ASGI
@@ -57,17 +60,16 @@ from .background import BackgroundRuns
 from .conversation_store import ConversationStore
 from .conversations import add_conversation_endpoints
 from .endpoints import add_endpoints
+from .inference import Inference
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
-from .messages import CountTokensRequest, MessagesRenderer, MessagesRequest, error_body, is_messages_path
-from .messages import chat_request as messages_chat_request
+from .messages import error_body, is_messages_path
 from .metrics import GatewayMetrics
 from .offload import Offload
-from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts, check_context
-from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs, thinking
+from .pipeline import ChoiceSpec, Pipelines, Run, Timeouts
+from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_kwargs
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
-from .responses import (InputTokensRequest, ResponsesRenderer, ResponsesRequest, add_store_endpoints, chat_request,
-                        conversation_before, input_items, truncated)
+from .responses import add_store_endpoints, truncated
 from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
@@ -76,10 +78,8 @@ from .workers import WorkerPool
 
 log = logging.getLogger("splitgemma.gateway")
 
-# OpenAI's legacy completions endpoint generates 16 tokens unless told otherwise; chat stops at the gateway's
-# --default-max-tokens (or the end of the context, if sooner): a small model that never says its end-of-turn would
-# otherwise run through the whole context.
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Chat stops at the gateway's --default-max-tokens (or the end of the context, if sooner): a small model that never
+# says its end-of-turn would otherwise run through the whole context (completions stop at 16, as OpenAI's).
 DEFAULT_CHAT_MAX_TOKENS = 1024
 # Temperatures below this sample greedily, as vLLM's _SAMPLING_EPS: the workers take float32, in which a smaller
 # temperature's inverse overflows (1e-39 would sample garbage and report -inf logprobs). Likewise a top_p that
@@ -179,6 +179,9 @@ class Gateway:
         self.response_store = ResponseStore(config.response_store)
         self.background = BackgroundRuns(config.response_store.background)
         self.conversations = ConversationStore(config.response_store)
+
+    def request_state(self, operation: str, rid: str) -> _RequestState:
+        return _RequestState(self, operation, rid)
 
     # -- parsing and tokenization (in Offload's threads) --------------------------------------------------------
 
@@ -313,9 +316,9 @@ class Gateway:
     def specs(self, req, prompts: list[list[int]], max_tokens: int | None, logprobs: bool, top_logprobs: int,
               param: str, constraint: pb.Constraint | None = None,
               default_max_tokens: int | None = None, per_prompt: int | None = None,
-              prompt_logprobs: int | None = None) -> list[ChoiceSpec]:
+              prompt_logprobs: int | None = None, priority: int | None = None) -> list[ChoiceSpec]:
         """The choices to run: per prompt `per_prompt` (best_of's candidates) or n; prompt_logprobs asked of the
-        first choice of each prompt."""
+        first choice of each prompt; `priority` (a batch's) in the queues instead of the request's."""
         per_prompt = per_prompt or req.n
         if len(prompts) * per_prompt > MAX_CHOICES:
             what = "n" if per_prompt == req.n else "best_of"
@@ -339,7 +342,8 @@ class Gateway:
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                                       include_stop_str_in_output=req.include_stop_str_in_output,
                                       prompt_param=param, default_max_tokens=default_max_tokens,
-                                      prompt_logprobs=prompt_logprobs if j == 0 else None, priority=req.priority))
+                                      prompt_logprobs=prompt_logprobs if j == 0 else None,
+                                      priority=req.priority if priority is None else priority))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------
@@ -355,13 +359,13 @@ class Gateway:
     async def prepare_chat(self, rid: str, req: ChatCompletionRequest, messages: list[dict], body_bytes: int,
                            make_render: Callable[[ToolPlan | None, ReasoningPlan | None, int], ChoiceRenderer], *,
                            prompt_param: str = "messages", effort_param: str = "reasoning_effort",
-                           truncate: bool = False, fit_context: bool = False) \
+                           truncate: bool = False, fit_context: bool = False, priority: int | None = None) \
             -> tuple[_RequestState, list[ChoiceSpec], ChoiceRenderer]:
         """What run() takes for a chat request: the tools and the reading of the thought planned, the prompt rendered
         (with `truncate`, the oldest turns dropped until it fits the context: responses truncation auto), the
         constraint compiled (after the thought, when the request thinks), the choices' specs, and
         make_render(tools, reasoning, n_choices)'s renderer. `fit_context`: the context may end the answer before its
-        token limit (ChoiceSpec.fit_context)."""
+        token limit (ChoiceSpec.fit_context); `priority`: as specs()."""
         check_messages(messages, self.config.limits, prompt_param)
         state = _RequestState(self, "chat", rid)
         plan = plan_tools(req, self.tool_format)
@@ -384,7 +388,7 @@ class Gateway:
             constraint, tool_constraint = reasoning.constrain(constraint), reasoning.constrain(tool_constraint)
         specs = self.specs(req, [ids], req.token_limit, req.logprobs, req.top_logprobs or 0, prompt_param,
                            constraint, default_max_tokens=self.config.default_max_tokens,
-                           prompt_logprobs=req.prompt_logprobs)
+                           prompt_logprobs=req.prompt_logprobs, priority=priority)
         for spec in specs:
             spec.fit_context = fit_context
         if plan is not None:
@@ -757,187 +761,49 @@ def create_app(config: GatewayConfig) -> FastAPI:
         err = ApiError(500, f"internal server error (request id {rid})")
         return error_response(request, err, {"X-Request-Id": rid})
 
-    def check_model(name: str) -> None:
-        if name != config.model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{config.model_name}'",
-                           param="model", code="model_not_found")
+    inference = Inference(gw)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         rid = _request_id(request, "cmpl-")
-
-        async def work():
-            req, _ = await gw.parse(CompletionRequest, raw)
-            check_model(req.model)
-            state = _RequestState(gw, "text_completion", rid)
-            prompts = await gw.offload.run(Offload.is_light(len(raw)),
-                                           lambda cancelled: gw.completion_prompts(req))
-            constraint = await gw.constraint(req, len(raw))
-            max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-            top = req.logprobs or 0
-            per_prompt = req.best_of or req.n
-            # echo's logprobs come from the prompt's: the top n of either
-            scored = req.prompt_logprobs
-            if req.echo and req.logprobs is not None:
-                scored = max(scored or 0, top)
-            # best_of ranks by the tokens' logprobs, so the workers report them even if the client did not ask
-            specs = gw.specs(req, prompts, max_tokens, req.logprobs is not None or per_prompt > req.n, top,
-                             "prompt", constraint, per_prompt=per_prompt, prompt_logprobs=scored)
-            render = ChoiceRenderer(gw, False, len(specs), rid, logprobs=req.logprobs is not None, top_logprobs=top,
-                               include_usage=bool(req.stream_options and req.stream_options.include_usage))
-            render.prompt_side(echo_texts=gw.echo_texts(req, prompts) if req.echo else None,
-                               vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=per_prompt,
-                               n=req.n)
-            return await gw.run(state, req, specs, render)
-
-        return await _until_disconnect(request, work)
+        return await _until_disconnect(request, lambda: inference.completions(raw, rid))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         rid = _request_id(request, "chatcmpl-")
-
-        async def work():
-            req, data = await gw.parse(ChatCompletionRequest, raw)
-            check_model(req.model)
-
-            def render(plan: ToolPlan | None, reasoning: ReasoningPlan | None, n_choices: int) -> ChoiceRenderer:
-                out = ChoiceRenderer(gw, True, n_choices, rid, logprobs=req.logprobs, top_logprobs=req.top_logprobs
-                                     or 0, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                                     tools=plan, reasoning=reasoning)
-                out.prompt_side(vllm_prompt_logprobs=req.prompt_logprobs is not None, per_prompt=req.n, n=req.n)
-                return out
-
-            return await gw.chat(rid, req, data["messages"], len(raw), render)
-
-        return await _until_disconnect(request, work)
-
-    async def responses_request(request: Request, raw: bytes, model: type[ResponsesRequest]):
-        """(the validated request, whose stored responses it may see, the conversation previous_response_id
-        continues, the bytes of body and conversation) of a /v1/responses or /v1/responses/input_tokens call."""
-        req, _ = await gw.parse(model, raw)
-        if req.model is not None:  # required on create (validated), optional when counting
-            check_model(req.model)
-        owner = request_owner(request, bool(config.api_keys))
-        if req.conversation_id is None:
-            before, before_bytes = conversation_before(gw.response_store, gw.background, req, owner)
-        else:
-            found = gw.conversations.items(req.conversation_id, owner)
-            if found is None:
-                raise ApiError(404, f"Conversation with id '{req.conversation_id}' not found.", param="conversation",
-                               code="not_found")
-            before, before_bytes = found
-        return req, owner, before, len(raw) + before_bytes
+        return await _until_disconnect(request, lambda: inference.chat_completions(raw, rid))
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         # Always the server's own id: it names a stored response, so it must be unique and unguessable.
         rid = _request_id(request, "resp_", client_ids=False)
-
-        async def work():
-            req, owner, before, size = await responses_request(request, raw, ResponsesRequest)
-
-            def translate(cancelled):
-                items = input_items(req.input)
-                return items, *chat_request(req, before + items)
-
-            items, chat, messages = await gw.offload.run(Offload.is_light(size, len(before)), translate)
-            options = dict(prompt_param="input", effort_param="reasoning.effort", truncate=req.truncation == "auto")
-
-            def render(plan, reasoning, _):
-                return ResponsesRenderer(gw, rid, req, plan, reasoning, store=gw.response_store, owner=owner,
-                                         input_items=items, conversations=gw.conversations)
-
-            if not req.background:
-                return await gw.chat(rid, chat, messages, size, render, **options)
-            if not gw.response_store.enabled:
-                raise invalid("background responses need the response store, which this gateway has off "
-                              "(--response-store-entries 0)", param="background", code="invalid_value")
-            gw.background.check_room()
-            # Checked and rendered now (a bad request is a 400 at once); run as a stream whatever the client asked.
-            chat = chat.model_copy(update={"stream": True})
-            state, specs, render = await gw.prepare_chat(rid, chat, messages, size, render, **options)
-            for spec in specs:
-                check_context(spec, gw.pool.known_context())
-
-            async def events():
-                return (await gw.run(state, chat, specs, render)).body_iterator
-
-            run = gw.background.start(owner, render, events)
-            if req.stream:  # the client may leave this stream: the response goes on
-                return StreamingResponse(run.follow(None), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
-            return JSONResponse(run.snapshot(), headers={"X-Request-Id": rid})
-
-        return await _until_disconnect(request, work)
+        owner = request_owner(request, bool(config.api_keys))
+        return await _until_disconnect(request, lambda: inference.responses(raw, rid, owner))
 
     @app.post("/v1/responses/input_tokens")
     async def responses_input_tokens(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
-
-        async def work():
-            req, _, before, size = await responses_request(request, raw, InputTokensRequest)
-
-            def count(cancelled):
-                chat, messages = chat_request(req, before + input_items(req.input))
-                check_messages(messages, config.limits, "input")
-                thinking(chat, gw.reasoning_format, "reasoning.effort")  # its refusal named as create names it
-                plan = plan_tools(chat, gw.tool_format)
-                return len(gw.fitted_prompt(chat, messages, plan, cancelled, "input", req.truncation == "auto"))
-
-            n = await gw.offload.run(Offload.is_light(size, len(before)), count)
-            return {"object": "response.input_tokens", "input_tokens": n}
-
-        return await _until_disconnect(request, work)
+        owner = request_owner(request, bool(config.api_keys))
+        return await _until_disconnect(request, lambda: inference.responses_input_tokens(raw, owner))
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
         rid = _request_id(request, "msg_", client_ids=False)  # Anthropic's id shape; the request's own id
-
-        async def work():
-            req, _ = await gw.parse(MessagesRequest, raw)
-            check_model(req.model)
-            chat, messages = await gw.offload.run(Offload.is_light(len(raw), len(req.messages)),
-                                                  lambda cancelled: messages_chat(req))
-            return await gw.chat(rid, chat, messages, len(raw),
-                                 lambda plan, reasoning, _: MessagesRenderer(gw, rid, req, plan, reasoning),
-                                 effort_param="thinking", fit_context=True)
-
-        return await _until_disconnect(request, work)
+        return await _until_disconnect(request, lambda: inference.messages(raw, rid))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request):
         raw = await read_body(request, config.max_body_bytes, config.limits.body_timeout)
-
-        async def work():
-            req, _ = await gw.parse(CountTokensRequest, raw)
-            check_model(req.model)
-
-            def count(cancelled):
-                chat, messages = messages_chat(req)
-                check_messages(messages, config.limits, "messages")
-                thinking(chat, gw.reasoning_format, "thinking")
-                return len(gw.chat_prompt(chat, messages, plan_tools(chat, gw.tool_format), cancelled))
-
-            return {"input_tokens": await gw.offload.run(Offload.is_light(len(raw), len(req.messages)), count)}
-
-        return await _until_disconnect(request, work)
-
-    def messages_chat(req: MessagesRequest):
-        """The chat request a Messages request means; thinking asked of a model that cannot think is refused here,
-        under Anthropic's name for it."""
-        if req.thinks and not gw.reasoning_format.can_think:
-            raise ApiError(400, "thinking: this model does not think (its chat template has no thinking mode); "
-                           "leave thinking out or disable it", param="thinking", code="unsupported_parameter")
-        return messages_chat_request(req, effort_if_adaptive=gw.reasoning_format.can_think)
+        return await _until_disconnect(request, lambda: inference.messages_count_tokens(raw))
 
     add_store_endpoints(app, gw.response_store, gw.background, bool(config.api_keys))
     add_conversation_endpoints(app, gw.conversations, bool(config.api_keys), config.max_body_bytes,
                                config.limits.body_timeout)
-    add_endpoints(app, gw, check_model)
+    add_endpoints(app, gw, inference.check_model)
 
     @app.get("/health")
     async def health():
