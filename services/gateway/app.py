@@ -57,9 +57,11 @@ from splitgemma.v1 import serving_pb2 as pb
 
 from .auth import ApiKeyMiddleware, request_owner
 from .background import BackgroundRuns
+from .batches import BatchLimits, Batches, add_batch_endpoints
 from .conversation_store import ConversationStore
 from .conversations import add_conversation_endpoints
 from .endpoints import add_endpoints
+from .files import FileLimits, FileStore, add_file_endpoints
 from .inference import Inference
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
 from .messages import error_body, is_messages_path
@@ -114,6 +116,8 @@ class GatewayConfig:
     response_store: StoreLimits = field(default_factory=StoreLimits)   # the Responses API's (response_store.py)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)   # the model's recommended
     scheduling_policy: str = "fcfs"     # priority: requests' `priority` orders the queues (docs/scheduling.md)
+    files: FileLimits = field(default_factory=FileLimits)         # the Files API's folder (files.py)
+    batches: BatchLimits = field(default_factory=BatchLimits)     # the Batch API's (batches.py)
 
 
 class _RequestState:
@@ -179,6 +183,9 @@ class Gateway:
         self.response_store = ResponseStore(config.response_store)
         self.background = BackgroundRuns(config.response_store.background)
         self.conversations = ConversationStore(config.response_store)
+        self.inference = Inference(self)
+        self.files = FileStore(config.files)
+        self.batches = Batches(self.files, self.inference, config.batches)
 
     def request_state(self, operation: str, rid: str) -> _RequestState:
         return _RequestState(self, operation, rid)
@@ -631,7 +638,8 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
 
 
 _TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
-           "/v1/messages/count_tokens", "/v1/conversations", "/v1/models", "/tokenize", "/detokenize"}
+           "/v1/messages/count_tokens", "/v1/conversations", "/v1/files", "/v1/batches", "/v1/models", "/tokenize",
+           "/detokenize"}
 
 
 def _route(path: str) -> str | None:
@@ -649,6 +657,10 @@ def _route(path: str) -> str | None:
         items = len(parts) > 1 and parts[1] == "items"
         return "/v1/conversations/{conversation_id}" + (
             ("/items/{item_id}" if len(parts) > 2 else "/items") if items else "")
+    if path.startswith("/v1/files/"):
+        return "/v1/files/{file_id}" + ("/content" if path.endswith("/content") else "")
+    if path.startswith("/v1/batches/"):
+        return "/v1/batches/{batch_id}" + ("/cancel" if path.endswith("/cancel") else "")
     return None
 
 
@@ -709,13 +721,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def lifespan(app):
         await gw.pool.start()
+        gw.batches.start()
         try:
             yield
         finally:
+            await gw.batches.close()
             await gw.background.close()
             await gw.pipelines.drain()
             await gw.pool.close()
             gw.offload.close()
+            gw.files.close()
             telemetry.setup_telemetry("splitgemma-gateway").shutdown()
 
     extra = {}
@@ -761,7 +776,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         err = ApiError(500, f"internal server error (request id {rid})")
         return error_response(request, err, {"X-Request-Id": rid})
 
-    inference = Inference(gw)
+    inference = gw.inference
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -803,6 +818,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     add_store_endpoints(app, gw.response_store, gw.background, bool(config.api_keys))
     add_conversation_endpoints(app, gw.conversations, bool(config.api_keys), config.max_body_bytes,
                                config.limits.body_timeout)
+    add_file_endpoints(app, gw.files, bool(config.api_keys), config.limits.body_timeout)
+    add_batch_endpoints(app, gw.batches, bool(config.api_keys), config.max_body_bytes, config.limits.body_timeout)
     add_endpoints(app, gw, inference.check_model)
 
     @app.get("/health")
@@ -820,7 +837,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             gw.metrics.worker_up.labels(kind=w.kind, worker=w.address).set(1 if w.healthy else 0)
         gw.metrics.take_kv_usage(gw.pool.decode)
         for kind, store in (("responses", gw.response_store), ("conversations", gw.conversations),
-                            ("background_responses", gw.background)):
+                            ("background_responses", gw.background), ("files", gw.files), ("batches", gw.batches)):
             gw.metrics.kept.labels(kind=kind).set(len(store))
         return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -25,6 +25,7 @@ import json
 import logging
 import resource
 from dataclasses import dataclass
+from typing import AsyncIterator, Callable
 
 import anyio
 import h11
@@ -181,6 +182,36 @@ async def read_body(request: Request, max_bytes: int, timeout: float) -> bytes:
     except ClientDisconnect:
         raise ClientGoneError from None
     return bytes(body)
+
+
+async def stream_body(request: Request, max_bytes: int, idle_timeout: float,
+                      too_large: Callable[[], str] | None = None) -> AsyncIterator[bytes]:
+    """The request body as it arrives, for one too large to hold (an upload): 413 past max_bytes (`too_large()` its
+    message), 408 when no part of it arrives for `idle_timeout` s (a long upload may take as long as it keeps
+    coming)."""
+    def refuse():
+        return ApiError(413, too_large() if too_large else f"the request body is larger than the limit of "
+                        f"{max_bytes} bytes", code="request_too_large")
+
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_bytes:
+        raise refuse()
+    seen = 0
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            with anyio.fail_after(idle_timeout):
+                chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise _BodyTimeout(idle_timeout) from None
+        except ClientDisconnect:
+            raise ClientGoneError from None
+        seen += len(chunk)
+        if seen > max_bytes:
+            raise refuse()
+        yield chunk
 
 
 class _BodyTimeout(ApiError):

@@ -69,8 +69,9 @@ class GatewayMetrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage", "Fraction of the healthy decode workers' KV slots not free "
                               "(0 to 1)", registry=r)
-        self.kept = Gauge(p + "kept", "What the gateway keeps in its memory for the Responses and Conversations APIs: "
-                          "stored responses, conversations, background responses running", ["kind"], registry=r)
+        self.kept = Gauge(p + "kept", "What the gateway keeps for the Responses, Conversations, Files and Batch APIs: "
+                          "stored responses, conversations, background responses running (in its memory), files "
+                          "and batches (in its files folder)", ["kind"], registry=r)
         r.register(VllmNames(model_name, [
             (self.in_flight, "vllm:num_requests_running"), (self.waiting, "vllm:num_requests_waiting"),
             (self.kv_usage, "vllm:kv_cache_usage_perc"), (self.success, "vllm:request_success"),

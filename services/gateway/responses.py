@@ -255,12 +255,12 @@ def check_metadata(metadata) -> dict[str, str]:
     return dict(metadata)
 
 
-def list_page(items: list[dict], query) -> dict:
-    """A page of items as the API lists them (a response's input items, a conversation's): query limit (1-100,
-    default 20), order (asc, or desc: the default), after (an item id)."""
-    limit = query.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 100):
-        raise invalid("limit must be an integer from 1 to 100", param="limit", code="invalid_value")
+def list_page(items: list[dict], query, default_limit: int = 20, max_limit: int = 100) -> dict:
+    """A page of items (oldest first) as the API lists them (a response's input items, a conversation's, files,
+    batches): query limit (1 to max_limit), order (asc, or desc: the default), after (an item id)."""
+    limit = query.get("limit", str(default_limit))
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= max_limit):
+        raise invalid(f"limit must be an integer from 1 to {max_limit}", param="limit", code="invalid_value")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise invalid("order must be asc or desc", param="order", code="invalid_value")

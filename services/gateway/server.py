@@ -24,6 +24,8 @@ from splitgemma.serving.tokenizer import find_tokenizer, load_tokenizer
 
 from .app import DEFAULT_CHAT_MAX_TOKENS, GatewayConfig, create_app
 from .auth import warn_if_open
+from .batches import BatchLimits
+from .files import FileLimits
 from .limits import HttpLimits, RequestLimits, ensure_fd_limit, uvicorn_settings
 from .pipeline import Timeouts
 from .response_store import StoreLimits
@@ -58,7 +60,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                  worker_tls: TlsFiles | None = None, limits: RequestLimits | None = None, render_threads: int = 2,
                  render_queue: int = 4, default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
                  response_store: StoreLimits | None = None, generation_config: str = "auto",
-                 scheduling_policy: str = "fcfs") -> GatewayConfig:
+                 scheduling_policy: str = "fcfs", files: FileLimits | None = None,
+                 batches: BatchLimits | None = None) -> GatewayConfig:
     """default_max_tokens 0: chat without max_tokens runs to the end of the context; generation_config: where the
     sampling defaults come from (splitgemma/serving/generation_config.py)."""
     if model is None and tokenizer is None:
@@ -114,7 +117,8 @@ def build_config(*, model_name: str | None, model: str | None, tokenizer: str | 
                          metrics_auth=metrics_auth, service_token=service_token, worker_tls=worker_tls,
                          limits=limits or RequestLimits(), render_threads=render_threads,
                          render_queue=render_queue, response_store=response_store or StoreLimits(),
-                         sampling_defaults=sampling, scheduling_policy=scheduling_policy)
+                         sampling_defaults=sampling, scheduling_policy=scheduling_policy,
+                         files=files or FileLimits(), batches=batches or BatchLimits())
 
 
 def serve(config: GatewayConfig, options: ServeOptions) -> None:

@@ -49,6 +49,16 @@ _RESPONSES = (
     ("background_responses", non_negative_int, "N", "Responses API responses with background true that may run at "
      "once (more are refused with 429; 0: background refused)"),
 )
+_BATCHES = (
+    ("files_dir", str, "DIR", "where the Files API keeps uploads and batch outputs, and the Batch API its batches: "
+     "a gateway started again on the same folder has them all and takes up the unfinished batches (default: a "
+     "temporary folder, removed when the gateway stops)"),
+    ("files_mb", positive_int, "MB", "what the uploads there may take together (past it an upload gets 413; batch "
+     "outputs are written whatever the bound and count against it)"),
+    ("batch_concurrency", non_negative_int, "N", "requests of batches that run at once, across every batch (0: the "
+     "Batch API is off); they run behind every interactive request in the workers' queues"),
+    ("batch_max_requests", positive_int, "N", "requests a batch's input file may hold"),
+)
 RENDER_DEFAULTS = {"render_threads": 2, "render_queue": 4}
 
 
@@ -63,22 +73,27 @@ def add_limit_options(p) -> None:
     from splitgemma.services.gateway.app import DEFAULT_CHAT_MAX_TOKENS
     from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
     from splitgemma.services.gateway.response_store import StoreLimits
-    store = StoreLimits()
+    from splitgemma.services.gateway.batches import BatchLimits
+    from splitgemma.services.gateway.files import FileLimits
+    store, files, batches = StoreLimits(), FileLimits(), BatchLimits()
     defaults = {**vars(HttpLimits()), **vars(RequestLimits()), **RENDER_DEFAULTS,
+                "files_dir": files.folder, "files_mb": files.megabytes, "batch_concurrency": batches.concurrency,
+                "batch_max_requests": batches.max_requests,
                 "default_max_tokens": DEFAULT_CHAT_MAX_TOKENS, "generation_config": "auto", "scheduling_policy": "fcfs",
                 "response_store_entries": store.entries,
                 "response_store_mb": store.megabytes, "background_responses": store.background}
     for name, type_, metavar, text in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + \
-            _RESPONSES:
-        p.add_argument("--" + name.replace("_", "-"), type=type_, default=defaults[name], metavar=metavar,
-                       help=f"{text} (default: {defaults[name]:g})" if isinstance(defaults[name], float) else
-                       f"{text} (default: {defaults[name]})")
+            _RESPONSES + _BATCHES:
+        default = defaults[name]
+        p.add_argument("--" + name.replace("_", "-"), type=type_, default=default, metavar=metavar,
+                       help=f"{text} (default: {default:g})" if isinstance(default, float) else
+                       text if default == "" else f"{text} (default: {default})")
 
 
 def limit_argv(args) -> list[str]:
     """The limit options of `args` as gateway arguments."""
     out = []
-    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + _RESPONSES:
+    for name, *_ in _HTTP_LIMITS + _REQUEST_LIMITS + _RENDER + _GENERATION + _SCHEDULING + _RESPONSES + _BATCHES:
         out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
@@ -88,7 +103,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "gateway", help="serve the OpenAI API over prefill and decode workers",
         description="Serve /v1/completions, /v1/chat/completions and /v1/responses (with SSE streaming), Anthropic's "
-                    "/v1/messages, /v1/models, /tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. "
+                    "/v1/messages, the Files and Batch APIs (/v1/files, /v1/batches), /v1/models, /tokenize, /detokenize, /version, /docs, /health, /ready and /metrics. "
                     "Each request is tokenized here (with the model's chat template for chat), gets a KV slot from "
                     "a decode worker, is prefilled into it by a prefill worker and streamed back by the decode worker. Telemetry follows the OTEL_* environment variables.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,6 +151,8 @@ def run(args) -> int:
     from splitgemma.serving.worker import setup_logging, worker_id
     from splitgemma.services.gateway.limits import HttpLimits, RequestLimits
     from splitgemma.services.gateway.response_store import StoreLimits
+    from splitgemma.services.gateway.batches import BatchLimits
+    from splitgemma.services.gateway.files import FileLimits
     from splitgemma.services.gateway.server import ServeOptions, build_config, serve
 
     from splitgemma.services.gateway.auth import load_api_keys
@@ -159,7 +176,9 @@ def run(args) -> int:
                               default_max_tokens=args.default_max_tokens, generation_config=args.generation_config,
                               scheduling_policy=args.scheduling_policy,
                               response_store=StoreLimits(args.response_store_entries, args.response_store_mb,
-                                                         args.background_responses))
+                                                         args.background_responses),
+                              files=FileLimits(args.files_dir, args.files_mb),
+                              batches=BatchLimits(args.batch_concurrency, args.batch_max_requests))
         http = HttpLimits(max_connections=args.max_connections, header_timeout=args.header_timeout,
                           keep_alive_timeout=args.keep_alive_timeout,
                           max_header_bytes=args.max_header_bytes)

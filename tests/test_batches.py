@@ -1,0 +1,297 @@
+"""The Files and Batch APIs (services/gateway/files.py, batches.py) on real processes, with the openai client: a
+batch's answers are the endpoints' own (each compared with the same request sent directly), a bad input file fails
+the batch with its lines named, cancel and the completion window stop it and free its decode slots, the files are
+per key and bounded, and a gateway restarted on its folder takes up a batch where it stood."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from test_gateway import MODEL_NAME, TEMPLATE, Stack
+from tools.procs import wait_until
+
+KEY, OTHER_KEY = "sk-batch-one", "sk-batch-two"
+FILES_MB = 8
+CONCURRENCY = 3
+FINAL = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("batches")
+    s = Stack(folder, gateway_args=("--chat-template", str(TEMPLATE), "--api-key", KEY, "--api-key", OTHER_KEY,
+                                    "--files-dir", str(folder / "files"), "--files-mb", str(FILES_MB),
+                                    "--batch-concurrency", str(CONCURRENCY)))
+    yield s
+    s.stop()
+
+
+def _client(stack, key=KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return _client(stack)
+
+
+def chat_body(i: int, **kw) -> dict:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"w{i} w{i + 3} w{i + 7}"}],
+            "temperature": 0, "max_tokens": 8, **kw}
+
+
+def upload(client, endpoint: str, bodies: dict[str, dict]):
+    lines = [json.dumps({"custom_id": cid, "method": "POST", "url": endpoint, "body": body})
+             for cid, body in bodies.items()]
+    return client.files.create(file=("requests.jsonl", "\n".join(lines).encode()), purpose="batch")
+
+
+def start(client, endpoint: str, bodies: dict[str, dict], window: str = "24h", **kw):
+    f = upload(client, endpoint, bodies)
+    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window=window, **kw)
+
+
+def wait(client, batch_id: str, until=FINAL, timeout: float = 120.0):
+    seen = {}
+
+    def reached():
+        seen["batch"] = client.batches.retrieve(batch_id)
+        return seen["batch"].status in until
+    wait_until(reached, f"batch {batch_id} {until}", timeout, interval=0.05)
+    return seen["batch"]
+
+
+def answers(client, file_id: str | None) -> dict[str, dict]:
+    if file_id is None:
+        return {}
+    out = {}
+    for line in client.files.content(file_id).text.splitlines():
+        answer = json.loads(line)
+        assert answer["custom_id"] not in out, "each request is answered once"
+        out[answer["custom_id"]] = answer
+    return out
+
+
+def test_a_chat_batch_answers_as_the_endpoint_does(stack, client):
+    good = {f"chat-{i}": chat_body(i) for i in range(5)}
+    bad = {"wrong-model": chat_body(1, model="no-such-model"), "streamed": chat_body(2, stream=True),
+           "bad-field": chat_body(3, temperature="hot")}
+    batch = start(client, "/v1/chat/completions", {**good, **bad}, metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    batch = wait(client, batch.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 8 and batch.request_counts.completed == 5
+    assert batch.request_counts.failed == 3
+    assert batch.model == MODEL_NAME and batch.completed_at >= batch.in_progress_at >= batch.created_at
+    out, errors = answers(client, batch.output_file_id), answers(client, batch.error_file_id)
+    assert set(out) == set(good) and set(errors) == set(bad)
+    usage = {"input": 0, "output": 0}
+    for cid, body in good.items():
+        direct = client.chat.completions.create(**body)
+        answer = out[cid]["response"]
+        assert answer["status_code"] == 200 and out[cid]["error"] is None
+        assert answer["body"]["id"] == answer["request_id"] and answer["body"]["object"] == "chat.completion"
+        assert answer["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert answer["body"]["usage"]["completion_tokens"] == direct.usage.completion_tokens
+        usage["input"] += direct.usage.prompt_tokens
+        usage["output"] += direct.usage.completion_tokens
+    assert (batch.usage.input_tokens, batch.usage.output_tokens) == (usage["input"], usage["output"])
+    assert batch.usage.total_tokens == usage["input"] + usage["output"]
+    # Each refusal is the endpoint's own, in its envelope.
+    assert errors["wrong-model"]["response"]["status_code"] == 404
+    assert errors["wrong-model"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert errors["streamed"]["response"]["body"]["error"]["param"] == "stream"
+    assert errors["bad-field"]["response"]["status_code"] == 400
+    assert errors["bad-field"]["response"]["body"]["error"]["param"] == "temperature"
+    # The files are the Files API's, of purpose batch_output; the batch is listed.
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.purpose == "batch_output" and output.filename == f"{batch.id}_output.jsonl"
+    listed = client.files.list(purpose="batch_output").data
+    assert {batch.output_file_id, batch.error_file_id} <= {f.id for f in listed}
+    assert batch.id in [b.id for b in client.batches.list().data]
+
+
+def test_completions_and_responses_batches(client):
+    prompts = {"a": "w1 w2 w3", "b": "w4 w5"}
+    batch = start(client, "/v1/completions", {k: {"model": MODEL_NAME, "prompt": p, "max_tokens": 6,
+                                                  "temperature": 0} for k, p in prompts.items()})
+    batch = wait(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2
+    out = answers(client, batch.output_file_id)
+    for k, p in prompts.items():
+        direct = client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=6, temperature=0)
+        assert out[k]["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+        assert out[k]["response"]["request_id"].startswith("cmpl-")
+    batch = start(client, "/v1/responses", {k: {"model": MODEL_NAME, "input": p, "max_output_tokens": 6,
+                                                "temperature": 0} for k, p in prompts.items()})
+    batch = wait(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2, batch
+    out = answers(client, batch.output_file_id)
+    for k, p in prompts.items():
+        direct = client.responses.create(model=MODEL_NAME, input=p, max_output_tokens=6, temperature=0)
+        body = out[k]["response"]["body"]
+        assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == direct.output_text
+        # Stored under the batch's key, as a response created directly is.
+        assert client.responses.retrieve(body["id"]).output_text == direct.output_text
+        with pytest.raises(openai.NotFoundError):
+            _client_other(client).responses.retrieve(body["id"])
+
+
+def _client_other(client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=str(client.base_url), api_key=OTHER_KEY, max_retries=0, timeout=60)
+
+
+def test_a_bad_file_fails_the_batch_with_its_lines_named(client):
+    good = {"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": chat_body(1)}
+    lines = ["not json", json.dumps(good), json.dumps(good), json.dumps({**good, "custom_id": "y", "method": "GET"}),
+             json.dumps({**good, "custom_id": "z", "url": "/v1/completions"}), "",
+             json.dumps({**good, "custom_id": "w", "body": "text"}), json.dumps([1, 2])]
+    f = client.files.create(file=("bad.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = wait(client, batch.id)
+    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    named = {(e.line, e.code) for e in batch.errors.data}
+    assert named == {(1, "invalid_json_line"), (3, "duplicate_custom_id"), (4, "invalid_request"),
+                     (5, "mismatched_endpoint"), (7, "invalid_request"), (8, "invalid_json_line")}, named
+    empty = client.files.create(file=("empty.jsonl", b"\n\n"), purpose="batch")
+    batch = wait(client, client.batches.create(input_file_id=empty.id, endpoint="/v1/completions",
+                                               completion_window="24h").id)
+    assert batch.status == "failed" and batch.errors.data[0].code == "empty_file"
+
+
+def test_refusals_at_create(client):
+    f = upload(client, "/v1/chat/completions", {"a": chat_body(1)})
+    cases = [({"input_file_id": "file-nope"}, 404, "input_file_id"),
+             ({"endpoint": "/v1/embeddings"}, 400, "endpoint"),
+             ({"completion_window": "forever"}, 400, "completion_window"),
+             ({"completion_window": "8d"}, 400, "completion_window"),
+             ({"metadata": {"k": 1}}, 400, "metadata"),
+             ({"output_expires_after": {"anchor": "created_at", "seconds": 5}}, 400, "output_expires_after.seconds"),
+             ({"extra_field": 1}, 400, "extra_field")]
+    for change, status, param in cases:
+        body = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
+        r = httpx.post(str(client.base_url) + "batches", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == status and r.json()["error"]["param"] == param, (change, r.text)
+    # Another key's file is not there for this one; an output file is no batch input.
+    with pytest.raises(openai.NotFoundError):
+        _client_other(client).batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h")
+    done = wait(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                              completion_window="24h").id)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.batches.create(input_file_id=done.output_file_id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    assert e.value.param == "input_file_id"
+    with pytest.raises(openai.NotFoundError):
+        _client_other(client).batches.retrieve(done.id)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(done.id)
+
+
+def long_requests(n: int, tokens: int = 1500) -> dict[str, dict]:
+    return {f"long-{i}": chat_body(i, max_tokens=tokens, ignore_eos=True) for i in range(n)}
+
+
+def test_cancel_stops_a_batch_and_frees_its_slots(stack, client):
+    batch = start(client, "/v1/chat/completions", long_requests(12))
+    wait_until(lambda: stack.stats().slots_running > 0, "the batch's requests run", 60, interval=0.02)
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    batch = wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert batch.request_counts.completed < 12
+    assert len(answers(client, batch.output_file_id)) == batch.request_counts.completed
+    assert client.batches.cancel(batch.id).status == "cancelled"   # again: the same answer
+    stack.wait_idle()
+
+
+def test_a_batch_past_its_window_expires(stack, client):
+    batch = start(client, "/v1/chat/completions", long_requests(12), window="2s")
+    batch = wait(client, batch.id, timeout=60)
+    assert batch.status == "expired" and batch.expired_at
+    out, errors = answers(client, batch.output_file_id), answers(client, batch.error_file_id)
+    assert len(out) + len(errors) == 12 == batch.request_counts.total
+    assert batch.request_counts.failed == len(errors) > 0
+    assert all(e["error"]["code"] == "batch_expired" and e["response"] is None for e in errors.values())
+    stack.wait_idle()
+
+
+def test_files_api(stack, client):
+    data = b'{"a": 1}\n{"b": "\xc3\xa9"}\n'
+    f = client.files.create(file=("mine.jsonl", data), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 3600})
+    assert f.bytes == len(data) and f.filename == "mine.jsonl" and f.purpose == "batch"
+    assert f.expires_at == f.created_at + 3600
+    assert client.files.content(f.id).read() == data
+    assert client.files.retrieve(f.id).id == f.id and f.id in [x.id for x in client.files.list(purpose="batch")]
+    other = _client_other(client)
+    assert f.id not in [x.id for x in other.files.list().data]
+    for call in (other.files.retrieve, other.files.content, other.files.delete):
+        with pytest.raises(openai.NotFoundError):
+            call(f.id)
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    url = stack.url + "/v1/files"
+    r = httpx.post(url, files={"file": ("x.txt", b"x")}, data={"purpose": "fine-tune"}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+    r = httpx.post(url, data={"purpose": "batch"}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "file"
+    r = httpx.post(url, json={"purpose": "batch"}, headers=headers)
+    assert r.status_code == 400
+    r = httpx.post(url, files={"file": ("big.jsonl", b"x" * ((FILES_MB << 20) + 1))}, data={"purpose": "batch"},
+                   headers=headers)
+    assert r.status_code == 413 and "--files-mb" in r.json()["error"]["message"]
+    assert httpx.get(url + "?limit=0", headers=headers).status_code == 400
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert 'splitgemma_gateway_kept{kind="files"}' in metrics and 'splitgemma_gateway_kept{kind="batches"}' in metrics
+
+
+def test_a_restarted_gateway_takes_up_its_batches(stack, client):
+    bodies = long_requests(12, tokens=600)
+    batch = start(client, "/v1/chat/completions", bodies)
+    wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, "a first answer", 60,
+               interval=0.02)
+    gateway = stack.procs["gateway"]
+    gateway.send_signal(signal.SIGTERM)
+    assert gateway.wait(30) == 0
+    stack._spawn("gateway", ["gateway", *stack.gateway_args])
+    stack.wait_ready()
+    batch = wait(client, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 12, batch
+    out = answers(client, batch.output_file_id)
+    assert set(out) == set(bodies)
+    body = dict(bodies["long-0"])
+    extra = {"ignore_eos": body.pop("ignore_eos")}
+    direct = client.chat.completions.create(**body, extra_body=extra)
+    assert out["long-0"]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    assert batch.usage.output_tokens == 12 * 600
+    assert "batch taken up again" in stack.log("gateway")
+    stack.wait_idle()
+
+
+def test_batch_requests_wait_behind_interactive_ones(tmp_path):
+    """A batch runs at the lowest priority: with one decode slot, a chat request that arrives while one of the
+    batch's requests runs and another waits for the slot goes before the waiting one (first come, first served
+    would run the batch's first)."""
+    s = Stack(tmp_path, slots=1, gateway_args=("--chat-template", str(TEMPLATE), "--batch-concurrency", "2"))
+    try:
+        c = s.client()
+        batch = start(c, "/v1/chat/completions", long_requests(2, tokens=1900))
+
+        def one_running_one_waiting():
+            stats = s.stats()
+            return stats.slots_running == 1 and stats.admission.queued == 1
+        wait_until(one_running_one_waiting, "the batch's first request running, its second waiting", 60,
+                   interval=0.005)
+        assert c.chat.completions.create(**chat_body(9, max_tokens=4)).choices[0].message.content
+        assert c.batches.retrieve(batch.id).request_counts.completed == 1, "the chat request went first"
+        assert wait(c, batch.id).request_counts.completed == 2
+    finally:
+        s.stop()
