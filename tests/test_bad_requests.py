@@ -512,6 +512,76 @@ def test_fuzzed_conversation_bodies_get_an_answer_never_a_500(http, body, target
     _check_answer(http, path, _mangled(body, mangle, junk))
 
 
+_BATCH_LINE = st.one_of(
+    *[st.tuples(st.just("request"), _bodies() | _responses_bodies())] * 6,
+    st.tuples(st.sampled_from(["wrong url", "GET"]), _bodies()), st.tuples(st.just("json"), _ANY),
+    st.tuples(st.just("text"), st.text(max_size=40).map(lambda t: t.replace("\n", " ").replace("\r", " "))))
+_BATCH_CREATE = st.fixed_dictionaries({}, optional={
+    "completion_window": st.sampled_from(["24h", "1h", "90s"]) | _ANY, "metadata": st.dictionaries(_TEXT, _TEXT,
+                                                                                                   max_size=3) | _ANY,
+    "output_expires_after": st.just({"anchor": "created_at", "seconds": 3600}) | _ANY, "unknown": _ANY})
+
+
+def _batch_line(index: int, kind: str, value, ids: list[str]) -> str:
+    if kind == "text":
+        return value
+    if kind == "json":
+        return json.dumps(value)
+    url = CHAT if "messages" in value else RESPONSES if "input" in value else C
+    custom_id = ids[index % len(ids)]
+    return json.dumps({"custom_id": custom_id, "method": "GET" if kind == "GET" else "POST",
+                       "url": "/v1/elsewhere" if kind == "wrong url" else url, "body": value})
+
+
+@settings(_FUZZ, max_examples=REQUEST_EXAMPLES // 10)
+@given(lines=st.lists(_BATCH_LINE, max_size=4), endpoint=st.sampled_from([None, None, None, C, CHAT, RESPONSES]),
+       repeat_ids=st.sampled_from([False, False, False, True]), create=st.just({}) | st.just({}) | _BATCH_CREATE)
+def test_fuzzed_batches_end_and_answer_every_request(http, lines, endpoint, repeat_ids, create):
+    """The Batch API on fuzzed input files (requests of every endpoint, fuzzed bodies among them, wrong urls and
+    methods, repeated custom_ids, JSON that is no request, text that is no JSON) and create bodies: create answers
+    (never a 500); a batch created ends — failed with its bad lines named, or completed with every request answered
+    once, each answer the endpoint's own 2xx or its error envelope. endpoint None: the first line's."""
+    ids = ["a"] if repeat_ids else [f"r{i}" for i in range(max(1, len(lines)))]
+    encoded = [_batch_line(i, kind, value, ids) for i, (kind, value) in enumerate(lines)]
+    data = "\n".join(encoded).encode()
+    if endpoint is None:
+        first = next((json.loads(e) for e, (kind, _) in zip(encoded, lines) if kind == "request"), None)
+        endpoint = first["url"] if first else C
+    up = http.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
+    assert up.status_code == 200, up.text
+    body = {"input_file_id": up.json()["id"], "endpoint": endpoint, "completion_window": "24h", **create}
+    made = post(http, "/v1/batches", body)
+    assert made.status_code < 500 and not LEAKS.search(made.text), made.text
+    if made.status_code != 200:
+        assert set(made.json()["error"]) == {"message", "type", "param", "code"}, made.text
+        return
+    batch = {}
+
+    def ended():
+        batch.update(http.get("/v1/batches/" + made.json()["id"]).json())
+        return batch["status"] in ("completed", "failed")
+    wait_until(ended, "the batch's end", 120, interval=0.05)
+    event(f"batch {batch['status']}")
+    if batch["status"] == "failed":
+        assert batch["errors"]["data"] and batch["output_file_id"] is None, batch
+        return
+    answered = []
+    for field in ("output_file_id", "error_file_id"):
+        if batch[field] is not None:
+            text = http.get(f"/v1/files/{batch[field]}/content").text
+            for line in text.splitlines():
+                answer = json.loads(line)
+                response = answer["response"]
+                answered.append(answer["custom_id"])
+                assert (field == "output_file_id") == (200 <= response["status_code"] < 300), answer
+                assert not LEAKS.search(json.dumps(response)), answer
+                if field == "error_file_id":
+                    assert set(response["body"]["error"]) == {"message", "type", "param", "code"}, answer
+    counts = batch["request_counts"]
+    assert sorted(answered) == sorted(set(answered)) and len(answered) == counts["total"], batch
+    assert counts["completed"] + counts["failed"] == counts["total"], batch
+
+
 def _mangled(body: dict, mangle: str, junk: bytes) -> bytes:
     text = json.dumps(body, ensure_ascii=True)
     if mangle == "surrogate":

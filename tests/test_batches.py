@@ -80,13 +80,15 @@ def answers(client, file_id: str | None) -> dict[str, dict]:
 def test_a_chat_batch_answers_as_the_endpoint_does(stack, client):
     good = {f"chat-{i}": chat_body(i) for i in range(5)}
     bad = {"wrong-model": chat_body(1, model="no-such-model"), "streamed": chat_body(2, stream=True),
-           "bad-field": chat_body(3, temperature="hot")}
+           "bad-field": chat_body(3, temperature="hot"),
+           # past the gateway's --max-body-bytes (4 MiB): refused as the endpoint refuses it
+           "too-large": chat_body(4, messages=[{"role": "user", "content": "w1 " * (2 << 20)}])}
     batch = start(client, "/v1/chat/completions", {**good, **bad}, metadata={"job": "nightly"})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     batch = wait(client, batch.id)
     assert batch.status == "completed", batch
-    assert batch.request_counts.total == 8 and batch.request_counts.completed == 5
-    assert batch.request_counts.failed == 3
+    assert batch.request_counts.total == 9 and batch.request_counts.completed == 5
+    assert batch.request_counts.failed == 4
     assert batch.model == MODEL_NAME and batch.completed_at >= batch.in_progress_at >= batch.created_at
     out, errors = answers(client, batch.output_file_id), answers(client, batch.error_file_id)
     assert set(out) == set(good) and set(errors) == set(bad)
@@ -108,6 +110,7 @@ def test_a_chat_batch_answers_as_the_endpoint_does(stack, client):
     assert errors["streamed"]["response"]["body"]["error"]["param"] == "stream"
     assert errors["bad-field"]["response"]["status_code"] == 400
     assert errors["bad-field"]["response"]["body"]["error"]["param"] == "temperature"
+    assert errors["too-large"]["response"]["status_code"] == 413
     # The files are the Files API's, of purpose batch_output; the batch is listed.
     output = client.files.retrieve(batch.output_file_id)
     assert output.purpose == "batch_output" and output.filename == f"{batch.id}_output.jsonl"

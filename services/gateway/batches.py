@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from fastapi import FastAPI, Request
-from opentelemetry import trace
 
 from .auth import request_owner
 from .files import OUTPUT_PURPOSE, FileStore
@@ -178,7 +177,6 @@ class Batches:
         self.files = files
         self.inference = inference
         self.limits = limits or BatchLimits()
-        self.tracer = trace.get_tracer("splitgemma.gateway.batches")
         self._batches: dict[str, Batch] = {}  # oldest first
         self._slots = asyncio.Semaphore(max(self.limits.concurrency, 1))
 
@@ -384,6 +382,7 @@ class Batches:
         until all are answered or the completion window closes."""
         files = {what: open(path, "ab") for what, path in outputs.items()}
         running: set[asyncio.Task] = set()
+        failed: list[asyncio.Task] = []
         try:
             deadline = batch.obj["expires_at"]
             for line in lines:
@@ -397,9 +396,14 @@ class Batches:
                 request = json.loads(source.read(line.length))
                 task = asyncio.ensure_future(self._one(batch, line, request["body"], files))
                 running.add(task)
-                task.add_done_callback(lambda t: (running.discard(t), self._slots.release()))
+                task.add_done_callback(lambda t: (running.discard(t), self._slots.release(),
+                                                  t.cancelled() or t.exception() is None or failed.append(t)))
+                if failed:
+                    break
             if running:
                 await asyncio.wait(set(running), timeout=max(0.0, deadline - time.time()))
+            if failed:   # an answer could not be written (the disk full?): the batch fails, with what it has
+                raise failed[0].exception()
             if time.time() >= deadline and len(batch.answered) < len(lines):
                 for task in list(running):
                     task.cancel()
@@ -422,7 +426,7 @@ class Batches:
         endpoint = batch.obj["endpoint"]
         rid = ENDPOINTS[endpoint] + os.urandom(16).hex()
         delay = RETRY_MIN_S
-        with self.tracer.start_as_current_span(f"batch {endpoint}", attributes={
+        with self.inference.gw.tracer.start_as_current_span(f"batch {endpoint}", attributes={
                 "splitgemma.batch.id": batch.id, "splitgemma.batch.custom_id": line.custom_id}):
             while True:
                 status, answer, retry_after = await self._call(endpoint, body, rid, batch.owner)
@@ -442,8 +446,12 @@ class Batches:
             e = invalid("background is not available in a batch: the batch itself runs in the background",
                         param="background", code="invalid_value")
             return e.status, e.body(), None
-        raw = json.dumps(body).encode()
+        raw = json.dumps(body, ensure_ascii=False).encode()
         inference = self.inference
+        limit = inference.gw.config.max_body_bytes
+        if len(raw) > limit:   # as the endpoint refuses such a body (--max-body-bytes)
+            e = ApiError(413, f"the request body is {len(raw)} bytes; the limit is {limit}", code="request_too_large")
+            return e.status, e.body(), None
         try:
             if endpoint == "/v1/chat/completions":
                 response = await inference.chat_completions(raw, rid, BATCH_PRIORITY)

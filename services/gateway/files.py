@@ -20,7 +20,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,8 +60,8 @@ class FileStore:
         self.folder = Path(tempfile.mkdtemp(prefix="splitgemma-files-") if self._temporary else self.limits.folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._max_bytes = self.limits.megabytes << 20
-        self._files: dict[str, dict] = {}     # id → {"object": the file object, "owner": …}, oldest first
-        self._lock = threading.Lock()         # batches write their outputs from worker threads
+        # id → {"object": the file object, "owner": …}, oldest first; read and changed on the event loop only
+        self._files: dict[str, dict] = {}
         for meta in sorted(self.folder.glob("file-*.json"), key=lambda p: p.stat().st_mtime):
             try:
                 entry = json.loads(meta.read_text())
@@ -89,13 +88,10 @@ class FileStore:
     def sweep(self) -> None:
         """Removes the files whose time has passed."""
         now = time.time()
-        with self._lock:
-            gone = [i for i, e in self._files.items() if (e["object"].get("expires_at") or now + 1) <= now]
-            for file_id in gone:
-                self._remove(file_id)
+        for file_id in [i for i, e in self._files.items() if (e["object"].get("expires_at") or now + 1) <= now]:
+            self._remove(file_id)
 
     def _remove(self, file_id: str) -> None:
-        """(under the lock)"""
         del self._files[file_id]
         for p in (self.folder / (file_id + ".json"), self.folder / file_id):
             p.unlink(missing_ok=True)
@@ -113,15 +109,14 @@ class FileStore:
 
     def list(self, owner: str, purpose: str | None) -> list[dict]:
         self.sweep()
-        return [e["object"] for e in list(self._files.values())
+        return [e["object"] for e in self._files.values()
                 if e["owner"] == owner and (purpose is None or e["object"]["purpose"] == purpose)]
 
     def delete(self, file_id: str, owner: str) -> bool:
-        with self._lock:
-            if self.get(file_id, owner) is None:
-                return False
-            self._remove(file_id)
-            return True
+        if self.get(file_id, owner) is None:
+            return False
+        self._remove(file_id)
+        return True
 
     def add(self, owner: str, source: Path, filename: str, purpose: str, expires_at: int | None = None) -> dict:
         """Takes the finished file at `source` (moved, not copied: it must be in this folder's file system) as a new
@@ -135,8 +130,7 @@ class FileStore:
         meta = self.folder / (file_id + ".json.part")
         meta.write_text(json.dumps(entry))
         os.replace(meta, self.folder / (file_id + ".json"))
-        with self._lock:
-            self._files[file_id] = entry
+        self._files[file_id] = entry
         return obj
 
     def scratch(self, name: str) -> Path:
