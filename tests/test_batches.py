@@ -82,7 +82,7 @@ def test_a_chat_batch_answers_as_the_endpoint_does(stack, client):
     bad = {"wrong-model": chat_body(1, model="no-such-model"), "streamed": chat_body(2, stream=True),
            "bad-field": chat_body(3, temperature="hot"),
            # past the gateway's --max-body-bytes (4 MiB): refused as the endpoint refuses it
-           "too-large": chat_body(4, messages=[{"role": "user", "content": "w1 " * (2 << 20)}])}
+           "too-large": chat_body(4, messages=[{"role": "user", "content": "w1 " * (3 << 19)}])}
     batch = start(client, "/v1/chat/completions", {**good, **bad}, metadata={"job": "nightly"})
     assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
     batch = wait(client, batch.id)
@@ -117,6 +117,7 @@ def test_a_chat_batch_answers_as_the_endpoint_does(stack, client):
     listed = client.files.list(purpose="batch_output").data
     assert {batch.output_file_id, batch.error_file_id} <= {f.id for f in listed}
     assert batch.id in [b.id for b in client.batches.list().data]
+    client.files.delete(batch.input_file_id)   # 4.5 MB of the store's 8
 
 
 def test_completions_and_responses_batches(client):
@@ -252,6 +253,24 @@ def test_files_api(stack, client):
                    headers=headers)
     assert r.status_code == 413 and "--files-mb" in r.json()["error"]["message"]
     assert httpx.get(url + "?limit=0", headers=headers).status_code == 400
+    # Forms that are not what an upload is: each a 400 naming the file, and nothing kept.
+    before = {x.id for x in client.files.list().data}
+    part = b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\nabc\r\n'
+    purpose = b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    multipart = {**headers, "content-type": "multipart/form-data; boundary=B"}
+    for body in (part + purpose,                       # no closing boundary
+                 part + part + purpose + b"--B--\r\n",   # two files
+                 part + b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n' + b"b" * 5000
+                 + b"\r\n--B--\r\n"):                  # a field longer than a field may be
+        r = httpx.post(url, content=body, headers=multipart)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("file", "purpose"), r.text
+    assert {x.id for x in client.files.list().data} == before
+    assert not list((stack.folder / "files").glob("*.part")), "no partial upload is left behind"
+    # A larger file arrives in many chunks: the same bytes come back.
+    big = b"".join(b'{"n": %d}\n' % i for i in range(300000))
+    f = client.files.create(file=("big.jsonl", big), purpose="batch")
+    assert f.bytes == len(big) and client.files.content(f.id).read() == big
+    client.files.delete(f.id)
     metrics = httpx.get(stack.url + "/metrics").text
     assert 'splitgemma_gateway_kept{kind="files"}' in metrics and 'splitgemma_gateway_kept{kind="batches"}' in metrics
 

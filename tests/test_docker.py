@@ -364,6 +364,18 @@ def test_services_image_and_model_mount():
             "docker must not kill a drain"
 
 
+def test_the_gateways_files_are_on_a_named_volume_it_can_write():
+    """The Files and Batch APIs' folder (docs/batches.md) outlives the container: a named volume, which starts as a
+    copy of the image's folder of that name — made in the Dockerfile, owned by the service's uid."""
+    c = compose()
+    gateway = c["services"]["gateway"]
+    folder = options(gateway["command"])["files-dir"]
+    mounts = [v for v in gateway["volumes"] if v["target"] == folder]
+    assert len(mounts) == 1 and mounts[0]["type"] == "volume" and mounts[0]["source"] in c["volumes"]
+    assert [v["target"] for v in gateway["volumes"] if v["target"] != folder] == ["/models"]
+    assert f"install -d -o 10001 -g 10001 -m 0700 {folder}" in DOCKERFILE.read_text()
+
+
 def test_healthchecks_and_dependencies():
     c = compose()
     services = c["services"]
@@ -657,7 +669,7 @@ def test_compose_stack_runs_as_local_processes(tmp_path, shm_dir):
     (tmp_path / "api_keys").write_text(api_key + "\n")
     variables = {"SPLITGEMMA_MODEL_DIR": str(models), "SPLITGEMMA_MODEL": str(models / MODEL.name),
                  "SPLITGEMMA_SHM_DIR": str(shm_dir), "SPLITGEMMA_SERVICE_TOKEN_FILE": str(tmp_path / "service_token"),
-                 "SPLITGEMMA_API_KEYS_FILE": str(tmp_path / "api_keys")}
+                 "SPLITGEMMA_API_KEYS_FILE": str(tmp_path / "api_keys"), "SPLITGEMMA_FILES_DIR": str(tmp_path / "files")}
     port_vars = ("DECODE_PORT", "PREFILL_PORT", "GATEWAY_PORT", "DECODE_METRICS_PORT", "PREFILL_METRICS_PORT")
     variables.update(zip(port_vars, map(str, free_ports(len(port_vars)))))
     receiver = OtlpCollector("grpc")

@@ -23,11 +23,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
-from starlette.datastructures import Headers
-from starlette.formparsers import MultiPartException, MultiPartParser
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from .auth import request_owner
 from .limits import stream_body
@@ -138,49 +139,44 @@ class FileStore:
         return self.folder / f"{name}.part"
 
     async def upload(self, request: Request, owner: str, idle_timeout: float) -> dict:
-        """POST /v1/files: the multipart form's `file` (streamed to disk), `purpose` and `expires_after`."""
-        headers = Headers(scope=request.scope)
-        if not headers.get("content-type", "").startswith("multipart/form-data"):
+        """POST /v1/files: the multipart form's `file` (streamed into the folder as it arrives, bounded by the room
+        left), `purpose` and `expires_after`."""
+        kind, params = parse_options_header(request.headers.get("content-type", ""))
+        if kind != b"multipart/form-data" or not params.get(b"boundary"):
             raise invalid("upload the file as multipart/form-data, with fields file and purpose", param="file",
                           code="invalid_value")
-        room = self._max_bytes - self.used
-        # The form's other fields are a few bytes; the file streams to a temporary file of starlette's, which moves
-        # here once the purpose is known to be good.
-        body = stream_body(request, max(room, 0) + FORM_OVERHEAD, idle_timeout, self._full_message)
-        parser = MultiPartParser(headers, body, max_files=1, max_fields=8, max_part_size=4096)
+        room = max(self._max_bytes - self.used, 0)
+        form = _Form(self.scratch(new_id("upload-")), room, self._full_message)
         try:
-            form = await parser.parse()
-        except MultiPartException as e:
-            raise invalid(f"the upload is not a well-formed multipart form: {e}", param="file") from None
-        try:
-            upload = form.get("file")
-            if upload is None or isinstance(upload, str):
+            parser = MultipartParser(params[b"boundary"], form.callbacks())
+            async for chunk in stream_body(request, room + FORM_OVERHEAD, idle_timeout, self._full_message):
+                parser.write(chunk)
+            parser.finalize()
+            if not form.ended:
+                raise MultipartParseError("the form ends before its closing boundary")
+            if form.filename is None:
                 raise invalid("the form has no file field", param="file", code="missing_required_parameter")
-            purpose = form.get("purpose")
+            purpose = form.fields.get("purpose")
             if purpose not in PURPOSES:
                 raise invalid(f"purpose must be one of {', '.join(PURPOSES)} here (the files this server reads are "
                               f"batches' inputs), not {str(purpose)[:64]!r}", param="purpose", code="invalid_value")
-            expires_at = self._expiry(form)
-            upload.file.seek(0, os.SEEK_END)
-            size = upload.file.tell()
-            if size > room:
-                raise ApiError(413, self._full_message(), code="request_too_large")
-            upload.file.seek(0)
-            part = self.scratch(new_id("upload-"))
-            with open(part, "wb") as out:
-                shutil.copyfileobj(upload.file, out, 1 << 20)
-            name = os.path.basename(upload.filename or "") or "upload"
-            return self.add(owner, part, name[:256], purpose, expires_at)
+            expires_at = self._expiry(form.fields)
+            form.close()
+            name = os.path.basename(form.filename) or "upload"
+            return self.add(owner, form.path, name[:256], purpose, expires_at)
+        except MultipartParseError as e:
+            raise invalid(f"the upload is not a well-formed multipart form: {e}", param="file") from None
         finally:
-            await form.close()
+            form.close()
+            form.path.unlink(missing_ok=True)   # moved into the store when the upload is good
 
     def _full_message(self) -> str:
         return (f"the upload does not fit: the gateway's files take {self.used >> 20} MB of the "
                 f"{self.limits.megabytes} MB it keeps (--files-mb); delete files you no longer need")
 
     @staticmethod
-    def _expiry(form) -> int | None:
-        anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+    def _expiry(fields: dict[str, str]) -> int | None:
+        anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
         if anchor is None and seconds is None:
             return None
         if anchor != "created_at":
@@ -191,6 +187,86 @@ class FileStore:
             raise invalid(f"expires_after.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}",
                           param="expires_after.seconds", code="invalid_value")
         return int(time.time()) + int(seconds)
+
+
+class _Form:
+    """python-multipart's callbacks for an upload form: the `file` part's bytes written to `path` as they come (413
+    past `room`), the other parts kept as short text fields."""
+
+    MAX_FIELDS, MAX_FIELD_BYTES = 8, 4096
+
+    def __init__(self, path: Path, room: int, full_message):
+        self.path, self.room, self.full_message = path, room, full_message
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.size = 0
+        self.ended = False
+        self._out: BinaryIO | None = None
+        self._writing = False
+        self._headers: dict[bytes, bytes] = {}
+        self._field, self._value = b"", b""
+        self._name: str | None = None
+        self._data = bytearray()
+        self._parts = 0
+
+    def callbacks(self) -> dict:
+        return {"on_part_begin": self._begin, "on_header_field": self._header_field,
+                "on_header_value": self._header_value, "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_finished, "on_part_data": self._part_data,
+                "on_part_end": self._part_end, "on_end": self._end}
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def _begin(self) -> None:
+        self._parts += 1
+        if self._parts > self.MAX_FIELDS:
+            raise invalid(f"the form has more than {self.MAX_FIELDS} parts", param="file")
+        self._headers, self._data, self._writing = {}, bytearray(), False
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._field += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        self._headers[self._field.lower()] = self._value
+        self._field, self._value = b"", b""
+
+    def _headers_finished(self) -> None:
+        _, params = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = params.get(b"name", b"").decode("utf-8", "replace")
+        if self._name == "file":
+            if self.filename is not None:
+                raise invalid("the form has more than one file", param="file")
+            self.filename = params.get(b"filename", b"").decode("utf-8", "replace")
+            self._out = open(self.path, "wb")
+            self._writing = True
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._writing:
+            self.size += end - start
+            if self.size > self.room:
+                raise ApiError(413, self.full_message(), code="request_too_large")
+            self._out.write(data[start:end])
+        else:
+            self._data += data[start:end]
+            if len(self._data) > self.MAX_FIELD_BYTES:
+                raise invalid(f"the form's field {self._name[:64]!r} is longer than {self.MAX_FIELD_BYTES} bytes",
+                              param=self._name[:64] or None)
+
+    def _part_end(self) -> None:
+        if self._writing:
+            self.close()
+            self._writing = False
+        elif self._name:
+            self.fields[self._name] = self._data.decode("utf-8", "replace")
+
+    def _end(self) -> None:
+        self.ended = True
 
 
 def add_file_endpoints(app: FastAPI, store: FileStore, keyed: bool, idle_timeout: float) -> None:
