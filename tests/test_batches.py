@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -298,10 +299,10 @@ def test_a_restarted_gateway_takes_up_its_batches(stack, client):
     stack.wait_idle()
 
 
-def test_batch_requests_wait_behind_interactive_ones(tmp_path):
-    """A batch runs at the lowest priority: with one decode slot, a chat request that arrives while one of the
-    batch's requests runs and another waits for the slot goes before the waiting one (first come, first served
-    would run the batch's first)."""
+def test_batch_and_flex_requests_wait_behind_interactive_ones(tmp_path):
+    """A batch runs at the lowest priority, and so does a request of service tier flex: with one decode slot, a
+    chat request that arrives while one such request runs and another waits for the slot goes before the waiting
+    one (first come, first served would run the waiting one first)."""
     s = Stack(tmp_path, slots=1, gateway_args=("--chat-template", str(TEMPLATE), "--batch-concurrency", "2"))
     try:
         c = s.client()
@@ -315,5 +316,16 @@ def test_batch_requests_wait_behind_interactive_ones(tmp_path):
         assert c.chat.completions.create(**chat_body(9, max_tokens=4)).choices[0].message.content
         assert c.batches.retrieve(batch.id).request_counts.completed == 1, "the chat request went first"
         assert wait(c, batch.id).request_counts.completed == 2
+        s.wait_idle()
+
+        body = dict(chat_body(5, max_tokens=1900, service_tier="flex"))
+        extra = {"ignore_eos": body.pop("ignore_eos", True)}
+        with ThreadPoolExecutor(2) as pool:
+            flex = [pool.submit(c.chat.completions.create, **body, extra_body=extra) for _ in range(2)]
+            wait_until(one_running_one_waiting, "one flex request running, the other waiting", 60, interval=0.005)
+            direct = c.chat.completions.create(**chat_body(9, max_tokens=4))
+            assert direct.service_tier == "default"
+            assert sum(f.done() for f in flex) == 1, "the default-tier request went before the waiting flex one"
+            assert [f.result().service_tier for f in flex] == ["flex", "flex"]
     finally:
         s.stop()

@@ -41,7 +41,7 @@ IMPLEMENTED = {
     "chat_template_kwargs": ["test_sampling_params"],
     "reasoning_effort": ["test_reasoning"], "include_reasoning": ["test_reasoning"],
     "thinking_token_budget": ["test_reasoning"], "priority": ["test_admission"],
-    "prediction": ["test_speculation"],
+    "prediction": ["test_speculation"], "service_tier": ["test_batches"],
 }
 # OpenAI's end-user identifier: metadata for abuse monitoring, which by its definition changes no output.
 METADATA = {"user"}

@@ -72,7 +72,7 @@ from .reasoning import ReasoningFormat, ReasoningPlan, plan_reasoning, template_
 from .render import ChoiceRenderer
 from .response_store import ResponseStore, StoreLimits
 from .responses import add_store_endpoints, truncated
-from .protocol import (MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
+from .protocol import (LOWEST_PRIORITY, MAX_CHOICES, ApiError, ChatCompletionRequest, CompletionRequest, invalid,
                        parse_request)
 from .structured import request_constraint, wants_constraint
 from .tools import ToolFormat, ToolPlan, plan_tools, template_messages
@@ -325,7 +325,8 @@ class Gateway:
               default_max_tokens: int | None = None, per_prompt: int | None = None,
               prompt_logprobs: int | None = None, priority: int | None = None) -> list[ChoiceSpec]:
         """The choices to run: per prompt `per_prompt` (best_of's candidates) or n; prompt_logprobs asked of the
-        first choice of each prompt; `priority` (a batch's) in the queues instead of the request's."""
+        first choice of each prompt; `priority` (a batch's) in the queues instead of the request's (or its service
+        tier's: flex is the lowest)."""
         per_prompt = per_prompt or req.n
         if len(prompts) * per_prompt > MAX_CHOICES:
             what = "n" if per_prompt == req.n else "best_of"
@@ -334,6 +335,8 @@ class Gateway:
         if req.priority and self.config.scheduling_policy != "priority":
             raise invalid("priority is only taken under the gateway's --scheduling-policy priority; this one "
                           "serves first come, first served", param="priority", code="invalid_value")
+        if priority is None:
+            priority = LOWEST_PRIORITY if req.tier == "flex" else req.priority
         stop_token_ids = self._check_ids(list(req.stop_token_ids or []), "stop_token_ids")
         self._check_ids([int(k) for k in req.logit_bias or {}], "logit_bias")
         if max_tokens is not None and req.min_tokens > max_tokens:
@@ -349,8 +352,7 @@ class Gateway:
                                       ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                                       include_stop_str_in_output=req.include_stop_str_in_output,
                                       prompt_param=param, default_max_tokens=default_max_tokens,
-                                      prompt_logprobs=prompt_logprobs if j == 0 else None,
-                                      priority=req.priority if priority is None else priority))
+                                      prompt_logprobs=prompt_logprobs if j == 0 else None, priority=priority))
         return out
 
     # -- the request flow ----------------------------------------------------------------------------------------
@@ -419,6 +421,7 @@ class Gateway:
             top_k=specs[0].sampling.top_k or None, seed=req.seed, choice_count=len(specs),
             stop_sequences=req.stop_list, stream=req.stream)
         render.input_tokens = sum(len(ids) for ids in {id(s.prompt_ids): s.prompt_ids for s in specs}.values())
+        render.service_tier = req.tier
         runs: list[Run] = []
         queued = time.perf_counter()
         self.metrics.waiting.inc()

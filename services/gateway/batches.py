@@ -42,7 +42,7 @@ from .auth import request_owner
 from .files import OUTPUT_PURPOSE, FileStore
 from .files import not_found as file_not_found
 from .limits import read_body
-from .protocol import INT32_MAX, ApiError, invalid, parse_json_body
+from .protocol import LOWEST_PRIORITY, ApiError, invalid, parse_json_body
 from .responses import check_metadata, list_page, new_id
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("splitgemma.gateway")
 
 ENDPOINTS = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-", "/v1/responses": "resp_"}
-BATCH_PRIORITY = INT32_MAX       # last in every queue (lower first)
+BATCH_PRIORITY = LOWEST_PRIORITY
 MAX_ACTIVE = 64                  # unfinished batches per gateway
 MAX_KEPT = 10000                 # finished batches listed
 MAX_LINE_ERRORS = 100            # validation errors reported of a bad file

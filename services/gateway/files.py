@@ -63,6 +63,8 @@ class FileStore:
         self._max_bytes = self.limits.megabytes << 20
         # id → {"object": the file object, "owner": …}, oldest first; read and changed on the event loop only
         self._files: dict[str, dict] = {}
+        for part in self.folder.glob("*.part"):   # an upload or a record cut short by a stop: never answered for
+            part.unlink(missing_ok=True)
         for meta in sorted(self.folder.glob("file-*.json"), key=lambda p: p.stat().st_mtime):
             try:
                 entry = json.loads(meta.read_text())

@@ -33,6 +33,7 @@ MAX_STOP_CHARS = 1024    # per stop string: the decode worker holds back text th
 MAX_TOOLS = 128          # function definitions per request (each is compiled into the constraint)
 MAX_DEPTH = 32           # JSON nesting (arrays and objects) anywhere in a body
 INT32_MAX = (1 << 31) - 1
+LOWEST_PRIORITY = INT32_MAX   # last in every queue (lower first): batches' requests and service_tier flex
 UINT32_MAX = (1 << 32) - 1
 
 
@@ -130,6 +131,14 @@ class _SamplingRequest(_Strict):
     # extension (vLLM): the request's place in the admission queue and among the prompts a prefill worker runs,
     # lower first; not 0 only under the gateway's --scheduling-policy priority (docs/scheduling.md)
     priority: Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)] = 0
+    # OpenAI's processing tier: "flex" (slower, for work that can wait) runs at LOWEST_PRIORITY, behind every other
+    # request under either scheduling policy; the others run as "default", the tier the answer reports
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+
+    @property
+    def tier(self) -> str:
+        return "flex" if self.service_tier == "flex" else "default"
+
     # logits processing (splitgemma/serving/logits.py): OpenAI's, then vLLM's extensions
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None

@@ -68,6 +68,7 @@ class ChoiceRenderer:
         self.include_usage = include_usage
         self.input_tokens = 0
         self.cached_tokens = 0
+        self.service_tier = "default"   # the tier the request ran in (Gateway.run), reported in chat's answers
         self.text = [""] * n_choices
         self.tokens = [0] * n_choices
         self.finish: list[str | None] = [None] * n_choices
@@ -232,6 +233,8 @@ class ChoiceRenderer:
         body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.gw.config.model_name, "choices": choices,
                 "usage": self._usage()}
+        if self.chat:
+            body["service_tier"] = self.service_tier
         if self.chat and self.vllm_prompt_logprobs:  # vLLM: the chat response's, not a choice's
             body["prompt_logprobs"] = self.parts[0].vllm_prompt_logprobs(self.gw.token_text)
         return body
@@ -240,6 +243,8 @@ class ChoiceRenderer:
     def _chunk(self, choices: list[dict]) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.gw.config.model_name, "choices": choices}
+        if self.chat:
+            out["service_tier"] = self.service_tier
         if self.include_usage:
             out["usage"] = None
         return out

@@ -165,7 +165,6 @@ class ResponsesRequest(_SamplingRequest):
     truncation: Literal["auto", "disabled"] | None = None
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None   # bounds hosted tools' calls: there are none here
     # accepted and answered as "default": there is one tier
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     safety_identifier: Annotated[str, Field(max_length=MAX_ID)] | None = None
     # the prefix cache needs no key or options: it matches prompts by their tokens, and keeps blocks while it has room
     prompt_cache_key: str | None = None
@@ -533,7 +532,7 @@ class ResponsesRenderer(ChoiceRenderer):
             "reasoning": {"effort": req.effort, "summary": req.reasoning.summary or req.reasoning.generate_summary
                           if req.reasoning is not None else None},
             "safety_identifier": req.safety_identifier,
-            "service_tier": "default", "store": self.stored,
+            "service_tier": req.tier, "store": self.stored,
             "temperature": self.gw.effective(req, "temperature", 1.0),
             "text": {"format": fmt, "verbosity": req.text.verbosity if req.text and req.text.verbosity else "medium"},
             "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
