@@ -329,3 +329,102 @@ def test_batch_and_flex_requests_wait_behind_interactive_ones(tmp_path):
             assert [f.result().service_tier for f in flex] == ["flex", "flex"]
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anthropic's Message Batches API, with Anthropic's client
+
+def _anthropic(stack, key=KEY):
+    import anthropic
+    return anthropic.Anthropic(base_url=stack.url, api_key=key, max_retries=0, timeout=60)
+
+
+def messages_params(i: int, **kw) -> dict:
+    return {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": f"w{i} w{i + 2} w{i + 5}"}], **kw}
+
+
+def wait_ended(client, batch_id: str, timeout: float = 120.0):
+    seen = {}
+
+    def ended():
+        seen["batch"] = client.messages.batches.retrieve(batch_id)
+        return seen["batch"].processing_status == "ended"
+    wait_until(ended, f"message batch {batch_id}", timeout, interval=0.05)
+    return seen["batch"]
+
+
+def test_a_message_batch_answers_as_the_messages_endpoint_does(stack):
+    import anthropic
+
+    client = _anthropic(stack)
+    good = {f"m-{i}": messages_params(i) for i in range(3)}
+    bad = {"no-messages": messages_params(1, messages=[]), "streamed": messages_params(2, stream=True),
+           "other-model": messages_params(3, model="no-such-model")}
+    batch = client.messages.batches.create(requests=[{"custom_id": k, "params": p}
+                                                     for k, p in {**good, **bad}.items()])
+    assert batch.type == "message_batch" and batch.processing_status == "in_progress"
+    assert batch.request_counts.processing == 6 and batch.results_url is None
+    batch = wait_ended(client, batch.id)
+    counts = batch.request_counts
+    assert (counts.succeeded, counts.errored, counts.canceled, counts.expired, counts.processing) == (3, 3, 0, 0, 0)
+    assert batch.ended_at >= batch.created_at and batch.expires_at > batch.created_at
+    assert batch.results_url.endswith(f"/v1/messages/batches/{batch.id}/results")
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert set(results) == set(good) | set(bad)
+    for k, params in good.items():
+        params = dict(params)
+        sampling = {"temperature": params.pop("temperature")}   # current SDKs no longer send it themselves
+        direct = client.messages.create(**params, extra_body=sampling)
+        assert results[k].type == "succeeded" and results[k].message.content[0].text == direct.content[0].text
+        assert results[k].message.usage.output_tokens == direct.usage.output_tokens
+    for k in bad:
+        assert results[k].type == "errored" and results[k].error.type == "error", results[k]
+    assert results["other-model"].error.error.type == "not_found_error"
+    assert batch.id in [b.id for b in client.messages.batches.list()]
+    # Another key sees none of it; an OpenAI batch id is no message batch (nor the other way round).
+    with pytest.raises(anthropic.NotFoundError):
+        _anthropic(stack, OTHER_KEY).messages.batches.retrieve(batch.id)
+    assert batch.id not in [b.id for b in _anthropic(stack, OTHER_KEY).messages.batches.list()]
+    with pytest.raises(openai.NotFoundError):
+        _client(stack).batches.retrieve(batch.id)
+    deleted = client.messages.batches.delete(batch.id)
+    assert deleted.type == "message_batch_deleted"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.batches.retrieve(batch.id)
+
+
+def test_a_cancelled_message_batch_ends_with_the_rest_canceled(stack):
+    import anthropic
+
+    client = _anthropic(stack)
+    n = 200
+    batch = client.messages.batches.create(requests=[{"custom_id": f"c-{i}", "params": messages_params(i)}
+                                                     for i in range(n)])
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.batches.delete(batch.id)     # still processing: cancel first
+    early = httpx.get(f"{stack.url}/v1/messages/batches/{batch.id}/results", headers={"x-api-key": KEY})
+    assert early.status_code == 400 and early.json()["error"]["type"] == "invalid_request_error"
+    canceling = client.messages.batches.cancel(batch.id)
+    assert canceling.processing_status in ("canceling", "ended") and canceling.cancel_initiated_at
+    batch = wait_ended(client, batch.id)
+    counts = batch.request_counts
+    assert counts.canceled > 0 and counts.succeeded + counts.errored + counts.canceled == n
+    kinds = [r.result.type for r in client.messages.batches.results(batch.id)]
+    assert len(kinds) == n and kinds.count("canceled") == counts.canceled
+    assert kinds.count("succeeded") == counts.succeeded
+    stack.wait_idle()
+
+
+def test_message_batch_create_refusals(stack):
+    url = stack.url + "/v1/messages/batches"
+    headers = {"x-api-key": KEY}
+    ok = {"custom_id": "a", "params": messages_params(1)}
+    cases = [{}, {"requests": []}, {"requests": [ok, ok]}, {"requests": [{**ok, "custom_id": "has space"}]},
+             {"requests": [{**ok, "params": "text"}]}, {"requests": [{"custom_id": "a"}]},
+             {"requests": [ok], "extra": 1}]
+    for body in cases:
+        r = httpx.post(url, json=body, headers=headers)
+        assert r.status_code == 400 and r.json()["type"] == "error", (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.get(url + "/msgbatch_nope", headers=headers).json()["error"]["type"] == "not_found_error"

@@ -4,6 +4,8 @@
   POST /v1/responses, and GET / DELETE the stored ones (responses.py; stream: typed SSE events)
   /v1/conversations: OpenAI's Conversations API, whose items a response may continue (conversations.py)
   POST /v1/messages, /v1/messages/count_tokens: Anthropic's Messages API (messages.py; its envelope for errors)
+  /v1/files, /v1/batches: OpenAI's Files and Batch APIs (files.py, batches.py); /v1/messages/batches: Anthropic's
+                 Message Batches API (message_batches.py)
   GET  /v1/models, /v1/models/{id}; POST /tokenize, /detokenize; GET /version, /, /docs, /openapi.json
                  (endpoints.py)
   GET  /health   liveness: answers as long as the event loop runs (inference never runs on it, nor parsing,
@@ -64,6 +66,7 @@ from .endpoints import add_endpoints
 from .files import FileLimits, FileStore, add_file_endpoints
 from .inference import Inference
 from .limits import ClientGoneError, RequestLimits, check_messages, read_body
+from .message_batches import add_message_batch_endpoints
 from .messages import error_body, is_messages_path
 from .metrics import GatewayMetrics
 from .offload import Offload
@@ -641,7 +644,7 @@ async def _until_disconnect(request: Request, work: Callable[[], object]):
 
 
 _TRACED = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/responses/input_tokens", "/v1/messages",
-           "/v1/messages/count_tokens", "/v1/conversations", "/v1/files", "/v1/batches", "/v1/models", "/tokenize",
+           "/v1/messages/count_tokens", "/v1/messages/batches", "/v1/conversations", "/v1/files", "/v1/batches", "/v1/models", "/tokenize",
            "/detokenize"}
 
 
@@ -664,6 +667,10 @@ def _route(path: str) -> str | None:
         return "/v1/files/{file_id}" + ("/content" if path.endswith("/content") else "")
     if path.startswith("/v1/batches/"):
         return "/v1/batches/{batch_id}" + ("/cancel" if path.endswith("/cancel") else "")
+    if path.startswith("/v1/messages/batches/"):
+        tail = path.rsplit("/", 1)[1]
+        return "/v1/messages/batches/{message_batch_id}" + (f"/{tail}" if path.count("/") > 4 and tail in (
+            "cancel", "results") else "")
     return None
 
 
@@ -823,6 +830,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                config.limits.body_timeout)
     add_file_endpoints(app, gw.files, bool(config.api_keys), config.limits.body_timeout)
     add_batch_endpoints(app, gw.batches, bool(config.api_keys), config.max_body_bytes, config.limits.body_timeout)
+    add_message_batch_endpoints(app, gw.batches, bool(config.api_keys), config.max_body_bytes,
+                                config.limits.body_timeout)
     add_endpoints(app, gw, inference.check_model)
 
     @app.get("/health")

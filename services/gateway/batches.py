@@ -42,6 +42,7 @@ from .auth import request_owner
 from .files import OUTPUT_PURPOSE, FileStore
 from .files import not_found as file_not_found
 from .limits import read_body
+from .messages import error_body
 from .protocol import LOWEST_PRIORITY, ApiError, invalid, parse_json_body
 from .responses import check_metadata, list_page, new_id
 
@@ -50,7 +51,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splitgemma.gateway")
 
+# What a batch's requests may be, and the prefix of their ids. /v1/messages: Anthropic's Message Batches
+# (message_batches.py), not a /v1/batches endpoint.
 ENDPOINTS = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-", "/v1/responses": "resp_"}
+MESSAGES = "/v1/messages"
+PREFIXES = {**ENDPOINTS, MESSAGES: "msg_"}
 BATCH_PRIORITY = LOWEST_PRIORITY
 MAX_ACTIVE = 64                  # unfinished batches per gateway
 MAX_KEPT = 10000                 # finished batches listed
@@ -61,6 +66,7 @@ WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_WINDOW_S = 7 * 86400
 RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
 FINAL = ("completed", "failed", "expired", "cancelled")
+EXPIRED = "batch_expired"   # the error code of a request the completion window closed on
 
 
 @dataclass
@@ -155,21 +161,26 @@ def empty_usage() -> dict:
 
 
 class Batch:
-    """One batch: its object (as answered), its owner, and while it runs its task and its answers so far."""
+    """One batch: its object (OpenAI's, as answered; message_batches.py shows Anthropic's view of it), its owner,
+    where its requests come from (`kind` "file": its input file; "inline": the requests the create call held, kept
+    beside it), and while it runs its task and its answers so far."""
 
-    def __init__(self, obj: dict, owner: str, output_expires_after: int | None):
+    def __init__(self, obj: dict, owner: str, output_expires_after: int | None, kind: str = "file"):
         self.obj = obj
         self.owner = owner
         self.output_expires_after = output_expires_after
+        self.kind = kind
         self.task: asyncio.Task | None = None
         self.answered: set[str] = set()      # custom_ids with a line in the output or the error file
+        self.expired = 0                     # of the error file's lines, those of requests the window closed on
 
     @property
     def id(self) -> str:
         return self.obj["id"]
 
     def record(self) -> dict:
-        return {"object": self.obj, "owner": self.owner, "output_expires_after": self.output_expires_after}
+        return {"object": self.obj, "owner": self.owner, "output_expires_after": self.output_expires_after,
+                "kind": self.kind}
 
 
 class Batches:
@@ -206,7 +217,7 @@ class Batches:
             except (OSError, ValueError):
                 log.warning("an unreadable batch record was skipped", extra={"path": str(path)})
         for rec in sorted(records, key=lambda r: r["object"]["created_at"]):
-            batch = Batch(rec["object"], rec["owner"], rec.get("output_expires_after"))
+            batch = Batch(rec["object"], rec["owner"], rec.get("output_expires_after"), rec.get("kind", "file"))
             self._batches[batch.id] = batch
             if batch.obj["status"] not in FINAL:
                 log.info("batch taken up again", extra={"batch": batch.id, "status": batch.obj["status"]})
@@ -222,9 +233,8 @@ class Batches:
     # -- the API ------------------------------------------------------------------------------------------------
 
     def create(self, owner: str, body: dict) -> dict:
-        if not self.enabled:
-            raise invalid("this gateway runs no batches (--batch-concurrency 0)", param="endpoint",
-                          code="invalid_value")
+        """POST /v1/batches."""
+        self.check_room()
         known = {"input_file_id", "endpoint", "completion_window", "metadata", "output_expires_after"}
         extra = sorted(set(body) - known)
         if extra:
@@ -247,23 +257,52 @@ class Batches:
         if source["purpose"] != "batch":
             raise invalid(f"the file {source['id']} was uploaded with purpose {source['purpose']!r}; a batch reads "
                           "files of purpose 'batch'", param="input_file_id", code="invalid_value")
+        return self.start_batch(owner, new_id("batch_"), endpoint, window, source["id"],
+                                completion_window=body["completion_window"], metadata=metadata,
+                                output_expires_after=output_expires_after).obj
+
+    def check_room(self) -> None:
+        if not self.enabled:
+            raise invalid("this gateway runs no batches (--batch-concurrency 0)", code="invalid_value")
         if sum(1 for b in self._batches.values() if b.obj["status"] not in FINAL) >= MAX_ACTIVE:
             raise ApiError(429, f"this gateway runs at most {MAX_ACTIVE} batches at once; retry when one has ended",
                            retry_after=60.0)
+
+    def start_batch(self, owner: str, batch_id: str, endpoint: str, window: int, input_file_id: str | None, *,
+                    completion_window: str, metadata: dict | None = None, output_expires_after: int | None = None,
+                    inline: bytes | None = None) -> Batch:
+        """A new batch, running: of the uploaded file `input_file_id`, or of the `inline` requests (JSON lines,
+        kept beside its record)."""
         now = int(time.time())
-        obj = {"id": new_id("batch_"), "object": "batch", "endpoint": endpoint, "model": None, "errors": None,
-               "input_file_id": source["id"], "completion_window": body["completion_window"],
+        obj = {"id": batch_id, "object": "batch", "endpoint": endpoint, "model": None, "errors": None,
+               "input_file_id": input_file_id, "completion_window": completion_window,
                "status": "validating", "output_file_id": None, "error_file_id": None, "created_at": now,
                "in_progress_at": None, "expires_at": now + window, "finalizing_at": None, "completed_at": None,
                "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "usage": empty_usage(),
-               "metadata": metadata}
-        batch = Batch(obj, owner, output_expires_after)
+               "metadata": metadata or {}}
+        batch = Batch(obj, owner, output_expires_after, "file" if inline is None else "inline")
+        if inline is not None:
+            part = self._path(batch_id, "input.part")
+            part.write_bytes(inline)
+            os.replace(part, self.input_path(batch))
         self._batches[batch.id] = batch
         self._save(batch)
         self._forget_old()
         batch.task = asyncio.ensure_future(self._run(batch))
-        return obj
+        return batch
+
+    def input_path(self, batch: Batch) -> Path:
+        return self._path(batch.id, "input") if batch.kind == "inline" else self.files.path(batch.obj["input_file_id"])
+
+    def remove(self, batch: Batch) -> None:
+        """Forgets a finished batch: its record, its inline requests and its output files."""
+        del self._batches[batch.id]
+        for what in ("json", "input"):
+            self._path(batch.id, what).unlink(missing_ok=True)
+        for field in ("output_file_id", "error_file_id"):
+            if batch.obj[field]:
+                self.files.delete(batch.obj[field], batch.owner)
 
     @staticmethod
     def _output_expiry(value) -> int | None:
@@ -282,28 +321,27 @@ class Batches:
         finished = [b for b in self._batches.values() if b.obj["status"] in FINAL]
         for batch in finished[:max(0, len(finished) - MAX_KEPT)]:
             del self._batches[batch.id]
-            self._path(batch.id, "json").unlink(missing_ok=True)
+            for what in ("json", "input"):
+                self._path(batch.id, what).unlink(missing_ok=True)
 
-    def get(self, batch_id: str, owner: str) -> Batch:
+    def get(self, batch_id: str, owner: str, kind: str = "file") -> Batch:
         batch = self._batches.get(batch_id)
-        if batch is None or batch.owner != owner:
+        if batch is None or batch.owner != owner or batch.kind != kind:
             raise ApiError(404, f"No batch found with id '{batch_id[:64]}'.", param="batch_id", code="not_found")
         return batch
 
-    def list(self, owner: str) -> list[dict]:
-        return [b.obj for b in self._batches.values() if b.owner == owner]
+    def list(self, owner: str, kind: str = "file") -> list[Batch]:
+        return [b for b in self._batches.values() if b.owner == owner and b.kind == kind]
 
-    def cancel(self, batch_id: str, owner: str) -> dict:
-        batch = self.get(batch_id, owner)
+    def cancel(self, batch: Batch) -> None:
         status = batch.obj["status"]
         if status in ("cancelling", "cancelled"):
-            return batch.obj
+            return
         if status in FINAL:
             raise ApiError(409, f"Cannot cancel a batch with status '{status}'.", code="invalid_state")
         self._set(batch, "cancelling")
         if batch.task is not None:
             batch.task.cancel()   # the task ends it: cancelled, with the answers it has
-        return batch.obj
 
     def _set(self, batch: Batch, status: str, **fields) -> None:
         at = {"in_progress": "in_progress_at", "finalizing": "finalizing_at", "completed": "completed_at",
@@ -319,13 +357,13 @@ class Batches:
         obj = batch.obj
         source = None
         try:
-            if self.files.get(obj["input_file_id"], batch.owner) is None:
+            if batch.kind == "file" and self.files.get(obj["input_file_id"], batch.owner) is None:
                 self._set(batch, "failed", errors={"object": "list", "data": [
                     {"code": "input_file_missing", "message": f"the input file {obj['input_file_id']} is gone "
                      "(deleted or expired) before the batch ran", "param": "input_file_id", "line": None}]})
                 return
             # Held open: the file may be deleted while the batch runs, its bytes stay readable here.
-            source = open(self.files.path(obj["input_file_id"]), "rb")
+            source = open(self.input_path(batch), "rb")
             lines, errors = await asyncio.to_thread(check_lines, source, obj["endpoint"], self.limits.max_requests)
             if errors:
                 self._set(batch, "failed", errors={"object": "list", "data": errors})
@@ -360,7 +398,7 @@ class Batches:
         """(a thread) The answers already written (a batch taken up again), counted; a line cut short by a stop
         mid-write is dropped, its request runs again."""
         counts = batch.obj["request_counts"]
-        counts["completed"] = counts["failed"] = 0
+        counts["completed"] = counts["failed"] = batch.expired = 0
         batch.obj["usage"] = empty_usage()
         for what, path in outputs.items():
             if not path.exists():
@@ -374,6 +412,7 @@ class Batches:
                 answer = json.loads(raw)
                 batch.answered.add(answer["custom_id"])
                 counts["completed" if what == "output" else "failed"] += 1
+                batch.expired += (answer["error"] or {}).get("code") == EXPIRED
                 if what == "output":
                     tally(batch.obj["usage"], answer["response"])
 
@@ -411,8 +450,9 @@ class Batches:
                 for line in lines:
                     if line.custom_id not in batch.answered:
                         self._write(batch, files, line, None, {
-                            "code": "batch_expired", "message": "This request could not be executed before the "
+                            "code": EXPIRED, "message": "This request could not be executed before the "
                             "completion window expired."})
+                        batch.expired += 1
                 self._set(batch, "expired")
         finally:
             for task in list(running):
@@ -424,7 +464,7 @@ class Batches:
     async def _one(self, batch: Batch, line: Line, body: dict, files: dict[str, BinaryIO]) -> None:
         """One request of a batch, answered with the endpoint's own code; tried again while it finds no room."""
         endpoint = batch.obj["endpoint"]
-        rid = ENDPOINTS[endpoint] + os.urandom(16).hex()
+        rid = PREFIXES[endpoint] + os.urandom(16).hex()
         delay = RETRY_MIN_S
         with self.inference.gw.tracer.start_as_current_span(f"batch {endpoint}", attributes={
                 "splitgemma.batch.id": batch.id, "splitgemma.batch.custom_id": line.custom_id}):
@@ -438,30 +478,33 @@ class Batches:
 
     async def _call(self, endpoint: str, body: dict, rid: str, owner: str) -> tuple[int, dict, float | None]:
         """(status, body, retry after) of one request through the endpoint's code, at the batch priority."""
+        refusal = None
         if body.get("stream"):
-            e = invalid("stream is not available in a batch: each answer is a line of the output file",
-                        param="stream", code="invalid_value")
-            return e.status, e.body(), None
-        if endpoint == "/v1/responses" and body.get("background"):
-            e = invalid("background is not available in a batch: the batch itself runs in the background",
-                        param="background", code="invalid_value")
-            return e.status, e.body(), None
+            refusal = invalid("stream is not available in a batch: each answer is a line of the output file",
+                              param="stream", code="invalid_value")
+        elif endpoint == "/v1/responses" and body.get("background"):
+            refusal = invalid("background is not available in a batch: the batch itself runs in the background",
+                              param="background", code="invalid_value")
+        if refusal is not None:
+            return refusal.status, error_body(refusal, rid) if endpoint == MESSAGES else refusal.body(), None
         raw = json.dumps(body, ensure_ascii=False).encode()
         inference = self.inference
         limit = inference.gw.config.max_body_bytes
         if len(raw) > limit:   # as the endpoint refuses such a body (--max-body-bytes)
             e = ApiError(413, f"the request body is {len(raw)} bytes; the limit is {limit}", code="request_too_large")
-            return e.status, e.body(), None
+            return e.status, error_body(e, rid) if endpoint == MESSAGES else e.body(), None
         try:
             if endpoint == "/v1/chat/completions":
                 response = await inference.chat_completions(raw, rid, BATCH_PRIORITY)
             elif endpoint == "/v1/completions":
                 response = await inference.completions(raw, rid, BATCH_PRIORITY)
-            else:
+            elif endpoint == "/v1/responses":
                 response = await inference.responses(raw, rid, owner, BATCH_PRIORITY)
+            else:
+                response = await inference.messages(raw, rid, BATCH_PRIORITY)
             return response.status_code, json.loads(response.body), None
         except ApiError as e:
-            return e.status, e.body(), e.retry_after
+            return e.status, error_body(e, rid) if endpoint == MESSAGES else e.body(), e.retry_after
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -505,7 +548,7 @@ def add_batch_endpoints(app: FastAPI, batches: Batches, keyed: bool, max_body_by
 
     @app.get("/v1/batches")
     async def list_batches(request: Request):
-        return list_page(batches.list(request_owner(request, keyed)), request.query_params)
+        return list_page([b.obj for b in batches.list(request_owner(request, keyed))], request.query_params)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve(batch_id: str, request: Request):
@@ -513,4 +556,6 @@ def add_batch_endpoints(app: FastAPI, batches: Batches, keyed: bool, max_body_by
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(batch_id: str, request: Request):
-        return batches.cancel(batch_id, request_owner(request, keyed))
+        batch = batches.get(batch_id, request_owner(request, keyed))
+        batches.cancel(batch)
+        return batch.obj

@@ -147,7 +147,7 @@ class Inference:
         n = await gw.offload.run(Offload.is_light(size, len(before)), count)
         return {"object": "response.input_tokens", "input_tokens": n}
 
-    async def messages(self, raw: bytes, rid: str) -> Response:
+    async def messages(self, raw: bytes, rid: str, priority: int | None = None) -> Response:
         gw = self.gw
         req, _ = await gw.parse(MessagesRequest, raw)
         self.check_model(req.model)
@@ -155,7 +155,7 @@ class Inference:
                                               lambda cancelled: self._messages_chat(req))
         return await gw.chat(rid, chat, messages, len(raw),
                              lambda plan, reasoning, _: MessagesRenderer(gw, rid, req, plan, reasoning),
-                             effort_param="thinking", fit_context=True)
+                             effort_param="thinking", fit_context=True, priority=priority)
 
     async def messages_count_tokens(self, raw: bytes) -> dict:
         gw = self.gw
