@@ -582,6 +582,39 @@ def test_fuzzed_batches_end_and_answer_every_request(http, lines, endpoint, repe
     assert counts["completed"] + counts["failed"] == counts["total"], batch
 
 
+@settings(_FUZZ, max_examples=REQUEST_EXAMPLES // 20)
+@given(params=st.lists(_messages_bodies(), min_size=1, max_size=4),
+       ids=st.sampled_from(["unique", "unique", "unique", "unique", "repeated", "bad"]),
+       other=st.sampled_from([None, None, None, None, "any"]), junk=_ANY)
+def test_fuzzed_message_batches_end_and_give_every_result(http, params, ids, other, junk):
+    """Anthropic's Message Batches on fuzzed requests (fuzzed Messages bodies, repeated or bad custom_ids, requests
+    of any shape): create answers (a 400 in Anthropic's envelope, never a 500); a batch created ends, with one
+    result per request, each succeeded or errored (with the endpoint's error envelope)."""
+    custom = {"unique": lambda i: f"r-{i}", "repeated": lambda i: "same", "bad": lambda i: f"r {i}"}[ids]
+    requests = [{"custom_id": custom(i), "params": p} for i, p in enumerate(params)] if other is None else junk
+    made = post(http, "/v1/messages/batches", {"requests": requests})
+    assert made.status_code < 500 and not LEAKS.search(made.text), made.text
+    event(f"create {made.status_code}")
+    if made.status_code != 200:
+        assert made.json()["type"] == "error" and set(made.json()["error"]) == {"type", "message"}, made.text
+        return
+    batch = {}
+
+    def ended():
+        batch.update(http.get("/v1/messages/batches/" + made.json()["id"]).json())
+        return batch["processing_status"] == "ended"
+    wait_until(ended, "the message batch's end", 120, interval=0.05)
+    lines = http.get(f"/v1/messages/batches/{batch['id']}/results").text.splitlines()
+    results = [json.loads(line) for line in lines]
+    assert sorted(r["custom_id"] for r in results) == sorted(r["custom_id"] for r in requests), results
+    for r in results:
+        assert r["result"]["type"] in ("succeeded", "errored"), r
+        if r["result"]["type"] == "errored":
+            assert r["result"]["error"]["type"] == "error" and not LEAKS.search(json.dumps(r)), r
+    counts = batch["request_counts"]
+    assert counts["succeeded"] + counts["errored"] == len(requests) and counts["processing"] == 0, batch
+
+
 def _mangled(body: dict, mangle: str, junk: bytes) -> bytes:
     text = json.dumps(body, ensure_ascii=True)
     if mangle == "surrogate":
