@@ -277,10 +277,17 @@ def test_files_api(stack, client):
 
 
 def test_a_restarted_gateway_takes_up_its_batches(stack, client):
+    """A gateway stopped while an OpenAI batch and an Anthropic message batch run, started again on the same folder,
+    finishes both: every request answered once, the answers as the endpoint gives them."""
+    anthropic_client = _anthropic(stack)   # first: importing the client takes as long as a batch may run
     bodies = long_requests(12, tokens=600)
     batch = start(client, "/v1/chat/completions", bodies)
+    # Long enough to be running still when the first of the other batch's answers comes (~1/10 of its work).
+    messages = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": f"m{i}", "params": messages_params(i, max_tokens=200)} for i in range(60)])
     wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1, "a first answer", 60,
                interval=0.02)
+    assert anthropic_client.messages.batches.retrieve(messages.id).processing_status == "in_progress"
     gateway = stack.procs["gateway"]
     gateway.send_signal(signal.SIGTERM)
     assert gateway.wait(30) == 0
@@ -296,6 +303,11 @@ def test_a_restarted_gateway_takes_up_its_batches(stack, client):
     assert out["long-0"]["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
     assert batch.usage.output_tokens == 12 * 600
     assert "batch taken up again" in stack.log("gateway")
+    ended = wait_ended(_anthropic(stack), messages.id)
+    assert ended.request_counts.succeeded == 60
+    assert sorted(r.custom_id for r in _anthropic(stack).messages.batches.results(messages.id)) == \
+        sorted(f"m{i}" for i in range(60))
+    assert stack.log("gateway").count("batch taken up again") == 2
     stack.wait_idle()
 
 

@@ -211,7 +211,7 @@ class Batches:
     def start(self) -> None:
         """Reads the batches the folder holds; those unfinished run again from where they stood."""
         records = []
-        for path in self.files.folder.glob("batch_*.json"):
+        for path in [*self.files.folder.glob("batch_*.json"), *self.files.folder.glob("msgbatch_*.json")]:
             try:
                 records.append(json.loads(path.read_text()))
             except (OSError, ValueError):

@@ -282,18 +282,19 @@ def add_file_endpoints(app: FastAPI, store: FileStore, keyed: bool, idle_timeout
         items = store.list(request_owner(request, keyed), purpose)
         return list_page(items, request.query_params, default_limit=MAX_LIST, max_limit=MAX_LIST)
 
-    @app.get("/v1/files/{file_id}")
-    async def retrieve(file_id: str, request: Request):
+    def owned(request: Request, file_id: str) -> dict:
         obj = store.get(file_id, request_owner(request, keyed))
         if obj is None:
             raise not_found(file_id)
         return obj
 
+    @app.get("/v1/files/{file_id}")
+    async def retrieve(file_id: str, request: Request):
+        return owned(request, file_id)
+
     @app.get("/v1/files/{file_id}/content")
     async def content(file_id: str, request: Request):
-        obj = store.get(file_id, request_owner(request, keyed))
-        if obj is None:
-            raise not_found(file_id)
+        obj = owned(request, file_id)
         return FileResponse(store.path(file_id), media_type="application/octet-stream", filename=obj["filename"])
 
     @app.delete("/v1/files/{file_id}")
