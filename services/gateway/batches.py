@@ -58,7 +58,7 @@ MESSAGES = "/v1/messages"
 PREFIXES = {**ENDPOINTS, MESSAGES: "msg_"}
 BATCH_PRIORITY = LOWEST_PRIORITY
 MAX_ACTIVE = 64                  # unfinished batches per gateway
-MAX_KEPT = 10000                 # finished batches listed
+MAX_KEPT = 2000                  # finished batches listed (a few kB of memory each)
 MAX_LINE_ERRORS = 100            # validation errors reported of a bad file
 MAX_CUSTOM_ID = 512
 WINDOW = re.compile(r"^([1-9][0-9]{0,6})([smhd])$")
@@ -221,7 +221,7 @@ class Batches:
             self._batches[batch.id] = batch
             if batch.obj["status"] not in FINAL:
                 log.info("batch taken up again", extra={"batch": batch.id, "status": batch.obj["status"]})
-                batch.task = asyncio.ensure_future(self._run(batch))
+                self._launch(batch)
 
     async def close(self) -> None:
         """Stops the running batches where they stand (a gateway started on the same folder goes on with them)."""
@@ -289,8 +289,12 @@ class Batches:
         self._batches[batch.id] = batch
         self._save(batch)
         self._forget_old()
-        batch.task = asyncio.ensure_future(self._run(batch))
+        self._launch(batch)
         return batch
+
+    def _launch(self, batch: Batch) -> None:
+        batch.task = asyncio.ensure_future(self._run(batch))
+        batch.task.add_done_callback(lambda _: setattr(batch, "task", None))   # a finished one holds nothing
 
     def input_path(self, batch: Batch) -> Path:
         return self._path(batch.id, "input") if batch.kind == "inline" else self.files.path(batch.obj["input_file_id"])
@@ -537,6 +541,7 @@ class Batches:
             self._set(batch, status)
         else:
             self._save(batch)
+        batch.answered = set()   # what it answered is in its files now
 
 
 def add_batch_endpoints(app: FastAPI, batches: Batches, keyed: bool, max_body_bytes: int,
