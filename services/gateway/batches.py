@@ -18,7 +18,11 @@ and it ends cancelled, with the answers it had. A batch still running when its c
 (completion_window, from its creation; OpenAI takes only "24h", this server any window from 1 s to 7 days) ends
 expired: the answers it had, and a batch_expired error line for each request it did not run.
 
-Kept in the Files API's folder: each batch's object (`batch_<id>.json`) and the two files it is writing. A gateway
+Anthropic's Message Batches (message_batches.py) run here too: their requests come inline in the create call and
+are kept beside the record (`kind` "inline"), each runs as POST /v1/messages.
+
+Kept in the Files API's folder: each batch's object (`batch_<id>.json`, `msgbatch_<id>.json`) and the two files it is
+writing. A gateway
 restarted on the same folder (--files-dir) takes up every unfinished batch where it stood: the answers already
 written stay, the rest run. Per API key, as the files are; at most MAX_ACTIVE batches unfinished per gateway (more:
 429) and MAX_KEPT finished ones listed (the oldest forgotten first; their files stay until deleted).
