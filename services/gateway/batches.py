@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, BinaryIO
 from fastapi import FastAPI, Request
 
 from .auth import request_owner
-from .files import OUTPUT_PURPOSE, FileStore
+from .files import MAX_EXPIRY_S, MIN_EXPIRY_S, OUTPUT_PURPOSE, FileStore
 from .files import not_found as file_not_found
 from .limits import read_body
 from .messages import error_body
@@ -320,8 +320,8 @@ class Batches:
             raise invalid("output_expires_after must be {anchor: created_at, seconds: N}",
                           param="output_expires_after", code="invalid_value")
         seconds = value.get("seconds")
-        if not isinstance(seconds, int) or isinstance(seconds, bool) or not 3600 <= seconds <= 30 * 86400:
-            raise invalid("output_expires_after.seconds must be an integer from 3600 to 2592000",
+        if not isinstance(seconds, int) or isinstance(seconds, bool) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
+            raise invalid(f"output_expires_after.seconds must be an integer from {MIN_EXPIRY_S} to {MAX_EXPIRY_S}",
                           param="output_expires_after.seconds", code="invalid_value")
         return seconds
 
