@@ -176,6 +176,67 @@ void block_q4(const Ctx& c, int m, int valid, int nb) {
   }
 }
 
+// One int4 row (single-stream decode): block_q4's sums with two tile rows to a vpdpbusd. A 64-byte load holds tile
+// rows t and t+1 of a strip (32 bytes each); its low nibbles are columns 0..7 at both (dword lanes 0..7 at t, 8..15 at
+// t+1), its high nibbles columns 8..15, and one broadcast gives lanes 0..7 row t's activations and lanes 8..15 row
+// t+1's. So a 64-byte line costs 3 vector operations and 2 vpdpbusd (block_q4: 6 and 2), and each sum's chain is half
+// as long; the halves are added once per scale group. The int32 sums are the same integers (exact), so the same bits.
+// On a Xeon with AMX (docs/benchmarks.md, session 41) a core ran 44 GB/s of weights from L2 with it against block_q4's
+// 39; from DRAM the gain shows only with more strips at once (rows<1>): NB strips are NB streams, 12 KB apart at K=1536.
+// kHalves: dword 0 of the broadcast pair to lanes 0..7, dword 1 to lanes 8..15.
+alignas(64) constexpr int32_t kHalves[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
+template <int NB>
+void block_q4_row(const Ctx& c, int m, int valid, int nb) {
+  const int KB = c.KB;
+  const int TG = c.w->group / 64;
+  const int8_t* A = c.a->packed + ((size_t)(m / 16) * KB * 16 + m % 16) * 64;
+  const uint8_t* B = c.w->codes + (size_t)nb * KB * 512;
+  const size_t bstride = (size_t)KB * 512;
+  const uint16_t* scales = static_cast<const uint16_t*>(c.w->scales) + nb * 16;
+  prefetch_next_scales<NB>(c, nb, KB / TG);
+  const __m512i c88 = _mm512_set1_epi8(static_cast<char>(0x88)), c08 = _mm512_set1_epi8(0x08),
+                c0f = _mm512_set1_epi8(0x0F);
+  const __m512i halves = _mm512_loadu_si512(kHalves);
+  __m512 s[NB];
+  for (int j = 0; j < NB; ++j) s[j] = _mm512_setzero_ps();
+  for (int g = 0; g < KB / TG; ++g) {
+    __m512i lo[NB], hi[NB];
+    for (int j = 0; j < NB; ++j) lo[j] = hi[j] = _mm512_setzero_si512();
+    for (int kb = g * TG; kb < (g + 1) * TG; ++kb) {
+      const int8_t* at = A + (size_t)kb * 1024;
+      const uint8_t* bt = B + (size_t)kb * 512;
+#pragma GCC unroll 8
+      for (int t = 0; t < 16; t += 2) {
+        const size_t ahead = (size_t)kb * 512 + t * 32 + kPrefetchBytes;  // as block_q4: past the strip, the next ones
+        const size_t skip = ahead < bstride ? 0 : (NB - 1) * bstride;
+        for (int j = 0; j < NB; ++j) prefetch(bt + j * bstride + kPrefetchBytes + t * 32 + skip);
+        int64_t quads;
+        std::memcpy(&quads, at + t * 4, 8);
+        const __m512i av = _mm512_permutexvar_epi32(halves, _mm512_set1_epi64(quads));
+        for (int j = 0; j < NB; ++j) {
+          const __m512i v = _mm512_loadu_si512(bt + j * bstride + t * 32);
+          // (v ^ 0x88) & 0x0F: the low nibbles as w + 8; the high ones shifted down, then (x ^ 0x08) & 0x0F.
+          lo[j] = _mm512_dpbusd_epi32(lo[j], _mm512_ternarylogic_epi32(v, c88, c0f, 0x28), av);
+          hi[j] = _mm512_dpbusd_epi32(hi[j], _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), c08, c0f, 0x28), av);
+        }
+      }
+    }
+    int32_t gsum = 0;
+    for (int kb = g * TG; kb < (g + 1) * TG; ++kb) gsum += c.a->rowsum[(size_t)m * KB + kb];
+    const __m512i corr = _mm512_set1_epi32(8 * gsum);
+    for (int j = 0; j < NB; ++j) {
+      // Columns 0..7 are lo's two halves, 8..15 hi's.
+      const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(lo[j], hi[j], 0x44), _mm512_shuffle_i64x2(lo[j], hi[j], 0xEE));
+      const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (size_t)g * c.w->n + j * 16)));
+      s[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr)), sc, s[j]);
+    }
+  }
+  if (valid < 1) return;
+  const __m512 as = _mm512_set1_ps(c.a->scale[m]);
+  float* yr = c.y + (size_t)m * c.ldy + nb * 16;
+  for (int j = 0; j < NB; ++j) store_out(yr + j * 16, _mm512_mul_ps(s[j], as), c.stream);
+}
+
 template <int MR>
 void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
   const bool q8 = c.w->dtype == DType::Q8C;
@@ -185,10 +246,19 @@ void rows(const Ctx& c, int m, int valid, int nb0, int nb1) {
     // threads together pull from DRAM faster than two interleaved ones each. Measured on Zen 5 (bench/ab_gemm_vnni, in
     // one process, alternated call by call): 0.87-0.94x the time of two strips at N=6144 K=1536, N=1536 K=6144 and
     // N=2048 K=1536; at 2-8 rows it did not pay in the model (B=4, B=8 slower), and q8c was unchanged. On Intel the
-    // opposite: a Xeon with AMX (docs/benchmarks.md, session 19; N=6144 K=1536 from DRAM, 2 threads, alternated
-    // processes) streamed 14.9-15.2 GB/s one strip at a time and 23.1-23.6 two at a time, the DRAM probe's 22-23.
+    // opposite, and more strips stream faster still: a Xeon with AMX streamed 14.9-15.2 GB/s one strip at a time and
+    // 23.1-23.6 two at a time (session 19). E2B's single-stream decode step there (session 41, alternated processes,
+    // 3 rounds a pair): block_q4 on two strips 57.2-60.2 ms, on four 53.9-56.9; block_q4_row on two 56.8-59.6, on four
+    // 52.5-54.4, on eight 51.2-54.2 (its FFN 28.4-30.0 ms for 791 MB: 26-28 GB/s). q8c on four strips: no change.
     if (!q8 && cpu_is_amd()) {
-      for (; nb < nb1; ++nb) block_q4<1, 1>(c, m, valid, nb);
+      for (; nb < nb1; ++nb) block_q4_row<1>(c, m, valid, nb);
+      return;
+    }
+    if (!q8) {
+      for (; nb + 8 <= nb1; nb += 8) block_q4_row<8>(c, m, valid, nb);
+      for (; nb + 4 <= nb1; nb += 4) block_q4_row<4>(c, m, valid, nb);
+      for (; nb + 2 <= nb1; nb += 2) block_q4_row<2>(c, m, valid, nb);
+      if (nb < nb1) block_q4_row<1>(c, m, valid, nb);
       return;
     }
   }

@@ -35,6 +35,25 @@ inline V512 mask_srli_epi16(V512 src, uint32_t k, V512 a, unsigned imm) {
     }
   return src;
 }
+inline V512 srli_epi16(V512 a, unsigned imm) { return mask_srli_epi16(a, ~0u, a, imm); }
+inline V512 set1_epi64(int64_t x) { V512 v; for (int i = 0; i < 8; ++i) std::memcpy(v.b + 8 * i, &x, 8); return v; }
+inline V512 ternarylogic_epi32(V512 a, V512 b, V512 c, int imm) {
+  for (int i = 0; i < 64; ++i) {
+    uint8_t r = 0;
+    for (int bit = 0; bit < 8; ++bit) {
+      const int idx = ((uint8_t(a.b[i]) >> bit & 1) << 2) | ((uint8_t(b.b[i]) >> bit & 1) << 1) | (uint8_t(c.b[i]) >> bit & 1);
+      r |= uint8_t((imm >> idx & 1) << bit);
+    }
+    a.b[i] = int8_t(r);
+  }
+  return a;
+}
+// 128-bit lanes: the low two from a, the high two from b, each picked by two bits of imm.
+inline V512 shuffle_i64x2(V512 a, V512 b, int imm) {
+  V512 v;
+  for (int l = 0; l < 4; ++l) std::memcpy(v.b + 16 * l, (l < 2 ? a : b).b + 16 * (imm >> (2 * l) & 3), 16);
+  return v;
+}
 inline V512 sub_epi8(V512 a, V512 b) { for (int i = 0; i < 64; ++i) a.b[i] = int8_t(a.b[i] - b.b[i]); return a; }
 inline V512 sub_epi32(V512 a, V512 b) { for (int i = 0; i < 16; ++i) si(a, i, int32_t(uint32_t(gi(a, i)) - uint32_t(gi(b, i)))); return a; }
 inline V512 add_epi32(V512 a, V512 b) { for (int i = 0; i < 16; ++i) si(a, i, int32_t(uint32_t(gi(a, i)) + uint32_t(gi(b, i)))); return a; }
@@ -80,6 +99,10 @@ inline F512 cvtph_ps(__m256i h) { uint16_t u[16]; std::memcpy(u, &h, 32); F512 v
 #define _mm512_broadcast_i64x4 emu::broadcast_i64x4
 #define _mm512_and_si512 emu::and_si512
 #define _mm512_mask_srli_epi16 emu::mask_srli_epi16
+#define _mm512_srli_epi16 emu::srli_epi16
+#define _mm512_set1_epi64 emu::set1_epi64
+#define _mm512_ternarylogic_epi32 emu::ternarylogic_epi32
+#define _mm512_shuffle_i64x2 emu::shuffle_i64x2
 #define _mm512_sub_epi8 emu::sub_epi8
 #define _mm512_sub_epi32 emu::sub_epi32
 #define _mm512_add_epi32 emu::add_epi32
