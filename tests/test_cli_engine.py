@@ -261,11 +261,15 @@ def test_bench_json_shape(capsys):
     # the same probe over the model file's own mapped pages, all of them: what decode streams
     assert r["file_probe"]["bytes"] == os.path.getsize(FGM)
     assert r["file_probe"]["read_gbs"] == statistics.median(r["limit_readings"]["file_gbs"]) > 0
+    # and how much of it the page cache holds in 2 MB pages (found in smaps: an int, not None)
+    assert 0 <= r["file_probe"]["pmd_mapped_bytes"] <= r["file_probe"]["bytes"]
     # pages reading well below fresh memory (a VM's page cache refilled from the block device) get a note
     from splitgemma.commands.bench import render
     slow = json.loads(out)
     slow["file_probe"]["read_gbs"] = slow["limits"]["dram_read_gbs"] / 2
     assert "the model file's pages read at 50% of fresh memory" in render(slow)
+    slow["file_probe"]["pmd_mapped_bytes"] = slow["file_probe"]["bytes"] // 4
+    assert "; 25% of them in 2 MB pages)" in render(slow)
     assert [p["prompt_len"] for p in r["prefill"]] == [24, 48]
     # a batch with the context in every slot, then read from one prefix slot; a single sequence has no one to share
     # it with

@@ -24,7 +24,7 @@ limits measured in the same run.
   file's own mapped pages (all of them), which is what decode streams: where the page cache holds them as small
   pages (read in before a mapping asked for 2 MB ones, as the engine's does) they read up to 1.6x slower than
   freshly written memory on a KVM guest (docs/benchmarks.md, sessions 20 and 23), and decode with them; the header
-  shows both and says so when they part.
+  shows both and says so when they part, and how much of the file the page cache holds in 2 MB pages.
 
 Every figure is the median of --repeats runs, with the range. The page cache is warmed first (a cold mmap of a
 multi-GB file reads far slower than a warm one), and the benchmark refuses to start on a loaded machine.
@@ -65,6 +65,24 @@ def mapped_pages(path, threads: int):
         pages = np.frombuffer(advise_huge_pages(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)), np.uint8)
     K.read_bandwidth(pages.size, threads, 1, of=pages)
     return pages
+
+
+def pmd_mapped_bytes(pages) -> int | None:
+    """Bytes of the file mapping that `pages` (mapped_pages' array) starts, mapped by 2 MB entries (FilePmdMapped in
+    /proc/self/smaps): once every page is mapped, the part of the file the page cache holds in 2 MB folios, which is
+    what the engine's mapping of it gets too. None when no mapping starts there. On the Xeon KVM guest a page cache
+    full of other files gave only 1.1 of the 1.8 GB an E2B step reads in 2 MB pages, and the single-stream step took
+    58 ms against 54 once they all were (docs/benchmarks.md, session 41)."""
+    start, in_vma = pages.ctypes.data, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if not head.endswith(":"):  # a mapping's first line: "lo-hi perms offset dev inode path"
+                lo, _, hi = head.partition("-")
+                in_vma = int(lo, 16) <= start < int(hi, 16)
+            elif in_vma and head == "FilePmdMapped:":
+                return int(line.split()[1]) * 1024
+    return None
 
 
 def fresh_memory(nbytes: int):
@@ -457,7 +475,8 @@ def run(args) -> int:
         "dram_probe": {"bytes": dram_bytes, "passes": len(probes["dram_gbs"]),
                        "range_gbs": [min(probes["dram_gbs"]), max(probes["dram_gbs"])]},
         "file_probe": {"bytes": int(file_pages.size), "read_gbs": statistics.median(probes["file_gbs"]),
-                       "range_gbs": [min(probes["file_gbs"]), max(probes["file_gbs"])]},
+                       "range_gbs": [min(probes["file_gbs"]), max(probes["file_gbs"])],
+                       "pmd_mapped_bytes": pmd_mapped_bytes(file_pages)},
         "limit_readings": probes,  # peaks: 3 before the figures, 3 after; DRAM: DRAM_PASSES passes before, as many after
         "prefill": prefill, "decode": decode, "load": watch.summary(), "anchors": ANCHORS,
     }
@@ -500,8 +519,10 @@ def render(r: dict) -> str:
          f"range {lo:.1f}–{hi:.1f})"]
     fp = r.get("file_probe")
     if fp:
+        huge = fp.get("pmd_mapped_bytes")
         limits.append(f"the model file's pages {fp['read_gbs']:.1f} GB/s (the same over all "
-                      f"{_size(fp['bytes'])} of them, range {fp['range_gbs'][0]:.1f}–{fp['range_gbs'][1]:.1f})")
+                      f"{_size(fp['bytes'])} of them, range {fp['range_gbs'][0]:.1f}–{fp['range_gbs'][1]:.1f}"
+                      + (f"; {huge / fp['bytes']:.0%} of them in 2 MB pages" if huge is not None else "") + ")")
     load = r["load"]
     out = [f"splitgemma bench  {r['model']}  ({r['file_bytes'] / 1e9:.2f} GB, {r['layers']} layers)  {r['date']}",
            f"machine: {m['cpu']}, {m['cpus']} CPUs; backend {r['backend']} "
