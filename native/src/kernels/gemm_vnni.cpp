@@ -122,14 +122,24 @@ void block_q8(const Ctx& c, int m, int valid, int nb) {
   store_q8<MR, NB>(c, m, valid, nb, acc);
 }
 
+// A q4g register block's operands: k-blocks per scale group, the activation rows from row m, the strips from column
+// block nb (bstride apart) and their scales.
+struct Q4Operands {
+  int KB, TG;
+  const int8_t* A;
+  const uint8_t* B;
+  size_t bstride;
+  const uint16_t* scales;
+};
+inline Q4Operands q4_operands(const Ctx& c, int m, int nb) {
+  return {c.KB, c.w->group / 64, c.a->packed + ((size_t)(m / 16) * c.KB * 16 + m % 16) * 64,
+          c.w->codes + (size_t)nb * c.KB * 512, (size_t)c.KB * 512,
+          static_cast<const uint16_t*>(c.w->scales) + nb * 16};
+}
+
 template <int MR, int NB>
 void block_q4(const Ctx& c, int m, int valid, int nb) {
-  const int KB = c.KB;
-  const int TG = c.w->group / 64;
-  const int8_t* A = c.a->packed + ((size_t)(m / 16) * KB * 16 + m % 16) * 64;
-  const uint8_t* B = c.w->codes + (size_t)nb * KB * 512;
-  const size_t bstride = (size_t)KB * 512;
-  const uint16_t* scales = static_cast<const uint16_t*>(c.w->scales) + nb * 16;
+  const auto [KB, TG, A, B, bstride, scales] = q4_operands(c, m, nb);
   prefetch_next_scales<NB>(c, nb, KB / TG);
   __m512 s[MR][NB];
   for (int i = 0; i < MR; ++i)
@@ -187,12 +197,7 @@ void block_q4(const Ctx& c, int m, int valid, int nb) {
 alignas(64) constexpr int32_t kHalves[16] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1};
 template <int NB>
 void block_q4_row(const Ctx& c, int m, int valid, int nb) {
-  const int KB = c.KB;
-  const int TG = c.w->group / 64;
-  const int8_t* A = c.a->packed + ((size_t)(m / 16) * KB * 16 + m % 16) * 64;
-  const uint8_t* B = c.w->codes + (size_t)nb * KB * 512;
-  const size_t bstride = (size_t)KB * 512;
-  const uint16_t* scales = static_cast<const uint16_t*>(c.w->scales) + nb * 16;
+  const auto [KB, TG, A, B, bstride, scales] = q4_operands(c, m, nb);
   prefetch_next_scales<NB>(c, nb, KB / TG);
   const __m512i c88 = _mm512_set1_epi8(static_cast<char>(0x88)), c08 = _mm512_set1_epi8(0x08),
                 c0f = _mm512_set1_epi8(0x0F);
