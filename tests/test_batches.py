@@ -412,7 +412,8 @@ def test_a_cancelled_message_batch_ends_with_the_rest_canceled(stack):
     # A batch of long chat requests holds the runner's CONCURRENCY places first, so the message batch is cancelled
     # before it can have finished, however fast the host (its 200 short requests alone had all succeeded before the
     # cancel on a fast one: a test that hung on the machine's speed).
-    holder = start(_client(stack), "/v1/chat/completions", long_requests(CONCURRENCY))
+    chat = _client(stack)
+    holder = start(chat, "/v1/chat/completions", long_requests(CONCURRENCY))
     wait_until(lambda: stack.stats().slots_running >= CONCURRENCY, "the long batch holds the runner", 60,
                interval=0.02)
     client = _anthropic(stack)
@@ -431,8 +432,8 @@ def test_a_cancelled_message_batch_ends_with_the_rest_canceled(stack):
     kinds = [r.result.type for r in client.messages.batches.results(batch.id)]
     assert len(kinds) == n and kinds.count("canceled") == counts.canceled
     assert kinds.count("succeeded") == counts.succeeded
-    _client(stack).batches.cancel(holder.id)
-    assert wait(_client(stack), holder.id).status == "cancelled"
+    chat.batches.cancel(holder.id)
+    assert wait(chat, holder.id).status == "cancelled"
     stack.wait_idle()
 
 

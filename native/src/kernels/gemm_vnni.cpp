@@ -137,6 +137,16 @@ inline Q4Operands q4_operands(const Ctx& c, int m, int nb) {
           static_cast<const uint16_t*>(c.w->scales) + nb * 16};
 }
 
+// The line kPrefetchBytes ahead of tile row t of k-block kb in each of a block's NB q4g strips (bt: the k-block's row
+// in strip 0). Near a strip's end that line is in the next column blocks' strip j (NB strips on), which this thread
+// reads next when its task goes on, rather than in this block's next strip, read now.
+template <int NB>
+inline void prefetch_q4_line(const uint8_t* bt, size_t bstride, int kb, int t) {
+  const size_t ahead = (size_t)kb * 512 + t * 32 + kPrefetchBytes;
+  const size_t skip = ahead < bstride ? 0 : (NB - 1) * bstride;
+  for (int j = 0; j < NB; ++j) prefetch(bt + j * bstride + kPrefetchBytes + t * 32 + skip);
+}
+
 template <int MR, int NB>
 void block_q4(const Ctx& c, int m, int valid, int nb) {
   const auto [KB, TG, A, B, bstride, scales] = q4_operands(c, m, nb);
@@ -153,13 +163,7 @@ void block_q4(const Ctx& c, int m, int valid, int nb) {
       const uint8_t* bt = B + (size_t)kb * 512;
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t) {
-        if (t % 2 == 0) {  // one 64-byte line of each strip per two tile rows
-          // Near a strip's end the line kPrefetchBytes ahead is in the next column blocks' strip j (NB strips on),
-          // which this thread reads next when its task goes on, rather than in this block's next strip, read now.
-          const size_t ahead = (size_t)kb * 512 + t * 32 + kPrefetchBytes;
-          const size_t skip = ahead < bstride ? 0 : (NB - 1) * bstride;
-          for (int j = 0; j < NB; ++j) prefetch(bt + j * bstride + kPrefetchBytes + t * 32 + skip);
-        }
+        if (t % 2 == 0) prefetch_q4_line<NB>(bt, bstride, kb, t);  // one 64-byte line of each strip per two tile rows
         __m512i b[NB];
         for (int j = 0; j < NB; ++j) b[j] = b_q4(bt + j * bstride, t);
         for (int i = 0; i < MR; ++i) {
@@ -212,9 +216,7 @@ void block_q4_row(const Ctx& c, int m, int valid, int nb) {
       const uint8_t* bt = B + (size_t)kb * 512;
 #pragma GCC unroll 8
       for (int t = 0; t < 16; t += 2) {
-        const size_t ahead = (size_t)kb * 512 + t * 32 + kPrefetchBytes;  // as block_q4: past the strip, the next ones
-        const size_t skip = ahead < bstride ? 0 : (NB - 1) * bstride;
-        for (int j = 0; j < NB; ++j) prefetch(bt + j * bstride + kPrefetchBytes + t * 32 + skip);
+        prefetch_q4_line<NB>(bt, bstride, kb, t);
         int64_t quads;
         std::memcpy(&quads, at + t * 4, 8);
         const __m512i av = _mm512_permutexvar_epi32(halves, _mm512_set1_epi64(quads));
